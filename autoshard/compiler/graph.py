@@ -1,0 +1,170 @@
+"""OpGraph: the flattened, typed view of a traced train step that every pass reads.
+
+A graph is a list of ops in topological order over values. Values are arrays
+(shape, dtype, role, and for graph inputs/outputs the pytree path of the leaf).
+Nested ``pjit`` / ``closed_call`` / ``custom_jvp_call`` / ``custom_vjp_call`` /
+``checkpoint`` bodies are inlined by the tracer; ``scan`` / ``while`` / ``cond``
+stay one op each and carry their body as a nested OpGraph (``Op.bodies``).
+
+Each op keeps its jax primitive and bind parameters, so the graph can be
+evaluated again (``evaluate``), which is what the runtime does with sharding
+constraints inserted between ops.
+"""
+from __future__ import annotations
+
+import collections
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+import numpy as np
+
+ValueId: TypeAlias = int
+OpId: TypeAlias = int
+
+
+class Role(str, enum.Enum):
+    """What a value is to the train step; decides how memory and baselines treat it."""
+
+    PARAM = "param"
+    OPT_STATE = "opt_state"
+    BATCH = "batch"
+    ACTIVATION = "activation"
+    CONSTANT = "constant"
+
+
+@dataclass(frozen=True)
+class Value:
+    id: ValueId
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name, e.g. "float32"
+    role: Role
+    path: str | None = None  # pytree path for graph inputs/outputs, e.g. "[0]['layers_0']['kernel']"
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+    def __str__(self) -> str:
+        dims = ",".join(map(str, self.shape))
+        return f"v{self.id}:{self.dtype}[{dims}]"
+
+
+@dataclass(frozen=True, eq=False)
+class Op:
+    """One jax equation. ``inputs``/``outputs`` are value ids; literals are CONSTANT values."""
+
+    id: OpId
+    primitive: str
+    params: Mapping[str, Any]
+    inputs: tuple[ValueId, ...]
+    outputs: tuple[ValueId, ...]
+    flops: float
+    bytes_accessed: float
+    prim: Any = field(repr=False, default=None)  # the jax Primitive, for re-evaluation
+    bodies: tuple["OpGraph", ...] = ()  # scan/while/cond bodies (cond: one per branch)
+    source: str = ""  # user source line, when jax knows it
+
+    def __str__(self) -> str:
+        ins = ", ".join(f"v{i}" for i in self.inputs)
+        outs = ", ".join(f"v{i}" for i in self.outputs)
+        return f"{outs} = {self.primitive}({ins})"
+
+
+@dataclass(frozen=True)
+class OpGraph:
+    values: Mapping[ValueId, Value]
+    ops: tuple[Op, ...]
+    inputs: tuple[ValueId, ...]  # flattened positional-argument leaves, in order
+    outputs: tuple[ValueId, ...]  # flattened output leaves, in order
+    constants: Mapping[ValueId, Any]  # literal / closed-over constant values by id
+    in_tree: Any = None  # PyTreeDef of the positional args
+    out_tree: Any = None  # PyTreeDef of the output
+
+    # ---- queries -----------------------------------------------------------
+    def value(self, vid: ValueId) -> Value:
+        return self.values[vid]
+
+    def producers(self) -> dict[ValueId, Op]:
+        return {v: op for op in self.ops for v in op.outputs}
+
+    def consumers(self) -> dict[ValueId, list[Op]]:
+        users: dict[ValueId, list[Op]] = collections.defaultdict(list)
+        for op in self.ops:
+            for v in op.inputs:
+                users[v].append(op)
+        return users
+
+    def inputs_with_role(self, *roles: Role) -> list[Value]:
+        return [self.values[v] for v in self.inputs if self.values[v].role in roles]
+
+    @property
+    def total_flops(self) -> float:
+        return float(sum(op.flops for op in self.ops))
+
+    def bytes_by_role(self) -> dict[Role, int]:
+        out: dict[Role, int] = collections.defaultdict(int)
+        for v in dict.fromkeys(self.inputs):
+            out[self.values[v].role] += self.values[v].nbytes
+        return dict(out)
+
+    def primitive_counts(self) -> dict[str, int]:
+        return dict(collections.Counter(op.primitive for op in self.ops).most_common())
+
+    def summary(self) -> str:
+        """A short readable report: op counts by primitive, FLOPs, state bytes."""
+        by_role = self.bytes_by_role()
+        lines = [
+            f"OpGraph: {len(self.ops)} ops, {len(self.values)} values, "
+            f"{len(self.inputs)} inputs, {len(self.outputs)} outputs",
+            f"  total FLOPs:       {self.total_flops:.4g}",
+        ]
+        for role in (Role.PARAM, Role.OPT_STATE, Role.BATCH):
+            count = len(self.inputs_with_role(role))
+            lines.append(f"  {role.value + ' bytes:':18} {by_role.get(role, 0):,} ({count} arrays)")
+        lines.append("  ops by primitive:")
+        for prim, count in self.primitive_counts().items():
+            lines.append(f"    {prim:28} {count}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    # ---- evaluation --------------------------------------------------------
+    def evaluate(
+        self,
+        args: Sequence[Any],
+        *,
+        before_op: Callable[[Op, list[Any]], list[Any]] | None = None,
+        after_op: Callable[[Op, list[Any]], list[Any]] | None = None,
+    ) -> list[Any]:
+        """Run the graph on flat input leaves (the shape of ``jax.core.eval_jaxpr``).
+
+        ``before_op(op, in_vals)`` / ``after_op(op, out_vals)`` may return replaced
+        values; the runtime uses them to insert sharding constraints.
+        """
+        if len(args) != len(self.inputs):
+            raise ValueError(f"graph takes {len(self.inputs)} flat inputs, got {len(args)}")
+        env: dict[ValueId, Any] = dict(self.constants)
+        for vid, arg in zip(self.inputs, args):
+            env[vid] = arg
+        for op in self.ops:
+            in_vals = [env[v] for v in op.inputs]
+            if before_op is not None:
+                in_vals = before_op(op, in_vals)
+            outs = op.prim.bind(*in_vals, **op.params)
+            outs = list(outs) if op.prim.multiple_results else [outs]
+            if after_op is not None:
+                outs = after_op(op, outs)
+            for vid, val in zip(op.outputs, outs):
+                env[vid] = val
+        return [env[v] for v in self.outputs]

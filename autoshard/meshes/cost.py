@@ -1,0 +1,105 @@
+"""Alpha-beta collective costs and roofline compute, as pure functions.
+
+Ring algorithms on a mesh axis of n devices with per-device bandwidth B and
+per-hop latency a (the axis's link level decides both):
+
+    all-reduce      2(n-1)/n * bytes / B + 2(n-1) a
+    all-gather       (n-1)/n * bytes / B +  (n-1) a     bytes = gathered (output) size
+    reduce-scatter   (n-1)/n * bytes / B +  (n-1) a     bytes = input (unscattered) size
+    all-to-all       (n-1)/n * bytes / B +  (n-1) a
+    point-to-point           bytes / B +        a
+
+A collective over several axes runs axis by axis (hierarchically): an
+all-gather gathers over the slowest axis first, while the buffer is smallest;
+a reduce-scatter scatters over the fastest axis first; an all-reduce is a
+reduce-scatter followed by an all-gather, both hierarchical. Compute is a
+roofline: max(flops / peak, bytes / memory bandwidth).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from autoshard.meshes.cluster import ClusterSpec, LinkLevel
+from autoshard.meshes.logical import LogicalMesh, MeshAxis
+
+
+def ring_all_reduce_s(nbytes: float, n: int, link: LinkLevel) -> float:
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / link.bandwidth_bytes_per_s + 2 * (n - 1) * link.latency_s
+
+
+def ring_all_gather_s(out_bytes: float, n: int, link: LinkLevel) -> float:
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * out_bytes / link.bandwidth_bytes_per_s + (n - 1) * link.latency_s
+
+
+def ring_reduce_scatter_s(in_bytes: float, n: int, link: LinkLevel) -> float:
+    return ring_all_gather_s(in_bytes, n, link)
+
+
+def ring_all_to_all_s(nbytes: float, n: int, link: LinkLevel) -> float:
+    return ring_all_gather_s(nbytes, n, link)
+
+
+def point_to_point_s(nbytes: float, link: LinkLevel) -> float:
+    if nbytes <= 0:
+        return 0.0
+    return nbytes / link.bandwidth_bytes_per_s + link.latency_s
+
+
+def _axes(mesh: LogicalMesh, axes: Sequence[str] | str) -> list[MeshAxis]:
+    if isinstance(axes, str):
+        axes = (axes,)
+    return [mesh.axis(a) for a in axes if mesh.axis(a).size > 1]
+
+
+def _slowest_first(axes: list[MeshAxis]) -> list[MeshAxis]:
+    return sorted(axes, key=lambda a: a.link.bandwidth_bytes_per_s)
+
+
+def all_gather_s(mesh: LogicalMesh, axes: Sequence[str] | str, out_bytes: float) -> float:
+    """Gather a buffer to ``out_bytes`` per device over ``axes``; slowest axis first."""
+    order = _slowest_first(_axes(mesh, axes))
+    total = 1
+    for a in order:
+        total *= a.size
+    seconds, chunk = 0.0, out_bytes / total
+    for a in order:
+        chunk *= a.size
+        seconds += ring_all_gather_s(chunk, a.size, a.link)
+    return seconds
+
+
+def reduce_scatter_s(mesh: LogicalMesh, axes: Sequence[str] | str, in_bytes: float) -> float:
+    """Reduce-scatter ``in_bytes`` per device over ``axes``; fastest axis first (mirror of all-gather)."""
+    order = list(reversed(_slowest_first(_axes(mesh, axes))))
+    seconds, chunk = 0.0, float(in_bytes)
+    for a in order:
+        seconds += ring_reduce_scatter_s(chunk, a.size, a.link)
+        chunk /= a.size
+    return seconds
+
+
+def all_reduce_s(mesh: LogicalMesh, axes: Sequence[str] | str, nbytes: float) -> float:
+    """All-reduce ``nbytes`` per device over ``axes``; one axis is a plain ring, several are hierarchical."""
+    found = _axes(mesh, axes)
+    if len(found) == 1:
+        return ring_all_reduce_s(nbytes, found[0].size, found[0].link)
+    return reduce_scatter_s(mesh, axes, nbytes) + all_gather_s(mesh, axes, nbytes)
+
+
+def all_to_all_s(mesh: LogicalMesh, axes: Sequence[str] | str, nbytes: float) -> float:
+    """All-to-all of ``nbytes`` per device over ``axes`` (one exchange per axis)."""
+    return sum(ring_all_to_all_s(nbytes, a.size, a.link) for a in _axes(mesh, axes))
+
+
+def send_s(cluster: ClusterSpec, nbytes: float, *, cross_node: bool) -> float:
+    """Point-to-point transfer between two devices."""
+    return point_to_point_s(nbytes, cluster.inter_node if cross_node else cluster.intra_node)
+
+
+def compute_s(cluster: ClusterSpec, flops: float, bytes_accessed: float, dtype: str = "float32") -> float:
+    """Roofline time of one device doing ``flops`` and moving ``bytes_accessed`` through HBM."""
+    return max(flops / cluster.peak_flops(dtype), bytes_accessed / cluster.memory_bandwidth_bytes_per_s)

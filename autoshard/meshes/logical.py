@@ -1,0 +1,105 @@
+"""Logical meshes over a cluster: named axes, each mapped to the link level it crosses.
+
+Devices are laid out row-major over the mesh axes (the last axis varies
+fastest), the way ``jax.make_mesh`` and ``mesh_utils`` order a single-slice
+device list. An axis whose device groups stay inside one node uses the
+intra-node link; one whose groups span nodes uses the inter-node link.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from autoshard.meshes.cluster import ClusterSpec, LinkLevel
+
+DEFAULT_AXIS_NAMES = ("x", "y", "z", "w")
+
+
+@dataclass(frozen=True)
+class MeshAxis:
+    name: str
+    size: int
+    link: LinkLevel
+
+    def __str__(self) -> str:
+        return f"{self.name}={self.size}({self.link.name})"
+
+
+@dataclass(frozen=True)
+class LogicalMesh:
+    axes: tuple[MeshAxis, ...]
+    cluster: ClusterSpec
+    device_indices: tuple[int, ...]  # cluster device indices covered, row-major over the axes
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(a.size for a in self.axes)
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.axes)
+
+    @property
+    def num_devices(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def axis(self, name: str) -> MeshAxis:
+        for a in self.axes:
+            if a.name == name:
+                return a
+        raise KeyError(f"mesh has no axis {name!r}; axes are {self.axis_names}")
+
+    def size_of(self, axes: tuple[str, ...] | str) -> int:
+        if isinstance(axes, str):
+            axes = (axes,)
+        return int(np.prod([self.axis(a).size for a in axes], dtype=np.int64))
+
+    def __str__(self) -> str:
+        return "(" + ", ".join(map(str, self.axes)) + f") on {self.cluster.name}"
+
+
+def _crosses_nodes(cluster: ClusterSpec, grid: np.ndarray, axis: int) -> bool:
+    moved = np.moveaxis(grid, axis, -1).reshape(-1, grid.shape[axis])
+    nodes = moved // cluster.devices_per_node
+    return bool((nodes != nodes[:, :1]).any())
+
+
+def make_logical_mesh(
+    cluster: ClusterSpec,
+    shape: tuple[int, ...],
+    axis_names: tuple[str, ...] | None = None,
+    device_indices: tuple[int, ...] | None = None,
+) -> LogicalMesh:
+    """A logical mesh of ``shape`` over ``device_indices`` (default: the first devices of the cluster)."""
+    shape = tuple(int(s) for s in shape)
+    if any(s < 1 for s in shape):
+        raise ValueError(f"mesh shape {shape} has a non-positive axis")
+    if axis_names is None:
+        axis_names = DEFAULT_AXIS_NAMES[: len(shape)]
+    if len(axis_names) != len(shape):
+        raise ValueError(f"mesh shape {shape} and axis names {axis_names} differ in length")
+    size = int(np.prod(shape, dtype=np.int64))
+    if device_indices is None:
+        if size > cluster.num_devices:
+            raise ValueError(f"mesh {shape} needs {size} devices; cluster {cluster.name} has {cluster.num_devices}")
+        device_indices = tuple(range(size))
+    if len(device_indices) != size:
+        raise ValueError(f"mesh {shape} needs {size} devices, got {len(device_indices)} device indices")
+    grid = np.asarray(device_indices).reshape(shape)
+    axes = tuple(
+        MeshAxis(name, n, cluster.inter_node if _crosses_nodes(cluster, grid, i) else cluster.intra_node)
+        for i, (name, n) in enumerate(zip(axis_names, shape))
+    )
+    return LogicalMesh(axes=axes, cluster=cluster, device_indices=tuple(int(d) for d in device_indices))
+
+
+def factorizations(num_devices: int, max_axes: int = 2) -> list[tuple[int, ...]]:
+    """Mesh shapes with up to ``max_axes`` axes whose product is ``num_devices`` (Alpa's logical-mesh search)."""
+    shapes: set[tuple[int, ...]] = {(num_devices,)}
+    for rank in range(2, max_axes + 1):
+        for combo in itertools.product(range(1, num_devices + 1), repeat=rank):
+            if int(np.prod(combo)) == num_devices:
+                shapes.add(combo)
+    return sorted(shapes, key=lambda s: (len(s), s))

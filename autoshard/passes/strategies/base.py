@@ -1,0 +1,245 @@
+"""Strategy type, the rule table keyed by jax primitive name, and the factor generator.
+
+A rule lists the ways one op can run on a logical mesh. Most rules are one
+line built from ``factor_strategies``: describe the op's loop dimensions
+("factors") and where each sits in the inputs and outputs, and the generator
+enumerates every assignment of mesh axes to factors that divides the sizes.
+
+A factor that appears in the outputs is *parallel*: splitting it splits the
+work and the output. A factor absent from every output is *reduced*: splitting
+it leaves partial results that the strategy itself reduces (an all-reduce over
+the split axes, or a reduce-scatter when the output is then split over those
+axes too). A factor marked ``replicate_only`` is never split (sort along an
+axis, cumsum's axis, a gather's indexed dimension...).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeAlias
+
+import numpy as np
+
+from autoshard.compiler.graph import Op, Value
+from autoshard.compiler.spec import Collective, MeshAxes, Spec
+from autoshard.meshes import cost
+from autoshard.meshes.logical import LogicalMesh
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run an op: required input specs, produced output specs and what it costs.
+
+    ``collectives`` are the communications this choice needs by itself (the
+    reduction of a split contracting dimension, say); resharding between ops
+    is priced on the graph's edges, not here.
+    """
+
+    in_specs: tuple[Spec, ...]
+    out_specs: tuple[Spec, ...]
+    compute_s: float
+    comm_s: float = 0.0
+    collectives: tuple[Collective, ...] = ()
+    note: str = ""
+
+    @property
+    def cost_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    def __str__(self) -> str:
+        ins = " x ".join(map(str, self.in_specs))
+        outs = ", ".join(map(str, self.out_specs))
+        axes = sorted({a for s in self.in_specs + self.out_specs for a in s.used_axes})
+        text = f"{ins} -> {outs}"
+        if axes:
+            text += " @ {" + ",".join(axes) + "}"
+        if self.collectives:
+            text += " + " + " ".join(map(str, self.collectives))
+        return text
+
+
+Rule: TypeAlias = Callable[[Op, Sequence[Value], Sequence[Value], LogicalMesh], list[Strategy]]
+RULES: dict[str, Rule] = {}
+
+
+def register(*primitives: str) -> Callable[[Rule], Rule]:
+    """Decorator: ``@register("exp", "log")`` puts a rule in the table for those primitives."""
+
+    def wrap(rule: Rule) -> Rule:
+        for name in primitives:
+            if name in RULES:
+                raise ValueError(f"a strategy rule for {name!r} is registered twice")
+            RULES[name] = rule
+        return rule
+
+    return wrap
+
+
+class UnsupportedPrimitiveWarning(UserWarning):
+    """A primitive has no strategy rule; it is planned replicated."""
+
+
+_warned: set[str] = set()
+
+
+def strategies_for(op: Op, ins: Sequence[Value], outs: Sequence[Value], mesh: LogicalMesh) -> list[Strategy]:
+    """Every valid strategy of ``op`` on ``mesh``; replicated (with one warning) when no rule exists.
+
+    Strategies whose specs do not divide the shapes are dropped; the replicated
+    strategy is always present, so the list is never empty.
+    """
+    rule = RULES.get(op.primitive)
+    if rule is None:
+        if op.primitive not in _warned:
+            _warned.add(op.primitive)
+            warnings.warn(
+                f"autoshard has no strategy rule for primitive {op.primitive!r}; it is planned replicated "
+                f"(correct, maybe slower). Register one with autoshard.passes.strategies.register.",
+                UnsupportedPrimitiveWarning, stacklevel=2,
+            )
+        found: list[Strategy] = []
+    else:
+        found = rule(op, ins, outs, mesh)
+    sizes = dict(zip(mesh.axis_names, mesh.shape))
+    valid = [
+        s for s in found
+        if all(spec.divides(v.shape, sizes) for spec, v in zip(s.in_specs, ins))
+        and all(spec.divides(v.shape, sizes) for spec, v in zip(s.out_specs, outs))
+    ]
+    replicated = replicated_strategy(op, ins, outs, mesh)
+    if not any(_same_specs(s, replicated) for s in valid):
+        valid.append(replicated)
+    return _dedupe(valid)
+
+
+def _same_specs(a: Strategy, b: Strategy) -> bool:
+    return a.in_specs == b.in_specs and a.out_specs == b.out_specs
+
+
+def _dedupe(strategies: list[Strategy]) -> list[Strategy]:
+    seen: dict[tuple, Strategy] = {}
+    for s in strategies:
+        key = (s.in_specs, s.out_specs)
+        if key not in seen or s.cost_s < seen[key].cost_s:
+            seen[key] = s
+    return list(seen.values())
+
+
+def op_compute_s(op: Op, mesh: LogicalMesh, parallelism: int, dtype: str) -> float:
+    """Roofline time of one device doing 1/parallelism of the op."""
+    parallelism = max(1, parallelism)
+    return cost.compute_s(mesh.cluster, op.flops / parallelism, op.bytes_accessed / parallelism, dtype)
+
+
+def replicated_strategy(op: Op, ins: Sequence[Value], outs: Sequence[Value], mesh: LogicalMesh) -> Strategy:
+    dtype = outs[0].dtype if outs else "float32"
+    return Strategy(
+        in_specs=tuple(Spec.replicated(v.rank) for v in ins),
+        out_specs=tuple(Spec.replicated(v.rank) for v in outs),
+        compute_s=op_compute_s(op, mesh, 1, dtype),
+        note="replicated",
+    )
+
+
+# ---- the factor generator --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Factor:
+    """One loop dimension of an op: its size and the dim it occupies in each input/output (None: absent)."""
+
+    size: int
+    in_dims: tuple[int | None, ...]
+    out_dims: tuple[int | None, ...]
+    replicate_only: bool = False
+
+    @property
+    def reduced(self) -> bool:
+        return all(d is None for d in self.out_dims)
+
+
+def elementwise_factors(ins: Sequence[Value], out: Value) -> list[Factor]:
+    """One factor per output dim; inputs of equal rank share it, rank-0 inputs (scalars) have none."""
+    return [
+        Factor(size, tuple(d if v.rank == out.rank else None for v in ins), (d,))
+        for d, size in enumerate(out.shape)
+    ]
+
+
+def factor_strategies(
+    op: Op,
+    ins: Sequence[Value],
+    outs: Sequence[Value],
+    mesh: LogicalMesh,
+    factors: Sequence[Factor],
+    *,
+    reduction: str = "sum",
+    allow_reduce_scatter: bool = True,
+) -> list[Strategy]:
+    """Enumerate every mapping of mesh axes onto factors (each axis used at most once).
+
+    ``reduction`` names how partial results of a split reduced factor combine
+    ("sum", "max", "min"; None forbids splitting reduced factors).
+    """
+    sizes = dict(zip(mesh.axis_names, mesh.shape))
+    axes = [a for a in mesh.axis_names if sizes[a] > 1]
+    choices = [i for i, f in enumerate(factors) if not f.replicate_only and f.size > 1
+               and (reduction is not None or not f.reduced)]
+    dtype = outs[0].dtype if outs else "float32"
+    strategies: list[Strategy] = []
+    for assignment in itertools.product([None, *choices], repeat=len(axes)):
+        per_factor: dict[int, list[str]] = {}
+        for axis, fi in zip(axes, assignment):
+            if fi is not None:
+                per_factor.setdefault(fi, []).append(axis)
+        if any(factors[fi].size % int(np.prod([sizes[a] for a in ax])) for fi, ax in per_factor.items()):
+            continue
+        in_dims: list[list[MeshAxes]] = [[() for _ in range(v.rank)] for v in ins]
+        out_dims: list[list[MeshAxes]] = [[() for _ in range(v.rank)] for v in outs]
+        reduced_axes: list[str] = []
+        parallelism = 1
+        for fi, ax in per_factor.items():
+            f = factors[fi]
+            parallelism *= int(np.prod([sizes[a] for a in ax]))
+            for k, d in enumerate(f.in_dims):
+                if d is not None:
+                    in_dims[k][d] = tuple(ax)
+            for k, d in enumerate(f.out_dims):
+                if d is not None:
+                    out_dims[k][d] = tuple(ax)
+            if f.reduced:
+                reduced_axes.extend(ax)
+        in_specs = tuple(Spec(tuple(d)) for d in in_dims)
+        base_out = [Spec(tuple(d)) for d in out_dims]
+        compute = op_compute_s(op, mesh, parallelism, dtype)
+        if not reduced_axes:
+            strategies.append(Strategy(in_specs, tuple(base_out), compute))
+            continue
+        reduced = tuple(a for a in mesh.axis_names if a in reduced_axes)
+        out_bytes = [v.nbytes / s.num_shards(sizes) for v, s in zip(outs, base_out)]
+        reduce_comm = [Collective("all-reduce", reduced, b) for b in out_bytes]
+        strategies.append(Strategy(
+            in_specs, tuple(base_out), compute,
+            comm_s=sum(cost.all_reduce_s(mesh, reduced, b) for b in out_bytes),
+            collectives=tuple(reduce_comm), note=f"all-reduce({reduction})",
+        ))
+        if not allow_reduce_scatter or len(outs) != 1:
+            continue
+        out = outs[0]
+        for d in range(out.rank):
+            scattered = Spec(tuple(
+                tuple(base_out[0].dims[k]) + (reduced if k == d else ()) for k in range(out.rank)))
+            if not scattered.divides(out.shape, sizes):
+                continue
+            strategies.append(Strategy(
+                in_specs, (scattered,), compute,
+                comm_s=cost.reduce_scatter_s(mesh, reduced, out_bytes[0]),
+                collectives=(Collective("reduce-scatter", reduced, out_bytes[0]),),
+                note=f"reduce-scatter({reduction}) onto dim {d}",
+            ))
+    return strategies
