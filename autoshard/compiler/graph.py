@@ -89,6 +89,8 @@ class OpGraph:
     constants: Mapping[ValueId, Any]  # literal / closed-over constant values by id
     in_tree: Any = None  # PyTreeDef of the positional args
     out_tree: Any = None  # PyTreeDef of the output
+    output_paths: tuple[str, ...] = ()  # pytree path of each output leaf
+    carried: tuple[int | None, ...] = ()  # per output leaf: the flat input index it updates (state), or None
 
     # ---- queries -----------------------------------------------------------
     def value(self, vid: ValueId) -> Value:
