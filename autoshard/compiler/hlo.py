@@ -1,0 +1,547 @@
+"""Read what XLA compiled: the collectives it emitted, how often they run, memory and flops.
+
+This is the ground truth of the fidelity check (DESIGN.md, "How we know a plan
+is right"): a plan's ledger predicts collectives and bytes; this module reads
+them back from ``compiled.as_text()``, the optimized, partitioned HLO of one
+device, and from ``compiled.memory_analysis()`` / ``cost_analysis()``.
+
+What the reader knows about the text (checked on jax/jaxlib 0.10.2, XLA:CPU):
+
+* Instructions look like ``%name = SHAPE opcode(%a, %b), attr=..., ...``;
+  shapes may be tuples ``(f32[4,1,8]{2,1,0}, ...)``; a tuple result is the sum
+  of its elements. Computations are blocks ``%name (params) -> shape {``.
+* Async collectives are ``X-start`` / ``X-done`` pairs: counted once, at the
+  start, with the done's shape as the result. A collective wrapped in a
+  generic ``async-start(..), calls=%c`` is counted inside ``%c``.
+* XLA:CPU emits no ``reduce-scatter``: an ``all-reduce`` whose result only
+  feeds ``dynamic-slice`` s (through bitcast / reshape / copy / fusion
+  parameters) that keep 1/group_size of it is reported as a reduce-scatter
+  with ``nbytes`` = the all-reduce buffer (its operand).
+* A collective in a ``while`` body runs trip-count times: XLA writes
+  ``"known_trip_count":{"n":"4"}`` into the while's ``backend_config``; failing
+  that the condition's compare against a constant is read. Nested loops
+  multiply. A loop whose trip count cannot be read counts once (logged).
+* ``conditional`` branches are each counted as if taken.
+* XLA:CPU promotes bf16 collectives to f32 (a ``convert`` around them); the
+  bytes here are what XLA moves, so they follow the promoted type.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
+
+log = logging.getLogger(__name__)
+
+HloCollectiveKind: TypeAlias = Literal[
+    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"
+]
+HLO_COLLECTIVE_KINDS: tuple[HloCollectiveKind, ...] = (
+    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+)
+
+
+@dataclass(frozen=True)
+class HloCollective:
+    """One collective of the compiled module, as one device runs it."""
+
+    kind: HloCollectiveKind
+    nbytes: int  # per device: all-gather → result; reduce-scatter → operand; others → buffer
+    group_size: int  # devices per replica group (permute: devices per connected ring)
+    num_groups: int
+    count: int  # times it runs: product of the trip counts of the loops around it
+    text: str  # the instruction line, for reports
+
+    @property
+    def total_bytes(self) -> int:
+        return self.nbytes * self.count
+
+    def __str__(self) -> str:
+        times = f" x{self.count}" if self.count != 1 else ""
+        return f"{self.kind} {self.nbytes} B{times} over {self.num_groups}x{self.group_size}"
+
+
+@dataclass(frozen=True)
+class CompiledSummary:
+    """What XLA compiled for one device: collectives, memory, flops."""
+
+    collectives: tuple[HloCollective, ...]
+    bytes_by_kind: dict[str, float]  # Σ nbytes*count per kind; every kind present
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    peak_bytes: int  # argument + output − alias + temp (XLA:CPU buffer assignment)
+    flops: float | None  # cost_analysis()['flops'] per device; None when XLA gives no analysis
+
+
+# ----------------------------------------------------------------------------- shapes
+
+_ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+_FIXED_BITS = {"pred": 8, "token": 0}
+
+
+def _dtype_bits(dtype: str) -> int:
+    if dtype in _FIXED_BITS:
+        return _FIXED_BITS[dtype]
+    m = re.match(r"[a-z]+(\d+)", dtype)  # f32, bf16, s4, c64, f8e4m3fn, ...
+    if m is None:
+        raise ValueError(f"unknown HLO element type {dtype!r}: add it to _FIXED_BITS in {__name__}")
+    return int(m.group(1))
+
+
+def _array_dims(dims_text: str) -> list[int]:
+    dims = []
+    for d in filter(None, dims_text.split(",")):
+        d = d.strip().removeprefix("<=")  # bounded dynamic dim: its bound
+        dims.append(int(d) if d.isdigit() else 0)
+    return dims
+
+
+def shape_elements(shape_text: str) -> list[int]:
+    """Element counts of the arrays in an HLO shape (one per tuple leaf)."""
+    return [math.prod(_array_dims(dims)) for _, dims in _ARRAY_RE.findall(shape_text)]
+
+
+def shape_nbytes(shape_text: str) -> int:
+    """Bytes of an HLO shape such as ``f32[16,64]{1,0}`` or ``(bf16[2], s32[])``."""
+    total_bits = 0
+    for dtype, dims in _ARRAY_RE.findall(shape_text):
+        total_bits += math.prod(_array_dims(dims)) * _dtype_bits(dtype)
+    return (total_bits + 7) // 8
+
+
+# ----------------------------------------------------------------------------- text
+
+_OPEN, _CLOSE = "([{", ")]}"
+
+
+def _scan_balanced(s: str, i: int) -> int:
+    """Index just past the bracket group that opens at s[i] (quotes are skipped)."""
+    depth = 0
+    while i < len(s):
+        c = s[i]
+        if c == '"':
+            i = s.index('"', i + 1) if '"' in s[i + 1:] else len(s)
+        elif c in _OPEN:
+            depth += 1
+        elif c in _CLOSE:
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return len(s)
+
+
+def _split_top_level(s: str) -> list[str]:
+    """Split on commas that are outside brackets and quotes."""
+    items, depth, start, i = [], 0, 0, 0
+    while i < len(s):
+        c = s[i]
+        if c == '"':
+            j = s.find('"', i + 1)
+            i = len(s) if j < 0 else j
+        elif c in _OPEN:
+            depth += 1
+        elif c in _CLOSE:
+            depth -= 1
+        elif c == "," and depth == 0:
+            items.append(s[start:i].strip())
+            start = i + 1
+        i += 1
+    if s[start:].strip():
+        items.append(s[start:].strip())
+    return items
+
+
+def _parse_attrs(text: str) -> dict[str, str]:
+    attrs: dict[str, str] = {}
+    for item in _split_top_level(text):
+        key, eq, value = item.partition("=")
+        if not eq:
+            continue
+        if key == "device_ids" and attrs.get("replica_groups", "").startswith("mesh"):
+            # mesh-style groups print as `mesh[..], device_ids=(..) {axes}`: one value
+            attrs["replica_groups"] += f", device_ids={value}"
+            continue
+        attrs[key] = value
+    return attrs
+
+
+@dataclass(frozen=True)
+class _Instruction:
+    name: str
+    shape: str
+    opcode: str
+    operands: tuple[str, ...]
+    attrs: Mapping[str, str]
+    line: str
+    is_root: bool
+
+
+@dataclass
+class _Computation:
+    name: str
+    is_entry: bool
+    instructions: dict[str, _Instruction] = field(default_factory=dict)
+    users: dict[str, list[_Instruction]] = field(default_factory=lambda: defaultdict(list))
+
+    def parameter(self, index: int) -> _Instruction | None:
+        for inst in self.instructions.values():
+            if inst.opcode == "parameter" and inst.operands == (str(index),):
+                return inst
+        return None
+
+
+@dataclass(frozen=True)
+class _Module:
+    computations: dict[str, _Computation]
+    num_devices: int
+
+
+_INSTR_HEAD_RE = re.compile(r"(ROOT\s+)?%?([^\s=]+)\s*=\s*")
+_COMP_HEAD_RE = re.compile(r"(ENTRY\s+)?%?([^\s(]+)\s*\(.*\)\s*->.*\{\s*$")
+_OPCODE_RE = re.compile(r"\s*([\w\-]+)\(")
+
+
+def _parse_instruction(line: str) -> _Instruction | None:
+    m = _INSTR_HEAD_RE.match(line)
+    if m is None:
+        return None
+    i = m.end()
+    if i < len(line) and line[i] == "(":
+        j = _scan_balanced(line, i)
+    else:
+        j = line.find(" ", i)
+        if j < 0:
+            return None
+    shape = line[i:j]
+    op = _OPCODE_RE.match(line, j)
+    if op is None:
+        return None
+    k = _scan_balanced(line, op.end() - 1)
+    operands = tuple(
+        tok.split()[-1].lstrip("%") for tok in _split_top_level(line[op.end():k - 1]) if tok.split()
+    )
+    rest = line[k:].lstrip().removeprefix(",")
+    return _Instruction(
+        name=m.group(2), shape=shape, opcode=op.group(1), operands=operands,
+        attrs=_parse_attrs(rest), line=line, is_root=bool(m.group(1)),
+    )
+
+
+def _parse_module(hlo_text: str) -> _Module:
+    computations: dict[str, _Computation] = {}
+    current: _Computation | None = None
+    num_partitions = replica_count = 1
+    for raw in hlo_text.splitlines():
+        line = raw.strip()
+        if line.startswith("HloModule"):
+            if m := re.search(r"num_partitions=(\d+)", line):
+                num_partitions = int(m.group(1))
+            if m := re.search(r"replica_count=(\d+)", line):
+                replica_count = int(m.group(1))
+            continue
+        if current is None or not raw[:1].isspace():
+            if m := _COMP_HEAD_RE.match(line):
+                current = _Computation(name=m.group(2), is_entry=bool(m.group(1)))
+                computations[current.name] = current
+                continue
+        if line == "}":
+            current = None
+            continue
+        if current is None or not line:
+            continue
+        inst = _parse_instruction(line)
+        if inst is None:
+            continue
+        current.instructions[inst.name] = inst
+        for operand in inst.operands:
+            current.users[operand].append(inst)
+    return _Module(computations, num_devices=num_partitions * replica_count)
+
+
+# ----------------------------------------------------------------------------- groups
+
+
+def group_size_of(replica_groups_text: str, num_devices: int | None = None) -> tuple[int, int]:
+    """(devices per group, number of groups) of an HLO ``replica_groups`` value.
+
+    Spellings: explicit ``{{0,4},{1,5},...}``; iota ``[2,4]<=[8]`` and
+    transposed iota ``[4,2]<=[2,4]T(1,0)`` (``[groups, size]<=...``); empty
+    ``{}`` meaning all ``num_devices``; mesh-style
+    ``mesh['x'=2,'y'=4] {'y'}`` or ``mesh[...], device_ids=(...) {'y','x':(1)2}``.
+    """
+    text = replica_groups_text.strip().removeprefix("replica_groups=").strip()
+    if text.startswith("maximal_mesh"):
+        return 1, 1
+    if text.startswith("mesh"):
+        return _mesh_group_size(text)
+    if m := re.fullmatch(r"\[(\d+),(\d+)\]<=\[[\d,]*\](T\([\d,]*\))?", text):
+        return int(m.group(2)), int(m.group(1))
+    groups = re.findall(r"\{([^{}]*)\}", text[1:-1]) if text.startswith("{{") else []
+    if groups:
+        sizes = [len([t for t in g.split(",") if t.strip()]) for g in groups]
+        if len(set(sizes)) > 1:
+            log.warning("replica groups of unequal sizes %s: reporting the largest", sizes)
+        return max(sizes), len(groups)
+    if re.fullmatch(r"\{\s*\}", text):
+        if num_devices is None:
+            raise ValueError("replica_groups={} means all devices: pass num_devices")
+        return num_devices, 1
+    raise ValueError(f"unrecognised replica_groups spelling {text!r}")
+
+
+def _mesh_group_size(text: str) -> tuple[int, int]:
+    mesh_axes = dict(
+        (name, int(size)) for name, size in re.findall(r"'?([\w.\-]+)'?=(\d+)", text[: text.index("]")])
+    )
+    axes_text = text[text.rindex("{") + 1: text.rindex("}")]
+    size = 1
+    for ref in filter(None, (a.strip() for a in axes_text.split(","))):
+        m = re.fullmatch(r"'?([\w.\-]+)'?(?::\((\d+)\)(\d+))?", ref)
+        if m is None or m.group(1) not in mesh_axes:
+            raise ValueError(f"unrecognised mesh axis {ref!r} in replica_groups {text!r}")
+        size *= int(m.group(3)) if m.group(3) else mesh_axes[m.group(1)]
+    total = math.prod(mesh_axes.values())
+    return size, total // size
+
+
+def _permute_groups(pairs_text: str) -> tuple[int, int]:
+    """(devices per ring, rings) of ``source_target_pairs``: its connected components."""
+    parent: dict[int, int] = {}
+
+    def find(a: int) -> int:
+        while parent.setdefault(a, a) != a:
+            a = parent[a]
+        return a
+
+    for src, dst in re.findall(r"\{(\d+),(\d+)\}", pairs_text):
+        parent[find(int(src))] = find(int(dst))
+    if not parent:
+        return 1, 0
+    sizes: dict[int, int] = defaultdict(int)
+    for node in list(parent):
+        sizes[find(node)] += 1
+    return max(sizes.values()), len(sizes)
+
+
+# ----------------------------------------------------------------------------- loops
+
+
+def _scalar_constant(comp: _Computation, name: str) -> int | None:
+    inst = comp.instructions.get(name)
+    while inst is not None and inst.opcode in ("copy", "bitcast", "convert") and inst.operands:
+        inst = comp.instructions.get(inst.operands[0])
+    if inst is None or inst.opcode != "constant" or not re.fullmatch(r"[su]\d+\[\]", inst.shape.split("{")[0]):
+        return None
+    return int(inst.operands[0]) if inst.operands and inst.operands[0].lstrip("-").isdigit() else None
+
+
+def _trip_count(loop: _Instruction, caller: _Computation, module: _Module) -> int | None:
+    config = loop.attrs.get("backend_config", "")
+    try:
+        n = json.loads(config).get("known_trip_count", {}).get("n")
+        if n is not None:
+            return int(n)
+    except (ValueError, AttributeError):
+        if m := re.search(r'"known_trip_count":\{"n":"(\d+)"', config):
+            return int(m.group(1))
+    return _trip_count_from_condition(loop, caller, module)
+
+
+def _trip_count_from_condition(loop: _Instruction, caller: _Computation, module: _Module) -> int | None:
+    """``i < N`` (or ``<=``, ``>``, ``>=``) against a constant N, i from the init tuple, step 1."""
+    cond = module.computations.get(loop.attrs.get("condition", "").lstrip("%"))
+    root = next((i for i in cond.instructions.values() if i.is_root), None) if cond else None
+    if root is None:
+        return None
+    compare, args = root, root.operands
+    if root.opcode == "fusion":  # XLA:CPU wraps the compare: fusion(%gte, %constant), calls=...
+        inner = module.computations.get(root.attrs.get("calls", "").lstrip("%"))
+        inner_root = next((i for i in inner.instructions.values() if i.is_root), None) if inner else None
+        if inner_root is None or inner_root.opcode != "compare":
+            return None
+        params = {inner.parameter(k).name: root.operands[k] for k in range(len(root.operands))
+                  if inner.parameter(k) is not None}
+        compare, args = inner_root, tuple(params.get(a, a) for a in inner_root.operands)
+    if compare.opcode != "compare" or len(args) != 2:
+        return None
+    direction = compare.attrs.get("direction", "")
+    lhs, rhs = (_scalar_constant(cond, a) for a in args)
+    if rhs is not None and lhs is None:
+        ivar, limit = args[0], rhs
+    elif lhs is not None and rhs is None:
+        ivar, limit = args[1], lhs
+        direction = {"LT": "GT", "LE": "GE", "GT": "LT", "GE": "LE"}.get(direction, direction)
+    else:
+        return None
+    init = _init_value(loop, caller, cond, ivar)
+    if init is None:
+        return None
+    span = {"LT": limit - init, "LE": limit - init + 1, "GT": init - limit, "GE": init - limit + 1}.get(direction)
+    return None if span is None else max(span, 0)
+
+
+def _init_value(loop: _Instruction, caller: _Computation, cond: _Computation, ivar: str) -> int | None:
+    gte = cond.instructions.get(ivar)
+    if gte is None or gte.opcode != "get-tuple-element":
+        return None
+    index = int(gte.attrs.get("index", "-1"))
+    if m := re.search(r'"known_init_step":\{"init":"(-?\d+)","step":"1"\}', loop.attrs.get("backend_config", "")):
+        return int(m.group(1))
+    init_tuple = caller.instructions.get(loop.operands[0]) if loop.operands else None
+    if init_tuple is None or init_tuple.opcode != "tuple" or not 0 <= index < len(init_tuple.operands):
+        return None
+    return _scalar_constant(caller, init_tuple.operands[index])
+
+
+_CALL_ATTRS = ("calls", "to_apply", "true_computation", "false_computation",
+               "branch_computations", "called_computations")
+
+
+def _multipliers(module: _Module) -> dict[str, int]:
+    """How many times each computation runs per execution of the entry."""
+    callers: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    for comp in module.computations.values():
+        for inst in comp.instructions.values():
+            if inst.opcode in ("async-done", "async-update"):
+                continue  # the async-start already accounts for its computation
+            factor = 1
+            keys: Iterable[str] = _CALL_ATTRS
+            if inst.opcode == "while":
+                trip = _trip_count(inst, comp, module)
+                if trip is None:
+                    log.warning("trip count of %s not found: its body is counted once", inst.name)
+                factor, keys = (1 if trip is None else trip), ("body", "condition")
+            for key in keys:
+                for callee in re.findall(r"%?([^\s{},%]+)", inst.attrs.get(key, "")):
+                    callers[callee].append((comp.name, factor))
+
+    @functools.cache
+    def times(name: str) -> int:
+        if module.computations[name].is_entry or name not in callers:
+            return 1
+        return sum(times(caller) * factor for caller, factor in callers[name] if caller in module.computations)
+
+    return {name: times(name) for name in module.computations}
+
+
+# ----------------------------------------------------------------------------- reduce-scatter
+
+
+def _only_group_slices(module: _Module, comp: _Computation, name: str, elements: int, group: int) -> bool:
+    """True when every use of ``name`` is a dynamic-slice keeping elements/group of it."""
+    inst = comp.instructions[name]
+    users = comp.users.get(name, [])
+    if inst.is_root or not users:
+        return False
+    for user in users:
+        if user.opcode in ("bitcast", "reshape", "copy"):
+            ok = _only_group_slices(module, comp, user.name, elements, group)
+        elif user.opcode == "dynamic-slice" and user.operands[0] == name:
+            ok = sum(shape_elements(user.shape)) * group == elements
+        elif user.opcode == "fusion":
+            fused = module.computations.get(user.attrs.get("calls", "").lstrip("%"))
+            params = [fused.parameter(k) if fused else None for k, o in enumerate(user.operands) if o == name]
+            ok = bool(params) and all(
+                p is not None and _only_group_slices(module, fused, p.name, elements, group) for p in params
+            )
+        else:
+            ok = False
+        if not ok:
+            return False
+    return True
+
+
+def _is_reduce_scatter(module: _Module, comp: _Computation, result: _Instruction, group: int) -> bool:
+    if group <= 1:
+        return False
+    leaves = shape_elements(result.shape)
+    if not result.shape.startswith("("):
+        return _only_group_slices(module, comp, result.name, leaves[0], group)
+    users = comp.users.get(result.name, [])
+    return bool(users) and not result.is_root and all(
+        u.opcode == "get-tuple-element"
+        and _only_group_slices(module, comp, u.name, leaves[int(u.attrs.get("index", "0"))], group)
+        for u in users
+    )
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def read_hlo_collectives(hlo_text: str) -> list[HloCollective]:
+    """Every collective of an optimized HLO module, in text order, with bytes and counts."""
+    module = _parse_module(hlo_text)
+    runs = _multipliers(module)
+    found: list[HloCollective] = []
+    for comp in module.computations.values():
+        for inst in comp.instructions.values():
+            base = inst.opcode.removesuffix("-start")
+            if base not in HLO_COLLECTIVE_KINDS or inst.opcode.endswith("-done"):
+                continue
+            result = inst
+            if inst.opcode.endswith("-start"):
+                done = next((u for u in comp.users.get(inst.name, []) if u.opcode == f"{base}-done"), None)
+                if done is None:
+                    log.warning("%s has no %s-done: reading its own shape", inst.name, base)
+                else:
+                    result = done
+            found.append(_collective(module, comp, inst, result, base, runs[comp.name]))
+    return found
+
+
+def _collective(module: _Module, comp: _Computation, inst: _Instruction, result: _Instruction,
+                kind: str, count: int) -> HloCollective:
+    operand_bytes = sum(shape_nbytes(comp.instructions[o].shape) for o in inst.operands if o in comp.instructions)
+    if kind == "collective-permute":
+        group, groups = _permute_groups(inst.attrs.get("source_target_pairs", ""))
+    else:
+        group, groups = group_size_of(inst.attrs.get("replica_groups", "{}"), module.num_devices)
+    nbytes = shape_nbytes(result.shape)
+    if kind == "all-reduce" and _is_reduce_scatter(module, comp, result, group):
+        kind = "reduce-scatter"
+    elif kind == "reduce-scatter":
+        nbytes = operand_bytes or nbytes * group
+    elif result is inst and inst.opcode.endswith("-start") and kind != "all-reduce":
+        # no done found: the start's tuple holds operands (and contexts) beside the result
+        nbytes = operand_bytes if kind == "collective-permute" else nbytes - operand_bytes
+    return HloCollective(kind=kind, nbytes=nbytes, group_size=group, num_groups=groups,  # type: ignore[arg-type]
+                         count=count, text=inst.line)
+
+
+def collective_bytes_by_kind(collectives: Iterable[HloCollective]) -> dict[str, float]:
+    """Σ nbytes × count per kind; every kind is a key, absent kinds are 0."""
+    totals = {kind: 0.0 for kind in HLO_COLLECTIVE_KINDS}
+    for c in collectives:
+        totals[c.kind] += float(c.nbytes * c.count)
+    return totals
+
+
+def summarize_compiled(compiled: Any) -> CompiledSummary:
+    """Collectives, memory and flops of ``jax.jit(f).lower(...).compile()``."""
+    collectives = tuple(read_hlo_collectives(compiled.as_text()))
+    memory = compiled.memory_analysis()
+    if memory is None:
+        raise ValueError("compiled.memory_analysis() returned None: this backend gives no buffer sizes")
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older jax: a list of one dict
+        cost = cost[0] if cost else None
+    # XLA leaves out zero counters: a dict without 'flops' counted none.
+    flops = None if cost is None else float(cost.get("flops", 0.0))
+    argument, output = int(memory.argument_size_in_bytes), int(memory.output_size_in_bytes)
+    alias, temp = int(memory.alias_size_in_bytes), int(memory.temp_size_in_bytes)
+    return CompiledSummary(
+        collectives=collectives,
+        bytes_by_kind=collective_bytes_by_kind(collectives),
+        argument_bytes=argument, output_bytes=output, alias_bytes=alias, temp_bytes=temp,
+        peak_bytes=argument + output - alias + temp,
+        flops=flops,
+    )
