@@ -1,2 +1,42 @@
-"""autoshard: an automatic parallelization compiler for JAX train steps."""
+"""autoshard: an automatic parallelization compiler for JAX train steps.
+
+Public API (everything else is internal and may change)::
+
+    autoshard.autoshard        decorator: trace, plan, compile, cache
+    autoshard.plan             plan a step from arrays or shapes -> Plan
+    autoshard.load_plan        read a plan file
+    autoshard.Plan, autoshard.ClusterSpec
+    autoshard.grad, autoshard.value_and_grad, autoshard.layer_boundary
+
+Names are imported on first use, so ``import autoshard.meshes`` stays light.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "autoshard": "autoshard.api",
+    "plan": "autoshard.api",
+    "load_plan": "autoshard.api",
+    "Plan": "autoshard.compiler.plan",
+    "ClusterSpec": "autoshard.meshes.cluster",
+    "PRESETS": "autoshard.meshes.cluster",
+    "grad": "autoshard.markers",
+    "value_and_grad": "autoshard.markers",
+    "layer_boundary": "autoshard.markers",
+    "PlanningError": "autoshard.errors",
+    "InfeasibleMemoryError": "autoshard.errors",
+    "PlanMismatchError": "autoshard.errors",
+}
+__all__ = [*_EXPORTS, "Cluster"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Cluster":
+        name = "ClusterSpec"
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'autoshard' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

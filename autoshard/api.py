@@ -1,0 +1,127 @@
+"""``@autoshard``: trace once per input signature, plan, compile, cache.
+
+    @autoshard.autoshard(mesh=None, cluster=None, memory_budget=None)
+    def train_step(params, opt_state, batch): ...
+
+    params, opt_state, loss = train_step(params, opt_state, batch)   # plans on first call
+    train_step.lower(*shape_structs).compile()                       # plan from shapes alone
+    print(train_step.plan)
+
+Like ``jax.jit`` with donation, the state arguments (those the step returns
+updated) are donated: do not reuse the arrays you passed in.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from autoshard.compiler.driver import PlannedStep, plan_step
+from autoshard.compiler.plan import Plan
+from autoshard.meshes.cluster import ClusterSpec
+from autoshard.passes.emit import make_jax_mesh
+from autoshard.passes.intra_op import IntraOpOptions
+from autoshard.runtime.spmd import SpmdStep
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AutoshardConfig:
+    mesh: Mesh | tuple[int, ...] | None = None  # None: all devices, logical shape searched
+    cluster: ClusterSpec | str | None = None  # preset name, file, spec; None: describe the devices present
+    memory_budget: float | None = None  # bytes per device; None: the cluster's device memory
+    num_stages: int | None = None  # pipeline stages (None: searched; SPMD until the pipeline planner lands)
+    num_microbatches: int | None = None
+    schedule: str = "1f1b"
+    options: IntraOpOptions | None = None  # solver knobs
+
+
+def _signature(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    return (tree, tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x)))) for x in leaves))
+
+
+class AutoshardedFunction:
+    """The decorated train step. Calls are cached per input signature, like ``jax.jit``."""
+
+    def __init__(self, fn: Callable[..., Any], config: AutoshardConfig) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn, self.config = fn, config
+        self._cache: dict[tuple[Any, ...], tuple[PlannedStep, SpmdStep]] = {}
+        self._last: tuple[PlannedStep, SpmdStep] | None = None
+
+    def _compiled(self, args: tuple[Any, ...]) -> tuple[PlannedStep, SpmdStep]:
+        key = _signature(args)
+        if key not in self._cache:
+            cfg = self.config
+            if cfg.num_stages not in (None, 1):
+                raise NotImplementedError("pipeline stages are not planned yet; use num_stages=None or 1")
+            planned = plan_step(self.fn, args, mesh=cfg.mesh, cluster=cfg.cluster, memory_budget=cfg.memory_budget,
+                                options=cfg.options)
+            mesh = cfg.mesh if isinstance(cfg.mesh, Mesh) else make_jax_mesh(planned.logical_mesh)
+            self._cache[key] = (planned, SpmdStep(planned.graph, planned.annotations, mesh))
+            log.info("%s", planned.plan)
+        self._last = self._cache[key]
+        return self._last
+
+    def __call__(self, *args: Any) -> Any:
+        _planned, step = self._compiled(args)
+        flat = step.flatten_args(args)
+        placed = [x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
+                  for x, s in zip(flat, step.in_shardings)]
+        out = step.jitted(*placed)
+        return jax.tree_util.tree_unflatten(step.graph.out_tree, out)
+
+    def lower(self, *args: Any) -> Any:
+        """Plan from arrays or ``jax.ShapeDtypeStruct``s; ``.compile()`` gives the XLA executable."""
+        _planned, step = self._compiled(args)
+        return step.lower(*args)
+
+    def planned(self, *args: Any) -> PlannedStep:
+        return self._compiled(args)[0]
+
+    @property
+    def plan(self) -> Plan:
+        if self._last is None:
+            raise RuntimeError("no plan yet: call the step or .lower(*args) first")
+        return self._last[0].plan
+
+    @property
+    def spmd_step(self) -> SpmdStep:
+        if self._last is None:
+            raise RuntimeError("no plan yet: call the step or .lower(*args) first")
+        return self._last[1]
+
+
+def autoshard(fn: Callable[..., Any] | None = None, *, mesh: Mesh | tuple[int, ...] | None = None,
+              cluster: ClusterSpec | str | None = None, memory_budget: float | None = None,
+              num_stages: int | None = None, num_microbatches: int | None = None, schedule: str = "1f1b",
+              options: IntraOpOptions | None = None) -> Any:
+    """Decorate a train step; usable bare (``@autoshard``) or with options (``@autoshard(mesh=...)``)."""
+    config = AutoshardConfig(mesh, cluster, memory_budget, num_stages, num_microbatches, schedule, options)
+    if fn is None:
+        return lambda f: AutoshardedFunction(f, config)
+    return AutoshardedFunction(fn, config)
+
+
+def plan(fn: Callable[..., Any], *args: Any, mesh: Mesh | tuple[int, ...] | None = None,
+         cluster: ClusterSpec | str | None = None, memory_budget: float | None = None,
+         num_stages: int | None = None, num_microbatches: int | None = None, schedule: str = "1f1b",
+         options: IntraOpOptions | None = None) -> Plan:
+    """Plan ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct``s) without running it."""
+    if num_stages not in (None, 1):
+        raise NotImplementedError("pipeline stages are not planned yet; use num_stages=None or 1")
+    return plan_step(fn, args, mesh=mesh, cluster=cluster, memory_budget=memory_budget, options=options).plan
+
+
+def load_plan(path: Any) -> Plan:
+    """Read a plan file written by ``Plan.save``."""
+    from autoshard.compiler.planfile import load_plan as _load
+
+    return _load(path)

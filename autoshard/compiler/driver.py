@@ -1,0 +1,132 @@
+"""The driver: trace, choose the logical mesh, run the intra-op pass, build the Plan.
+
+With no mesh given, every factorization of the device count into at most two
+axes is planned (Alpa's logical-mesh search) and the one with the lowest
+modeled step time wins; the others are kept in ``Plan.alternatives``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from autoshard.compiler.graph import OpGraph
+from autoshard.compiler.plan import Ledger, Plan, SolverInfo
+from autoshard.compiler.trace import trace
+from autoshard.errors import InfeasibleMemoryError, PlanningError
+from autoshard.meshes.cluster import ClusterSpec, get_cluster
+from autoshard.meshes.logical import LogicalMesh, factorizations, make_logical_mesh
+from autoshard.passes.emit import Annotations, annotations_from
+from autoshard.passes.intra_op import IntraOpOptions, IntraOpResult, plan_intra_op
+
+log = logging.getLogger(__name__)
+MeshLike = Mesh | tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    plan: Plan
+    graph: OpGraph
+    annotations: Annotations
+    logical_mesh: LogicalMesh
+    result: IntraOpResult
+
+
+def candidate_meshes(mesh: MeshLike, cluster: ClusterSpec, num_devices: int) -> list[LogicalMesh]:
+    if isinstance(mesh, Mesh):
+        index = {d.id: i for i, d in enumerate(jax.devices())}
+        device_indices = tuple(index.get(d.id, i) for i, d in enumerate(mesh.devices.flat))
+        return [make_logical_mesh(cluster, tuple(mesh.devices.shape), tuple(mesh.axis_names), device_indices)]
+    if mesh is not None:
+        return [make_logical_mesh(cluster, tuple(int(s) for s in mesh))]
+    shapes = [s for s in factorizations(num_devices, 2) if len(s) == 2]
+    return [make_logical_mesh(cluster, s) for s in shapes]
+
+
+def build_plan(graph: OpGraph, result: IntraOpResult, budget: float, timings: dict[str, float],
+               name: str = "autoshard") -> Plan:
+    mesh = result.mesh
+    values = graph.values
+    in_paths = [values[v].path or f"[{i}]" for i, v in enumerate(graph.inputs)]
+    out_paths = list(graph.output_paths) or [f"out[{i}]" for i in range(len(graph.outputs))]
+    cluster = mesh.cluster
+    dtype = next((values[v].dtype for v in graph.inputs if "float" in values[v].dtype), "float32")
+    bound = graph.total_flops / (mesh.num_devices * cluster.peak_flops(dtype))
+    ann = annotations_from(result)
+    ledger = Ledger(
+        compute_s=result.compute_s, comm_s=result.comm_s, reshard_s=result.reshard_s, bubble_s=0.0,
+        peak_memory_bytes=result.peak_bytes, memory_by_kind=dict(result.memory_by_role),
+        collective_bytes=result.collective_bytes_by_kind(), compute_lower_bound_s=bound,
+    )
+    s = result.ilp
+    return Plan(
+        mesh_shape=mesh.shape, axis_names=mesh.axis_names, cluster=cluster,
+        input_specs=dict(zip(in_paths, result.input_specs)), output_specs=dict(zip(out_paths, result.output_specs)),
+        input_roles={p: values[v].role.value for p, v in zip(in_paths, graph.inputs)},
+        input_shapes={p: (values[v].shape, values[v].dtype) for p, v in zip(in_paths, graph.inputs)},
+        op_out_specs=dict(ann.op_out_specs), op_in_reshards={k: dict(v) for k, v in ann.op_in_reshards.items()},
+        ledger=ledger,
+        solver=SolverInfo(s.status, s.gap, s.solve_s, s.num_nodes, s.num_classes, s.num_variables,
+                          s.num_constraints, s.num_edges),
+        planning_s=dict(timings), memory_budget_bytes=budget, num_ops=len(graph.ops), name=name,
+    )
+
+
+def plan_graph(graph: OpGraph, *, mesh: MeshLike = None, cluster: ClusterSpec | str | None = None,
+               memory_budget: float | None = None, options: IntraOpOptions | None = None,
+               num_devices: int | None = None, timings: dict[str, float] | None = None,
+               name: str = "autoshard") -> PlannedStep:
+    """Plan an already traced graph on the given (or searched) logical mesh."""
+    if isinstance(mesh, Mesh):
+        num_devices = mesh.devices.size
+    elif mesh is not None:
+        num_devices = int(np.prod(mesh))
+    num_devices = num_devices or len(jax.devices())
+    cluster = get_cluster(cluster, num_devices=num_devices)
+    budget = float(memory_budget if memory_budget is not None else cluster.memory_per_device_bytes)
+    options = replace(options or IntraOpOptions(), memory_budget_bytes=budget)
+    timings = dict(timings or {})
+    best: tuple[float, IntraOpResult] | None = None
+    alternatives: dict[str, float] = {}
+    errors: list[InfeasibleMemoryError] = []
+    start = time.perf_counter()
+    candidates = candidate_meshes(mesh, cluster, num_devices)
+    for logical in candidates:
+        try:
+            result = plan_intra_op(graph, logical, options)
+        except InfeasibleMemoryError as err:
+            errors.append(err)
+            continue
+        alternatives["x".join(map(str, logical.shape))] = result.step_s
+        if best is None or result.step_s < best[0] - 1e-12:
+            best = (result.step_s, result)
+    timings["intra-op"] = time.perf_counter() - start
+    if best is None:
+        smallest = min((e.smallest_budget_bytes or float("inf")) for e in errors) if errors else None
+        if len(errors) == 1:
+            raise errors[0]
+        raise InfeasibleMemoryError(
+            f"no mesh shape of {num_devices} devices fits {budget / 2**30:.3f} GiB per device; the smallest budget "
+            f"that fits is {smallest / 2**30:.3f} GiB: raise memory_budget or use more devices", smallest)
+    result = best[1]
+    plan = build_plan(graph, result, budget, timings, name=name)
+    if len(candidates) > 1:
+        plan = replace(plan, alternatives=alternatives)
+    return PlannedStep(plan, graph, annotations_from(result), result.mesh, result)
+
+
+def plan_step(fn: Callable[..., Any], args: Sequence[Any], **kwargs: Any) -> PlannedStep:
+    """Trace ``fn(*args)`` and plan it (see ``plan_graph`` for the options)."""
+    start = time.perf_counter()
+    graph = trace(fn, *args)
+    timings = {"trace": time.perf_counter() - start}
+    name = kwargs.pop("name", getattr(fn, "__name__", "autoshard"))
+    if not graph.ops:
+        raise PlanningError(f"{name} has no operations to plan")
+    return plan_graph(graph, timings=timings, name=name, **kwargs)

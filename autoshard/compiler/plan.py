@@ -1,0 +1,111 @@
+"""Plan: everything autoshard decided for one train step, as plain data.
+
+A Plan names the logical mesh, a Spec per input and output leaf (by pytree
+path), per-op output specs and reshards (by op index in the traced graph),
+and a ledger of what the cost model predicts: compute, communication and
+resharding time, per-device memory by kind, the collectives by kind, and how
+the solver and each pass fared. ``str(plan)`` is a readable report.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from autoshard.compiler.spec import Spec
+from autoshard.meshes.cluster import ClusterSpec
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Ledger:
+    compute_s: float
+    comm_s: float  # collectives inside op strategies (partial-sum reductions)
+    reshard_s: float  # resharding between ops, including state written back to its storage layout
+    bubble_s: float  # pipeline bubbles (0 for SPMD)
+    peak_memory_bytes: float  # per device
+    memory_by_kind: Mapping[str, float]  # per device at the peak: param, opt_state, batch, activation
+    collective_bytes: Mapping[str, float]  # predicted per-device bytes by collective kind
+    compute_lower_bound_s: float  # total FLOPs / (devices x peak)
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.comm_s + self.reshard_s + self.bubble_s
+
+
+@dataclass(frozen=True)
+class SolverInfo:
+    status: str
+    gap: float
+    solve_s: float
+    num_nodes: int
+    num_classes: int
+    num_variables: int
+    num_constraints: int
+    num_edges: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    cluster: ClusterSpec
+    input_specs: Mapping[str, Spec]  # pytree path -> storage spec
+    output_specs: Mapping[str, Spec]
+    input_roles: Mapping[str, str]
+    input_shapes: Mapping[str, tuple[tuple[int, ...], str]]  # path -> (shape, dtype): the traced signature
+    op_out_specs: Mapping[int, tuple[Spec, ...]]
+    op_in_reshards: Mapping[int, Mapping[int, Spec]]
+    ledger: Ledger
+    solver: SolverInfo
+    planning_s: Mapping[str, float]  # seconds per pass
+    memory_budget_bytes: float
+    num_ops: int
+    name: str = "autoshard"
+    stages: tuple[Any, ...] = ()
+    num_microbatches: int = 1
+    schedule: str = "spmd"
+    alternatives: Mapping[str, float] = field(default_factory=dict)  # other mesh shapes tried -> modeled step s
+
+    @property
+    def step_s(self) -> float:
+        return self.ledger.step_s
+
+    @property
+    def fits(self) -> bool:
+        return self.ledger.peak_memory_bytes <= self.memory_budget_bytes
+
+    def param_specs(self) -> dict[str, Spec]:
+        return {p: s for p, s in self.input_specs.items() if self.input_roles.get(p) == "param"}
+
+    def __str__(self) -> str:
+        led = self.ledger
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.mesh_shape))
+        lines = [
+            f"autoshard plan '{self.name}' on mesh ({mesh}) of {self.cluster.name}",
+            f"  modeled step      {led.step_s * 1e3:10.3f} ms  (compute {led.compute_s * 1e3:.3f}, "
+            f"collectives {led.comm_s * 1e3:.3f}, resharding {led.reshard_s * 1e3:.3f}, bubble {led.bubble_s * 1e3:.3f})",
+            f"  compute bound     {led.compute_lower_bound_s * 1e3:10.3f} ms  "
+            f"({led.compute_lower_bound_s / led.step_s:.0%} of it reached)" if led.step_s > 0 else "",
+            f"  peak memory       {led.peak_memory_bytes / GIB:10.4f} GiB per device (budget "
+            f"{self.memory_budget_bytes / GIB:.2f} GiB): "
+            + ", ".join(f"{k} {v / GIB:.4f}" for k, v in sorted(led.memory_by_kind.items())),
+            "  collectives       " + (", ".join(f"{k} {v / 1e6:.3f} MB" for k, v in sorted(led.collective_bytes.items()))
+                                      or "none"),
+            f"  solver            {self.solver.status}, gap {self.solver.gap:.2%}, {self.solver.solve_s:.2f}s; "
+            f"{self.solver.num_nodes} nodes -> {self.solver.num_classes} classes, {self.solver.num_edges} edges",
+            "  planning          " + ", ".join(f"{k} {v:.2f}s" for k, v in self.planning_s.items()),
+        ]
+        if self.alternatives:
+            lines.append("  meshes tried      " + ", ".join(f"{k}: {v * 1e3:.3f} ms" for k, v in self.alternatives.items()))
+        lines.append("  parameters:")
+        for path, spec in self.param_specs().items():
+            shape = self.input_shapes[path][0]
+            lines.append(f"    {path:60} {str(shape):22} {spec}")
+        others = [(p, s) for p, s in self.input_specs.items() if self.input_roles.get(p) == "batch"]
+        if others:
+            lines.append("  batch:")
+            for path, spec in others:
+                lines.append(f"    {path:60} {str(self.input_shapes[path][0]):22} {spec}")
+        return "\n".join(line for line in lines if line)

@@ -1,0 +1,67 @@
+"""SPMD runtime: one ``jax.jit`` of the traced graph with the plan's shardings.
+
+Inputs and outputs get ``in_shardings``/``out_shardings`` from the plan; every
+op output is pinned with ``with_sharding_constraint`` to the spec the plan
+chose, and inputs that the plan reshards are constrained to the consumer's
+spec first, so XLA runs exactly the communication the plan priced. Carried
+state (parameters, optimizer state) is donated.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from autoshard.compiler.graph import Op, OpGraph
+from autoshard.passes.emit import Annotations, named_sharding
+
+
+class SpmdStep:
+    """A planned train step: call it like the original function."""
+
+    def __init__(self, graph: OpGraph, annotations: Annotations, mesh: Mesh, *, donate: bool = True) -> None:
+        self.graph, self.annotations, self.mesh = graph, annotations, mesh
+        self.in_shardings = tuple(named_sharding(s, mesh) for s in annotations.input_specs)
+        self.out_shardings = tuple(named_sharding(s, mesh) for s in annotations.output_specs)
+        carried = {i for i in (graph.carried or ()) if i is not None}
+        self.donate_argnums = tuple(sorted(carried)) if donate else ()
+        self.jitted = jax.jit(self._flat_step, in_shardings=self.in_shardings, out_shardings=self.out_shardings,
+                              donate_argnums=self.donate_argnums)
+
+    def _flat_step(self, *flat: Any) -> list[Any]:
+        ann, mesh = self.annotations, self.mesh
+        wsc = jax.lax.with_sharding_constraint
+
+        def before(op: Op, vals: list[Any]) -> list[Any]:
+            moves = ann.op_in_reshards.get(op.id)
+            if not moves:
+                return vals
+            return [wsc(v, named_sharding(moves[i], mesh)) if i in moves else v for i, v in enumerate(vals)]
+
+        def after(op: Op, vals: list[Any]) -> list[Any]:
+            specs = ann.op_out_specs.get(op.id)
+            if specs is None:
+                return vals
+            return [wsc(v, named_sharding(s, mesh)) for v, s in zip(vals, specs)]
+
+        return self.graph.evaluate(flat, before_op=before, after_op=after)
+
+    def flatten_args(self, args: Sequence[Any]) -> list[Any]:
+        leaves, tree = jax.tree_util.tree_flatten(tuple(args))
+        if tree != self.graph.in_tree:
+            raise ValueError(f"arguments do not match the planned signature:\n  planned {self.graph.in_tree}\n  got     {tree}")
+        return leaves
+
+    def place(self, *args: Any) -> tuple[Any, ...]:
+        """Put arguments on the mesh with the planned input shardings (as a pytree like ``args``)."""
+        leaves = [jax.device_put(x, s) for x, s in zip(self.flatten_args(args), self.in_shardings)]
+        return jax.tree_util.tree_unflatten(self.graph.in_tree, leaves)
+
+    def __call__(self, *args: Any) -> Any:
+        out = self.jitted(*self.flatten_args(args))
+        return jax.tree_util.tree_unflatten(self.graph.out_tree, out)
+
+    def lower(self, *args: Any) -> Any:
+        return self.jitted.lower(*self.flatten_args(args))

@@ -1,0 +1,163 @@
+"""Tracer: FLOPs, inlining, kept control flow, roles, paths, errors."""
+from __future__ import annotations
+
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from autoshard.compiler.graph import Role
+from autoshard.compiler.trace import TracingError, carried_pairs, dot_general_flops, trace
+
+
+@pytest.mark.parametrize(
+    "lhs, rhs, dims, expected",
+    [
+        ((8, 16), (16, 32), (((1,), (0,)), ((), ())), 2 * 8 * 32 * 16),
+        ((4, 8, 16), (4, 16, 32), (((2,), (1,)), ((0,), (0,))), 2 * 4 * 8 * 32 * 16),
+        ((16, 8), (16, 32), (((0,), (0,)), ((), ())), 2 * 8 * 32 * 16),  # transposed lhs
+        ((2, 3, 5, 7), (7, 5, 11), (((2, 3), (1, 0)), ((), ())), 2 * 2 * 3 * 11 * 35),  # two contracting dims
+    ],
+)
+def test_dot_general_flops_is_2mnk(lhs, rhs, dims, expected):
+    assert dot_general_flops(lhs, rhs, dims) == expected
+    graph = trace(lambda a, b: jax.lax.dot_general(a, b, dims), jnp.ones(lhs), jnp.ones(rhs))
+    (op,) = [o for o in graph.ops if o.primitive == "dot_general"]
+    assert op.flops == expected
+
+
+def test_conv_flops():
+    x = jnp.ones((2, 8, 8, 3))
+    w = jnp.ones((3, 3, 3, 16))
+    graph = trace(lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                                            dimension_numbers=("NHWC", "HWIO", "NHWC")), x, w)
+    (op,) = graph.ops
+    assert op.flops == 2 * (2 * 8 * 8 * 16) * (3 * 3 * 3)
+
+
+def test_elementwise_flops_are_element_counts():
+    graph = trace(lambda x: jnp.exp(x) * 2.0, jnp.ones((4, 6)))
+    assert [op.flops for op in graph.ops] == [24.0, 24.0]
+
+
+@jax.custom_vjp
+def _scaled(x):
+    return x * 3.0
+
+
+_scaled.defvjp(lambda x: (x * 3.0, None), lambda _, g: (g * 3.0,))
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.tanh(nn.Dense(8)(x))
+
+
+class _Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(8)(x)
+        x = nn.remat(_Block)()(x)  # a checkpointed layer
+        x = _scaled(x)  # a custom_vjp function
+        x = jax.jit(lambda y: y + 1.0)(x)  # a nested pjit
+
+        def body(carry, w):
+            return jnp.tanh(carry @ w), None
+
+        x, _ = jax.lax.scan(body, x, self.param("stack", nn.initializers.normal(), (3, 8, 8)))
+        return nn.Dense(2)(x)
+
+
+def _step_and_args():
+    model = _Model()
+    x = jnp.ones((4, 5))
+    params = model.init(jax.random.key(0), x)["params"]
+    tx = optax.adam(1e-3)
+    opt_state = tx.init(params)
+    batch = {"x": x, "y": jnp.zeros((4, 2))}
+
+    def step(params, opt_state, batch):
+        def loss(p):
+            return jnp.mean((model.apply({"params": p}, batch["x"]) - batch["y"]) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return step, (params, opt_state, batch)
+
+
+def test_train_step_ops_roles_and_paths():
+    step, args = _step_and_args()
+    graph = trace(step, *args)
+    prims = graph.primitive_counts()
+    # call-like bodies are inlined, control flow is kept
+    for inlined in ("jit", "pjit", "custom_vjp_call", "custom_jvp_call", "remat2", "checkpoint", "closed_call"):
+        assert inlined not in prims
+    assert prims["scan"] >= 2  # forward scan and its transpose
+    assert prims["dot_general"] >= 6
+    scan = next(op for op in graph.ops if op.primitive == "scan")
+    assert scan.bodies and scan.bodies[0].primitive_counts().get("dot_general", 0) >= 1
+    assert scan.flops == pytest.approx(scan.params["length"] * scan.bodies[0].total_flops)
+    # roles and paths
+    roles = {graph.values[v].path: graph.values[v].role for v in graph.inputs}
+    assert roles["[0]['Dense_0']['kernel']"] is Role.PARAM
+    assert roles["[0]['stack']"] is Role.PARAM
+    assert roles["[1][0].mu['Dense_0']['kernel']"] is Role.OPT_STATE
+    assert roles["[1][0].count"] is Role.OPT_STATE
+    assert roles["[2]['x']"] is Role.BATCH
+    assert len(graph.inputs_with_role(Role.PARAM)) == len(jax.tree.leaves(args[0]))
+    # state outputs are tied to the inputs they update; the loss is not
+    assert graph.carried[: len(jax.tree.leaves(args[0]))] == tuple(range(len(jax.tree.leaves(args[0]))))
+    assert graph.carried[-1] is None
+    assert graph.total_flops > 0
+    assert "dot_general" in graph.summary() and "param bytes" in graph.summary()
+
+
+def test_evaluate_matches_the_step():
+    step, args = _step_and_args()
+    graph = trace(step, *args)
+    got = graph.evaluate(jax.tree.leaves(args))
+    want = jax.tree.leaves(step(*args))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+def test_abstract_args_trace_without_data():
+    step, args = _step_and_args()
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+    graph = trace(step, *shapes)
+    assert len(graph.ops) == len(trace(step, *args).ops)
+
+
+def test_carried_pairs_for_state_and_batch_signature():
+    state = {"w": jnp.ones((2, 3))}
+    pairs = carried_pairs((state, {"x": jnp.ones((2, 3))}), (state, jnp.ones(())))
+    assert pairs == {0: 0}
+
+
+def test_untraceable_step_says_what_to_change():
+    def step(params, batch):
+        if batch.sum() > 0:  # Python control flow on a traced value
+            return params
+        return params
+
+    with pytest.raises(TracingError, match="pure function"):
+        trace(step, jnp.ones(3), jnp.ones(3))
+
+
+def test_large_gpt_traces_fast():
+    from examples import gpt
+
+    w = gpt.workload("large", abstract=True)
+    start = time.perf_counter()
+    graph = trace(w.step, *w.args)
+    seconds = time.perf_counter() - start
+    params = sum(graph.values[v].size for v in graph.inputs if graph.values[v].role is Role.PARAM)
+    assert params >= 1e9
+    assert seconds < 10, f"tracing the large GPT took {seconds:.1f}s"
