@@ -7,11 +7,24 @@ class PlanningError(Exception):
 
 
 class InfeasibleMemoryError(PlanningError):
-    """No plan fits the memory budget; carries the smallest budget that would fit."""
+    """No plan fits the memory budget; carries the smallest budget that would fit.
 
-    def __init__(self, message: str, smallest_budget_bytes: float | None = None) -> None:
+    ``budget_bytes`` is the budget that was asked for and ``liveness_point`` the
+    point where the smallest plan peaks, when the raiser knows them.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        smallest_budget_bytes: float | None = None,
+        *,
+        budget_bytes: float | None = None,
+        liveness_point: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.smallest_budget_bytes = smallest_budget_bytes
+        self.budget_bytes = budget_bytes
+        self.liveness_point = liveness_point
 
 
 class PlanMismatchError(PlanningError):

@@ -56,7 +56,7 @@ class Plan:
     input_roles: Mapping[str, str]
     input_shapes: Mapping[str, tuple[tuple[int, ...], str]]  # path -> (shape, dtype): the traced signature
     op_out_specs: Mapping[int, tuple[Spec, ...]]
-    op_in_reshards: Mapping[int, Mapping[int, Spec]]
+    op_in_reshards: Mapping[int, Mapping[int, tuple[Spec, ...]]]  # op -> {input position: layouts to pin}
     ledger: Ledger
     solver: SolverInfo
     planning_s: Mapping[str, float]  # seconds per pass
@@ -67,6 +67,7 @@ class Plan:
     num_microbatches: int = 1
     schedule: str = "spmd"
     alternatives: Mapping[str, float] = field(default_factory=dict)  # other mesh shapes tried -> modeled step s
+    output_reshards: Mapping[int, tuple[Spec, ...]] = field(default_factory=dict)  # flat output -> layouts to pin
 
     @property
     def step_s(self) -> float:
@@ -75,6 +76,18 @@ class Plan:
     @property
     def fits(self) -> bool:
         return self.ledger.peak_memory_bytes <= self.memory_budget_bytes
+
+    def save(self, path: Any) -> None:
+        """Write the plan as a versioned JSON file (see compiler/planfile.py)."""
+        from autoshard.compiler.planfile import save_plan
+
+        save_plan(self, path)
+
+    def apply(self, fn: Any, mesh: Any) -> Any:
+        """A callable that runs ``fn`` with this plan on ``mesh`` (a jax Mesh of the plan's shape)."""
+        from autoshard.runtime.applied import AppliedPlan
+
+        return AppliedPlan(self, fn, mesh)
 
     def param_specs(self) -> dict[str, Spec]:
         return {p: s for p, s in self.input_specs.items() if self.input_roles.get(p) == "param"}

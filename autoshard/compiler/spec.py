@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
 MeshAxes: TypeAlias = tuple[str, ...]
-CollectiveKind: TypeAlias = Literal["all-reduce", "all-gather", "reduce-scatter", "all-to-all"]
-COLLECTIVE_KINDS: tuple[CollectiveKind, ...] = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+CollectiveKind: TypeAlias = Literal["all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"]
+COLLECTIVE_KINDS: tuple[CollectiveKind, ...] = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                                                "collective-permute")
 
 
 @dataclass(frozen=True)
@@ -58,12 +59,13 @@ class Spec:
         return n
 
     def shard_shape(self, shape: Sequence[int], axis_sizes: Mapping[str, int]) -> tuple[int, ...]:
+        """Per-device shape; a dimension that the shards do not divide is padded, as XLA does."""
         out = []
         for size, axes in zip(shape, self.dims):
             n = 1
             for a in axes:
                 n *= axis_sizes[a]
-            out.append(size // n)
+            out.append(-(-size // n))
         return tuple(out)
 
     def divides(self, shape: Sequence[int], axis_sizes: Mapping[str, int]) -> bool:
@@ -96,7 +98,9 @@ class Spec:
 @dataclass(frozen=True)
 class Collective:
     """One collective a choice implies. ``nbytes`` is the per-device buffer as XLA's HLO shows it:
-    the result for all-gather, the operand for reduce-scatter, the buffer for all-reduce/all-to-all."""
+    the result for all-gather, the operand for reduce-scatter, the buffer for all-reduce, all-to-all
+    and collective-permute (for a permute, ``axes`` are the mesh axes along which sender and
+    receiver may differ)."""
 
     kind: CollectiveKind
     axes: MeshAxes

@@ -8,6 +8,7 @@ are rejected with a message naming the field.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import tomllib
@@ -47,6 +48,13 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         _validate(self)
+
+    def __hash__(self) -> int:
+        # explicit: the generated hash fails on the peak_flops_per_s dict, and a LogicalMesh
+        # (which holds its ClusterSpec) must be hashable to key the cost caches
+        return hash((self.name, self.num_nodes, self.devices_per_node, self.intra_node, self.inter_node,
+                     tuple(sorted(self.peak_flops_per_s.items())), self.memory_bandwidth_bytes_per_s,
+                     self.memory_per_device_bytes, self.devices_per_process))
 
     @property
     def num_devices(self) -> int:
@@ -95,7 +103,8 @@ class ClusterSpec:
             kwargs[level] = _link_from(kwargs[level], f"{source}: {level}")
         if not isinstance(kwargs["peak_flops_per_s"], Mapping):
             raise ClusterSpecError(f"{source}: peak_flops_per_s must be a table dtype -> FLOP/s")
-        kwargs["peak_flops_per_s"] = {str(k): float(v) for k, v in kwargs["peak_flops_per_s"].items()}
+        kwargs["peak_flops_per_s"] = {str(k): _number(f"{source}: peak_flops_per_s[{k}]", v)
+                                      for k, v in kwargs["peak_flops_per_s"].items()}
         try:
             return cls(**kwargs)
         except ClusterSpecError as err:
@@ -106,10 +115,10 @@ class ClusterSpec:
         path = Path(path)
         if not path.exists():
             raise ClusterSpecError(f"cluster file {path} does not exist; pass a preset name ({', '.join(PRESETS)}) or a .json/.toml file")
-        text = path.read_text()
         try:
+            text = path.read_text()
             data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-        except (json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
             raise ClusterSpecError(f"cluster file {path} does not parse: {err}") from None
         return cls.from_dict(data, source=str(path))
 
@@ -128,8 +137,15 @@ def _link_from(data: Any, where: str) -> LinkLevel:
     unknown = sorted(set(data) - {f.name for f in fields(LinkLevel)})
     if unknown:
         raise ClusterSpecError(f"{where}: unknown field(s) {unknown}")
-    return LinkLevel(name=str(data["name"]), bandwidth_bytes_per_s=float(data["bandwidth_bytes_per_s"]),
-                     latency_s=float(data["latency_s"]))
+    return LinkLevel(name=str(data["name"]),
+                     bandwidth_bytes_per_s=_number(f"{where}.bandwidth_bytes_per_s", data["bandwidth_bytes_per_s"]),
+                     latency_s=_number(f"{where}.latency_s", data["latency_s"]))
+
+
+def _number(where: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ClusterSpecError(f"{where} must be a number, got {value!r}")
+    return float(value)
 
 
 def _positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
@@ -142,7 +158,7 @@ def _positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
 def _validate(spec: ClusterSpec) -> None:
     for name in ("num_nodes", "devices_per_node"):
         value = getattr(spec, name)
-        if not isinstance(value, int) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ClusterSpecError(f"field {name} must be a positive integer, got {value!r}")
     _positive("memory_bandwidth_bytes_per_s", spec.memory_bandwidth_bytes_per_s)
     _positive("memory_per_device_bytes", spec.memory_per_device_bytes)
@@ -220,12 +236,22 @@ def get_cluster(spec: "ClusterSpec | str | Path | None", *, num_devices: int | N
         elif Path(key).suffix in (".json", ".toml") or Path(key).exists():
             spec = ClusterSpec.load(key)
         else:
-            raise ClusterSpecError(f"unknown cluster {str(spec)!r}: use a preset ({', '.join(PRESETS)}) or a .json/.toml file")
+            close = difflib.get_close_matches(key, [*PRESETS, *ALIASES], n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ClusterSpecError(f"unknown cluster {str(spec)!r}: {hint}use a preset ({', '.join(PRESETS)}) "
+                                   "or a .json/.toml file")
     if num_devices is not None and num_devices != spec.num_devices:
-        if spec.num_nodes > 1 and num_devices % spec.devices_per_node == 0:
-            spec = spec.with_devices(num_devices // spec.devices_per_node, spec.devices_per_node)
-        else:
+        if num_devices < 1:
+            raise ClusterSpecError(f"num_devices must be positive, got {num_devices}")
+        if spec.num_nodes == 1 or num_devices <= spec.devices_per_node:
             spec = spec.with_devices(1, num_devices)
+        else:
+            # a multi-node cluster's devices beyond one node span nodes, so the inter-node link must stay
+            # in the model: use the fewest equal nodes that hold them (12 on 8-device nodes: 2 nodes of 6)
+            nodes = -(-num_devices // spec.devices_per_node)
+            while num_devices % nodes:
+                nodes += 1
+            spec = spec.with_devices(nodes, num_devices // nodes)
     return spec
 
 

@@ -6,13 +6,15 @@ per-hop latency a (the axis's link level decides both):
     all-reduce      2(n-1)/n * bytes / B + 2(n-1) a
     all-gather       (n-1)/n * bytes / B +  (n-1) a     bytes = gathered (output) size
     reduce-scatter   (n-1)/n * bytes / B +  (n-1) a     bytes = input (unscattered) size
-    all-to-all       (n-1)/n * bytes / B +  (n-1) a
+    all-to-all       (n-1)/n * bytes / B +  (n-1) a     bytes = the buffer (input = output size)
     point-to-point           bytes / B +        a
 
 A collective over several axes runs axis by axis (hierarchically): an
 all-gather gathers over the slowest axis first, while the buffer is smallest;
 a reduce-scatter scatters over the fastest axis first; an all-reduce is a
-reduce-scatter followed by an all-gather, both hierarchical. Compute is a
+reduce-scatter followed by an all-gather, both hierarchical; an all-to-all is
+the cheaper of one exchange per axis and one direct exchange over the whole
+group (see all_to_all_s). Compute is a
 roofline: max(flops / peak, bytes / memory bandwidth).
 """
 from __future__ import annotations
@@ -91,8 +93,26 @@ def all_reduce_s(mesh: LogicalMesh, axes: Sequence[str] | str, nbytes: float) ->
 
 
 def all_to_all_s(mesh: LogicalMesh, axes: Sequence[str] | str, nbytes: float) -> float:
-    """All-to-all of ``nbytes`` per device over ``axes`` (one exchange per axis)."""
-    return sum(ring_all_to_all_s(nbytes, a.size, a.link) for a in _axes(mesh, axes))
+    """All-to-all of ``nbytes`` per device over ``axes``: the cheaper of two algorithms.
+
+    Hierarchical: one full-buffer exchange per axis, (n-1)/n * nbytes / B + (n-1) a each.
+    Direct (what XLA emits: one all-to-all over the combined group of N devices): each
+    device sends nbytes/N to every peer, over the slowest link on which the two differ;
+    with axes slowest first, axis i carries (n_i - 1) / (n_1...n_i) * nbytes in
+    (n_i - 1) * n_(i+1)...n_k messages. On one axis both are the ring formula.
+    """
+    found = _axes(mesh, axes)
+    hierarchical = sum(ring_all_to_all_s(nbytes, a.size, a.link) for a in found)
+    order = _slowest_first(found)
+    direct, before, after = 0.0, 1, 1
+    for a in order:
+        after *= a.size
+    for a in order:
+        before *= a.size
+        after //= a.size
+        direct += ((a.size - 1) / before * nbytes / a.link.bandwidth_bytes_per_s
+                   + (a.size - 1) * after * a.link.latency_s)
+    return min(hierarchical, direct)
 
 
 def send_s(cluster: ClusterSpec, nbytes: float, *, cross_node: bool) -> float:

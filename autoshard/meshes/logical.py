@@ -7,7 +7,6 @@ intra-node link; one whose groups span nodes uses the inter-node link.
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,10 +95,18 @@ def make_logical_mesh(
 
 
 def factorizations(num_devices: int, max_axes: int = 2) -> list[tuple[int, ...]]:
-    """Mesh shapes with up to ``max_axes`` axes whose product is ``num_devices`` (Alpa's logical-mesh search)."""
-    shapes: set[tuple[int, ...]] = {(num_devices,)}
-    for rank in range(2, max_axes + 1):
-        for combo in itertools.product(range(1, num_devices + 1), repeat=rank):
-            if int(np.prod(combo)) == num_devices:
-                shapes.add(combo)
+    """Mesh shapes with up to ``max_axes`` axes whose product is ``num_devices`` (Alpa's logical-mesh search).
+
+    Axes of size 1 are included ((1, 6) beside (6,)): a sub-mesh of one host row is such a shape.
+    """
+    if num_devices < 1:
+        raise ValueError(f"num_devices must be positive, got {num_devices}")
+    divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
+
+    def shapes_of(n: int, rank: int) -> list[tuple[int, ...]]:
+        if rank == 1:
+            return [(n,)]
+        return [(d, *rest) for d in divisors if n % d == 0 for rest in shapes_of(n // d, rank - 1)]
+
+    shapes = {s for rank in range(1, max_axes + 1) for s in shapes_of(num_devices, rank)}
     return sorted(shapes, key=lambda s: (len(s), s))

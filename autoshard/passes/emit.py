@@ -8,7 +8,7 @@ producer left them). ``annotations_from`` lowers an IntraOpResult to it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import numpy as np
@@ -23,17 +23,24 @@ class Annotations:
     input_specs: tuple[Spec, ...]
     output_specs: tuple[Spec, ...]
     op_out_specs: Mapping[int, tuple[Spec, ...]]  # op index -> spec of each output
-    op_in_reshards: Mapping[int, Mapping[int, Spec]]  # op index -> {input position: spec to reshard to}
+    # op index -> {input position: layouts to pin in order, the last being the spec the op reads}
+    op_in_reshards: Mapping[int, Mapping[int, tuple[Spec, ...]]]
+    # flat output index -> layouts to pin before returning (state written back to its storage layout)
+    output_reshards: Mapping[int, tuple[Spec, ...]] = field(default_factory=dict)
 
 
 def annotations_from(result) -> Annotations:  # result: passes.intra_op.IntraOpResult
     graph = result.graph
     op_out = {j: tuple(result.value_specs[v] for v in op.outputs) for j, op in enumerate(graph.ops)}
-    reshard: dict[int, dict[int, Spec]] = {}
+    reshard: dict[int, dict[int, tuple[Spec, ...]]] = {}
+    carried_chain: dict[int, tuple[Spec, ...]] = {}
     for site in result.reshards:
         if site.op_index >= 0:
-            reshard.setdefault(site.op_index, {})[site.input_pos] = site.dst
-    return Annotations(result.input_specs, result.output_specs, op_out, reshard)
+            reshard.setdefault(site.op_index, {})[site.input_pos] = site.chain
+        else:
+            carried_chain[site.value] = site.chain
+    outputs = {k: carried_chain[v] for k, v in enumerate(graph.outputs) if v in carried_chain}
+    return Annotations(result.input_specs, result.output_specs, op_out, reshard, outputs)
 
 
 def partition_spec(spec: Spec) -> PartitionSpec:

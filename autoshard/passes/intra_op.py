@@ -59,6 +59,12 @@ class ReshardSite:
     dst: Spec
     seconds: float
     collectives: tuple[Collective, ...]
+    path: tuple[Spec, ...] = ()  # intermediate layouts the priced plan passes through (pinned by emission)
+
+    @property
+    def chain(self) -> tuple[Spec, ...]:
+        """Layouts to pin in order: the intermediates, then the target."""
+        return tuple(self.path) + (self.dst,)
 
 
 @dataclass(frozen=True)
@@ -357,7 +363,7 @@ def decode(pb: _Problem, choices: np.ndarray, stats: IlpStats) -> IntraOpResult:
             value = graph.values[vid]
             r = reshard(value.shape, np.dtype(value.dtype).itemsize, src, dst, pb.mesh)
             op_index = -1 if pos < 0 else c - pb.num_inputs
-            reshards.append(ReshardSite(op_index, pos, vid, src, dst, r.seconds, tuple(r.collectives)))
+            reshards.append(ReshardSite(op_index, pos, vid, src, dst, r.seconds, tuple(r.collectives), tuple(r.path)))
     output_specs = []
     for out_index, vid in enumerate(graph.outputs):
         carried = graph.carried[out_index] if graph.carried else None

@@ -20,12 +20,14 @@ and a map from the class's strategy index to the node's own strategy index.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from autoshard.compiler.graph import Op, OpGraph, Role
+from autoshard.passes.liveness import FUSIBLE
 from autoshard.passes.strategies.base import Strategy
 
 FOLLOWER_EXCLUDED = frozenset({
@@ -85,15 +87,28 @@ def find_tandem_repeats(tokens: Sequence[int], min_period: int = 1) -> list[tupl
             repeats = (length + period) // period
             candidates.append(((repeats - 1) * period, period, int(start), repeats))
     candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
+    # Copies 2..k of a chosen repeat are taken; its first copy stays open for nested repeats
+    # (the mu and nu halves of Adam's state repeat each other, and each repeats per layer inside).
     taken = np.zeros(n, dtype=bool)
     chosen: list[tuple[int, int, int]] = []
     for _saved, period, start, repeats in candidates:
         stop = start + period * repeats
         if taken[start:stop].any():
             continue
-        taken[start:stop] = True
+        taken[start + period:stop] = True
         chosen.append((start, period, repeats))
     return sorted(chosen)
+
+
+def repeat_aliases(tokens: Sequence[int]) -> np.ndarray:
+    """For each position, the earliest position it repeats (itself when it repeats nothing)."""
+    alias = np.arange(len(tokens))
+    for start, period, repeats in find_tandem_repeats(tokens):
+        for r in range(1, repeats):
+            alias[start + r * period: start + (r + 1) * period] = np.arange(start, start + period)
+    for i in range(len(alias)):  # aliases point backwards: resolve chains in one forward sweep
+        alias[i] = alias[alias[i]]
+    return alias
 
 
 def _producer_index(graph: OpGraph, num_inputs: int) -> dict[int, tuple[int, int]]:
@@ -123,18 +138,29 @@ def _follow_map(
     return mapping
 
 
-def _is_follower_candidate(graph: OpGraph, op: Op) -> int | None:
-    """The input position an op would follow, or None."""
+def _is_follower_candidate(graph: OpGraph, op: Op, where: dict[int, tuple[int, int]]) -> int | None:
+    """The input position an op would follow, or None.
+
+    One live input: follow it when the output has as many elements (or is its
+    broadcast). Several live inputs (elementwise ops such as an Adam update):
+    follow the most recently produced operand of the output's size, as Alpa
+    follows an elementwise op's largest operand; the others reshard to it.
+    """
     if op.primitive in FOLLOWER_EXCLUDED or len(op.outputs) != 1:
         return None
     live = [i for i, v in enumerate(op.inputs) if graph.values[v].role != Role.CONSTANT]
-    if len(live) != 1:
-        return None
-    src = graph.values[op.inputs[live[0]]]
     out = graph.values[op.outputs[0]]
-    if out.size != src.size and op.primitive != "broadcast_in_dim":
+    if len(live) == 1:
+        src = graph.values[op.inputs[live[0]]]
+        if out.size != src.size and op.primitive != "broadcast_in_dim":
+            return None
+        return live[0]
+    if op.primitive not in FUSIBLE or not live:
         return None
-    return live[0]
+    same = [i for i in live if graph.values[op.inputs[i]].shape == out.shape]
+    if not same:
+        return None
+    return max(same, key=lambda i: where.get(op.inputs[i], (-1, 0))[0])
 
 
 def build_classes(graph: OpGraph, strategies: Sequence[list[Strategy]], *, tie_layers: bool = True,
@@ -150,7 +176,7 @@ def build_classes(graph: OpGraph, strategies: Sequence[list[Strategy]], *, tie_l
     if merge_followers:
         for j, op in enumerate(graph.ops):
             node = num_inputs + j
-            pos = _is_follower_candidate(graph, op)
+            pos = _is_follower_candidate(graph, op, where)
             if pos is None:
                 continue
             p_node, out_pos = where[op.inputs[pos]]
@@ -167,19 +193,16 @@ def build_classes(graph: OpGraph, strategies: Sequence[list[Strategy]], *, tie_l
         token_ids: dict[tuple, int] = {}
         tokens = [token_ids.setdefault(op_token(graph, graph.ops[j]), len(token_ids)) for j in root_ops]
         alias = np.arange(num_nodes)
-        for start, period, repeats in find_tandem_repeats(tokens):
-            for r in range(1, repeats):
-                for k in range(period):
-                    a = num_inputs + root_ops[start + k]
-                    b = num_inputs + root_ops[start + r * period + k]
-                    if len(strategies[a]) == len(strategies[b]):
-                        alias[b] = a
-                        tied += 1
+        for k, first in enumerate(repeat_aliases(tokens)):
+            a, b = num_inputs + root_ops[first], num_inputs + root_ops[k]
+            if a != b and len(strategies[a]) == len(strategies[b]):
+                alias[b] = a
+                tied += 1
         for node in range(num_nodes):
             r = root[node]
             if alias[r] != r:
                 root[node] = alias[r]  # maps index the root's strategy list; tied roots have identical lists
-        tied += _tie_inputs(graph, root, where, num_inputs, strategies)
+        tied += _tie_inputs(graph, root, strategies)
         root = root[root]  # followers of a tied input follow its representative
     class_of_root: dict[int, int] = {}
     node_class = np.empty(num_nodes, dtype=np.int64)
@@ -190,25 +213,28 @@ def build_classes(graph: OpGraph, strategies: Sequence[list[Strategy]], *, tie_l
     return NodeClasses(node_class, tuple(maps), class_size, class_root, followers, tied)
 
 
-def _tie_inputs(graph: OpGraph, root: np.ndarray, where: dict[int, tuple[int, int]], num_inputs: int,
-                strategies: Sequence[list[Strategy]]) -> int:
-    """Tie input leaves (parameters of repeated layers) whose consumers all sit in the same tied classes."""
-    uses: dict[int, list[tuple[int, int]]] = {i: [] for i in range(num_inputs)}
-    for j, op in enumerate(graph.ops):
-        for pos, vid in enumerate(op.inputs):
-            node, _ = where.get(vid, (-1, 0))
-            if 0 <= node < num_inputs:
-                uses[node].append((int(root[num_inputs + j]), pos))
+_DIGITS = re.compile(r"\d+")
+
+
+def layer_free_path(path: str | None) -> str:
+    """A pytree path with layer numbers blanked: ``[0]['blocks'][3]['q']`` and ``[0]['blocks'][5]['q']``,
+    or ``['layers_3']`` and ``['layers_5']``, become the same key."""
+    return _DIGITS.sub("#", path or "")
+
+
+def _tie_inputs(graph: OpGraph, root: np.ndarray, strategies: Sequence[list[Strategy]]) -> int:
+    """Tie input leaves of repeated layers: same shape, dtype, role and path up to layer numbers.
+
+    ``blocks[3].attn.q.kernel`` ties to ``blocks[0].attn.q.kernel`` (and its Adam moments to
+    its moments), never to ``attn.out.kernel``, which may want another layout.
+    """
     first: dict[tuple, int] = {}
     tied = 0
     for i, vid in enumerate(graph.inputs):
         value = graph.values[vid]
-        if not uses[i] or root[i] != i:
-            continue
-        key = (value.shape, value.dtype, value.role, tuple(sorted(set(uses[i]))))
-        if key in first and len(strategies[first[key]]) == len(strategies[i]):
-            root[i] = first[key]
+        key = (value.shape, value.dtype, value.role, layer_free_path(value.path))
+        a = first.setdefault(key, i)
+        if a != i and root[i] == i and len(strategies[a]) == len(strategies[i]):
+            root[i] = root[a]
             tied += 1
-        else:
-            first.setdefault(key, i)
     return tied

@@ -34,11 +34,16 @@ class SpmdStep:
         ann, mesh = self.annotations, self.mesh
         wsc = jax.lax.with_sharding_constraint
 
+        def pin(value: Any, chain: Sequence[Any]) -> Any:
+            for spec in chain:
+                value = wsc(value, named_sharding(spec, mesh))
+            return value
+
         def before(op: Op, vals: list[Any]) -> list[Any]:
             moves = ann.op_in_reshards.get(op.id)
             if not moves:
                 return vals
-            return [wsc(v, named_sharding(moves[i], mesh)) if i in moves else v for i, v in enumerate(vals)]
+            return [pin(v, moves[i]) if i in moves else v for i, v in enumerate(vals)]
 
         def after(op: Op, vals: list[Any]) -> list[Any]:
             specs = ann.op_out_specs.get(op.id)
@@ -46,7 +51,8 @@ class SpmdStep:
                 return vals
             return [wsc(v, named_sharding(s, mesh)) for v, s in zip(vals, specs)]
 
-        return self.graph.evaluate(flat, before_op=before, after_op=after)
+        outs = self.graph.evaluate(flat, before_op=before, after_op=after)
+        return tuple(pin(v, ann.output_reshards[k]) if k in ann.output_reshards else v for k, v in enumerate(outs))
 
     def flatten_args(self, args: Sequence[Any]) -> list[Any]:
         leaves, tree = jax.tree_util.tree_flatten(tuple(args))

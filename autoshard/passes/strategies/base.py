@@ -11,6 +11,13 @@ it leaves partial results that the strategy itself reduces (an all-reduce over
 the split axes, or a reduce-scatter when the output is then split over those
 axes too). A factor marked ``replicate_only`` is never split (sort along an
 axis, cumsum's axis, a gather's indexed dimension...).
+
+Every strategy must be *locally computable*: each device runs the primitive
+on its own input shards (with shape-carrying params such as reshape's
+``new_sizes`` rewritten by ``localize_params``) and then applies exactly the
+strategy's ``collectives``; the result must equal the shard of the global
+result that the output spec names. tests/sim/test_strategy_rules.py checks
+this for every rule by simulating shards with ``jax.shard_map``.
 """
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ import logging
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import numpy as np
 
@@ -29,6 +36,8 @@ from autoshard.meshes import cost
 from autoshard.meshes.logical import LogicalMesh
 
 log = logging.getLogger(__name__)
+
+Reduction: TypeAlias = Literal["sum", "max", "min", "prod", "and", "or", "xor"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,7 @@ class Strategy:
     comm_s: float = 0.0
     collectives: tuple[Collective, ...] = ()
     note: str = ""
+    reduction: Reduction | None = None  # how the partial results ``collectives`` combine are reduced
 
     @property
     def cost_s(self) -> float:
@@ -164,9 +174,14 @@ class Factor:
 
 
 def elementwise_factors(ins: Sequence[Value], out: Value) -> list[Factor]:
-    """One factor per output dim; inputs of equal rank share it, rank-0 inputs (scalars) have none."""
+    """One factor per output dim, shared by every input that has that dim at full size.
+
+    Rank-0 inputs (scalar literals) have none; since jax 0.10 lax also broadcasts
+    size-1 dims implicitly (``add f32[1,4] f32[3,4]``, one_hot's ``eq i32[3,1]
+    i32[1,5]``), so a size-1 input dim under a larger output dim stays unsplit.
+    """
     return [
-        Factor(size, tuple(d if v.rank == out.rank else None for v in ins), (d,))
+        Factor(size, tuple(d if v.rank == out.rank and v.shape[d] == size else None for v in ins), (d,))
         for d, size in enumerate(out.shape)
     ]
 
@@ -178,13 +193,15 @@ def factor_strategies(
     mesh: LogicalMesh,
     factors: Sequence[Factor],
     *,
-    reduction: str = "sum",
+    reduction: Reduction | None = "sum",
     allow_reduce_scatter: bool = True,
+    note: str = "",
 ) -> list[Strategy]:
     """Enumerate every mapping of mesh axes onto factors (each axis used at most once).
 
     ``reduction`` names how partial results of a split reduced factor combine
-    ("sum", "max", "min"; None forbids splitting reduced factors).
+    ("sum", "max", "min", ...; None forbids splitting reduced factors). ``note``
+    is appended to the note of every strategy that splits a reduced factor.
     """
     sizes = dict(zip(mesh.axis_names, mesh.shape))
     axes = [a for a in mesh.axis_names if sizes[a] > 1]
@@ -226,7 +243,7 @@ def factor_strategies(
         strategies.append(Strategy(
             in_specs, tuple(base_out), compute,
             comm_s=sum(cost.all_reduce_s(mesh, reduced, b) for b in out_bytes),
-            collectives=tuple(reduce_comm), note=f"all-reduce({reduction})",
+            collectives=tuple(reduce_comm), note=_join(f"all-reduce({reduction})", note), reduction=reduction,
         ))
         if not allow_reduce_scatter or len(outs) != 1:
             continue
@@ -240,6 +257,50 @@ def factor_strategies(
                 in_specs, (scattered,), compute,
                 comm_s=cost.reduce_scatter_s(mesh, reduced, out_bytes[0]),
                 collectives=(Collective("reduce-scatter", reduced, out_bytes[0]),),
-                note=f"reduce-scatter({reduction}) onto dim {d}",
+                note=_join(f"reduce-scatter({reduction}) onto dim {d}", note), reduction=reduction,
             ))
     return strategies
+
+
+def _join(*notes: str) -> str:
+    return "; ".join(n for n in notes if n)
+
+
+# ---- running a strategy on shards ------------------------------------------
+
+Shape: TypeAlias = tuple[int, ...]
+Localizer: TypeAlias = Callable[[Op, Sequence[Shape], Sequence[Shape]], dict[str, Any]]
+LOCALIZERS: dict[str, Localizer] = {}
+_SHARDING_PARAMS = ("sharding", "out_sharding")
+
+
+def register_localizer(*primitives: str) -> Callable[[Localizer], Localizer]:
+    """Decorator: ``@register_localizer("reshape")`` rewrites shape-carrying params for one shard."""
+
+    def wrap(fn: Localizer) -> Localizer:
+        for name in primitives:
+            if name in LOCALIZERS:
+                raise ValueError(f"a localizer for {name!r} is registered twice")
+            LOCALIZERS[name] = fn
+        return fn
+
+    return wrap
+
+
+def localize_params(op: Op, local_in_shapes: Sequence[Shape], local_out_shapes: Sequence[Shape]) -> dict[str, Any]:
+    """The bind params one device uses on its shards.
+
+    Shape-carrying params are rewritten to the local shapes (reshape's
+    ``new_sizes``, broadcast_in_dim's ``shape``, gather's ``slice_sizes``...)
+    and global ``sharding``/``out_sharding`` annotations are dropped.
+    ``local_out_shapes`` are the shapes before the strategy's collectives (a
+    reduce-scatter's operand, not its result).
+    """
+    params = dict(op.params)
+    for name in _SHARDING_PARAMS:
+        if name in params:
+            params[name] = None
+    localizer = LOCALIZERS.get(op.primitive)
+    if localizer is not None:
+        params.update(localizer(op, tuple(map(tuple, local_in_shapes)), tuple(map(tuple, local_out_shapes))))
+    return params

@@ -1,0 +1,653 @@
+"""The intra-op sharding ILP as plain data in, plain data out (numpy + OR-Tools, no jax).
+
+An :class:`IlpProblem` holds, per node, a cost per strategy; per edge, a cost
+matrix over the two nodes' strategies; per liveness point, the bytes each
+node's choice keeps alive. :func:`solve` picks one strategy per node with
+CP-SAT; :func:`evaluate` recomputes any choice's cost and lists its
+violations from the problem alone (tests call it on every solve);
+:func:`brute_force` enumerates small problems; :func:`min_peak_memory` is the
+smallest budget under which a plan exists.
+
+Legend (single-letter names are used in this module only)
+---------------------------------------------------------
+    i, u, v   nodes (an edge e = (u, v));      a, b   strategies of u, of v
+    s[i,a]    boolean: node i uses strategy a
+    c[i,a]    node cost in seconds (inf: forbidden choice)
+    C[e,a,b]  edge cost in seconds (inf: forbidden pair);  R[e] its reduced form (P3)
+    t[e]      integer >= 0: the cost edge e pays
+    L[e,b,b'] lifting coefficient of (d), defined there
+    p         liveness point;  m[p,i,a] bytes;  K[p] constant bytes;  B budget bytes
+    P         peak bytes (only in the min-peak model)
+    q         ticks per second (the objective scale)
+
+Presolve (exact: every plan keeps its objective, only impossible choices go)
+------------------------------------------------------------------------------
+    P1  arc consistency: a strategy with no allowed partner on some edge is forbidden.
+    P2  a node with one allowed strategy is a constant: each of its edges is added
+        to the neighbour's node costs and its bytes to the point constants.
+    P3  parallel edges are summed; row minima of C[e] move into c[u], then column
+        minima into c[v]; R[e] >= 0 is what is left, and an all-zero R[e] is dropped.
+    P4  node costs are shifted so that each node's cheapest strategy costs 0.
+
+Constraints (built in this order, one builder each, every constraint named)
+----------------------------------------------------------------------------
+    (a) one_hot     sum_a s[i,a] = 1                                  every free node i
+    (b) forbidden   s[i,a] = 0 where c[i,a] = inf: no variable is created for it
+    (c) forbid      s[v,b] + sum_{a : C[e,a,b] = inf} s[u,a] <= 1       every e, b with an inf
+    (d) edge_cost   t[e] >= sum_a R[e,a,b] s[u,a] - sum_{b' != b} L[e,b,b'] s[v,b']   every e, b
+                    with L[e,b,b'] = max_{a : (a,b') allowed} (R[e,a,b] - R[e,a,b'])
+                    (inf entries of R count as 0 on the left). When u = a*, v = b*, row
+                    b* reads t >= R[a*,b*] and every other row b reads
+                    t >= R[a*,b] - L[b,b*] <= R[a*,b*], so min t[e] = R[e,a*,b*] exactly.
+                    L <= max_a R[e,a,b] = M_b, so this is a lifted (tighter) form of the
+                    big-M row t >= sum_a R s[u,a] - M_b (1 - s[v,b]). Rows are indexed by
+                    the endpoint with fewer strategies; all-zero rows are skipped.
+    (e) memory      K[p] + sum_{i,a} m[p,i,a] s[i,a] <= B              every point p that can bind
+    (e') peak       K[p] + sum_{i,a} m[p,i,a] s[i,a] <= P              (min-peak model only)
+
+Objective: minimize sum_{i,a} c[i,a] s[i,a] + sum_e t[e] (seconds), in integer ticks.
+
+Scaling: q = 1e9 / (largest finite reduced cost), so the largest cost is 1e9 ticks; a
+cost x becomes round(q x), and a positive x that would round to 0 becomes 1 tick (a
+nonzero cost is never free). Each term is off by at most 1 tick, so a plan's model
+objective is within (nodes + edges) / q seconds of its true one; the returned
+``objective_s`` is always recomputed in float from the choices. Bytes are rounded up
+to whole bytes and B down, so a plan the model accepts always fits.
+
+Solving: CP-SAT with ``time_limit_s``, ``seed`` and ``num_workers`` (one worker, or
+interleaved search for several, is deterministic unless the time limit cuts the
+search). A hint is passed to CP-SAT; if it evaluates better than the solver's plan
+(possible only by time-out or rounding), the hint is returned: never worse than it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from autoshard.errors import InfeasibleMemoryError, PlanningError
+
+__all__ = [
+    "Evaluation", "IlpProblem", "IlpSolution", "InfeasibleMemoryError", "PlanningError",
+    "brute_force", "evaluate", "min_peak_memory", "solve",
+]
+
+log = logging.getLogger(__name__)
+
+NodeIndex: TypeAlias = int
+VarIndex: TypeAlias = int  # index of a variable in the CP-SAT model proto
+MemoryTerm: TypeAlias = tuple[NodeIndex, np.ndarray]  # (node, bytes per strategy)
+SolveStatus: TypeAlias = Literal["optimal", "feasible"]
+
+_TICKS_FOR_LARGEST_COST = 1e9
+_BRUTE_FORCE_LIMIT = 1_000_000
+_BYTES_REL_TOL = 1e-12  # float summation slack when comparing bytes with the budget
+
+
+@dataclass(frozen=True, eq=False)
+class IlpProblem:
+    node_names: tuple[str, ...]  # one per node, for errors and logs
+    node_costs: tuple[np.ndarray, ...]  # node i: float64 seconds per strategy; np.inf = forbidden
+    edges: tuple[tuple[NodeIndex, NodeIndex], ...]  # (u, v) with u != v; repeats are summed
+    edge_costs: tuple[np.ndarray, ...]  # edge k: [len(node_costs[u]), len(node_costs[v])]; inf = forbidden pair
+    memory_points: tuple[tuple[MemoryTerm, ...], ...]  # per liveness point; a node at most once per point
+    memory_budget_bytes: float | None = None  # per device; None: unconstrained
+    memory_constant_bytes: tuple[float, ...] = ()  # per point, bytes no choice changes; () = zeros
+    hint: np.ndarray | None = None  # one strategy per node, e.g. the data-parallel plan
+    time_limit_s: float = 30.0  # CP-SAT wall-clock limit
+    seed: int = 0  # CP-SAT random seed
+    num_workers: int = 1  # CP-SAT workers; >1 uses interleaved (deterministic) search
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_costs)
+
+
+@dataclass(frozen=True, eq=False)
+class IlpSolution:
+    choices: np.ndarray  # int64 strategy index per node
+    objective_s: float  # recomputed in float from the choices, not the scaled integer objective
+    status: SolveStatus
+    gap: float  # relative optimality gap; 0 when optimal
+    solve_s: float  # wall time of the whole call (presolve, build, CP-SAT)
+    num_variables: int
+    num_constraints: int
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    objective_s: float  # node_s + edge_s; inf if a choice is forbidden or out of range
+    node_s: float
+    edge_s: float
+    memory_bytes: tuple[float, ...]  # per liveness point, constant included
+    violations: tuple[str, ...]  # human-readable; empty when the choice is a valid plan
+
+
+def _validate(problem: IlpProblem) -> None:
+    n = len(problem.node_costs)
+    if len(problem.node_names) != n:
+        raise ValueError(f"{len(problem.node_names)} node names for {n} nodes")
+    for i, costs in enumerate(problem.node_costs):
+        costs = np.asarray(costs)
+        if costs.ndim != 1 or costs.size == 0 or np.isnan(costs).any() or (costs == -np.inf).any():
+            raise ValueError(f"node {problem.node_names[i]!r}: costs must be a non-empty 1-D array "
+                             f"without nan or -inf, got {costs!r}")
+    if len(problem.edge_costs) != len(problem.edges):
+        raise ValueError(f"{len(problem.edge_costs)} edge cost matrices for {len(problem.edges)} edges")
+    for k, ((u, v), matrix) in enumerate(zip(problem.edges, problem.edge_costs)):
+        if not (0 <= u < n and 0 <= v < n) or u == v:
+            raise ValueError(f"edge {k} = ({u}, {v}): endpoints must be two different nodes in [0, {n})")
+        matrix = np.asarray(matrix)
+        want = (len(problem.node_costs[u]), len(problem.node_costs[v]))
+        if matrix.shape != want or np.isnan(matrix).any() or (matrix == -np.inf).any():
+            raise ValueError(f"edge {k} ({problem.node_names[u]!r} -> {problem.node_names[v]!r}): cost matrix "
+                             f"must have shape {want} without nan or -inf, got shape {matrix.shape}")
+    for p, terms in enumerate(problem.memory_points):
+        seen: set[int] = set()
+        for node, nbytes in terms:
+            if not 0 <= node < n or node in seen:
+                raise ValueError(f"liveness point {p}: node {node} is out of range or appears twice")
+            seen.add(node)
+            nbytes = np.asarray(nbytes)
+            if nbytes.shape != (len(problem.node_costs[node]),) or not np.isfinite(nbytes).all():
+                raise ValueError(f"liveness point {p}, node {problem.node_names[node]!r}: bytes must be finite "
+                                 f"with shape {(len(problem.node_costs[node]),)}, got {nbytes!r}")
+    if problem.memory_constant_bytes and len(problem.memory_constant_bytes) != len(problem.memory_points):
+        raise ValueError(f"{len(problem.memory_constant_bytes)} constants for {len(problem.memory_points)} points")
+    if problem.hint is not None and np.shape(problem.hint) != (n,):
+        raise ValueError(f"hint must have one strategy per node ({n}), got shape {np.shape(problem.hint)}")
+    if problem.time_limit_s <= 0 or problem.num_workers < 1:
+        raise ValueError("time_limit_s must be > 0 and num_workers >= 1")
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluate / brute force
+
+
+def _point_constant(problem: IlpProblem, p: int) -> float:
+    return float(problem.memory_constant_bytes[p]) if problem.memory_constant_bytes else 0.0
+
+
+def _over_budget(total: float | np.ndarray, budget: float) -> bool | np.ndarray:
+    return total > budget + _BYTES_REL_TOL * max(abs(budget), 1.0)
+
+
+def evaluate(problem: IlpProblem, choices: np.ndarray) -> Evaluation:
+    """Recompute the cost, per-point bytes and violations of ``choices`` from ``problem`` alone."""
+    choices = np.asarray(choices)
+    names = problem.node_names
+    n = problem.num_nodes
+    if choices.shape != (n,) or (n and not np.issubdtype(choices.dtype, np.integer)):
+        return Evaluation(np.inf, np.inf, np.inf, (), (f"expected {n} integer choices, got {choices!r}",))
+    violations: list[str] = []
+    in_range = [0 <= int(choices[i]) < len(problem.node_costs[i]) for i in range(n)]
+    node_s = 0.0
+    for i, costs in enumerate(problem.node_costs):
+        if not in_range[i]:
+            violations.append(f"node {names[i]!r}: strategy {int(choices[i])} is out of range [0, {len(costs)})")
+            node_s = np.inf
+            continue
+        cost = float(costs[choices[i]])
+        if cost == np.inf:
+            violations.append(f"node {names[i]!r}: strategy {int(choices[i])} is forbidden (infinite cost)")
+        node_s += cost
+    edge_s = 0.0
+    for (u, v), matrix in zip(problem.edges, problem.edge_costs):
+        if not (in_range[u] and in_range[v]):
+            edge_s = np.inf
+            continue
+        cost = float(matrix[choices[u], choices[v]])
+        if cost == np.inf:
+            violations.append(f"edge {names[u]!r} -> {names[v]!r}: strategy pair "
+                              f"({int(choices[u])}, {int(choices[v])}) is forbidden")
+        edge_s += cost
+    memory: list[float] = []
+    for p, terms in enumerate(problem.memory_points):
+        total = _point_constant(problem, p)
+        for node, nbytes in terms:
+            if in_range[node]:
+                total += float(nbytes[choices[node]])
+        memory.append(total)
+        budget = problem.memory_budget_bytes
+        if budget is not None and _over_budget(total, budget):
+            violations.append(f"over budget at liveness point {p} by {total - budget:.0f} bytes "
+                              f"({_format_bytes(total)} > {_format_bytes(budget)})")
+    return Evaluation(node_s + edge_s, node_s, edge_s, tuple(memory), tuple(violations))
+
+
+def brute_force(problem: IlpProblem, max_combinations: int = _BRUTE_FORCE_LIMIT) -> IlpSolution:
+    """Enumerate every combination (vectorised); for tests. Ties go to the first combination."""
+    start = time.perf_counter()
+    sizes = tuple(len(c) for c in problem.node_costs)
+    total = math.prod(sizes)
+    if total > max_combinations:
+        raise ValueError(f"brute force over {total:.3g} combinations refused (limit {max_combinations})")
+    budget = problem.memory_budget_bytes
+    best: tuple[float, np.ndarray | None] = (np.inf, None)
+    lowest: tuple[float, np.ndarray | None] = (np.inf, None)  # min peak over plans free of forbidden choices
+    for lo in range(0, total, 1 << 16):
+        idx = np.arange(lo, min(lo + (1 << 16), total))
+        choices = (np.stack(np.unravel_index(idx, sizes), axis=1) if sizes
+                   else np.zeros((len(idx), 0), dtype=np.int64))
+        objective = np.zeros(len(idx))
+        for i, costs in enumerate(problem.node_costs):
+            objective = objective + np.asarray(costs, dtype=np.float64)[choices[:, i]]
+        for (u, v), matrix in zip(problem.edges, problem.edge_costs):
+            objective = objective + np.asarray(matrix, dtype=np.float64)[choices[:, u], choices[:, v]]
+        peak = np.full(len(idx), -np.inf if problem.memory_points else 0.0)
+        for p, terms in enumerate(problem.memory_points):
+            point = np.full(len(idx), _point_constant(problem, p))
+            for node, nbytes in terms:
+                point = point + np.asarray(nbytes, dtype=np.float64)[choices[:, node]]
+            peak = np.maximum(peak, point)
+        allowed = np.isfinite(objective)
+        if allowed.any():
+            j = int(np.argmin(np.where(allowed, peak, np.inf)))
+            if peak[j] < lowest[0]:
+                lowest = (float(peak[j]), choices[j])
+        fits = allowed & ~_over_budget(peak, budget) if budget is not None else allowed
+        if fits.any():
+            j = int(np.argmin(np.where(fits, objective, np.inf)))
+            if objective[j] < best[0]:
+                best = (float(objective[j]), choices[j])
+    if lowest[1] is None:
+        raise PlanningError(f"no combination of strategies for the {problem.num_nodes} nodes avoids every "
+                            "forbidden choice and pair; the strategy rules are inconsistent")
+    if best[1] is None:
+        assert budget is not None
+        raise _memory_error(problem, budget, lowest[0], lowest[1])
+    choices = best[1].astype(np.int64)
+    return IlpSolution(choices, evaluate(problem, choices).objective_s, "optimal", 0.0,
+                       time.perf_counter() - start, 0, 0)
+
+
+def _format_bytes(nbytes: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= 0.1 * size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _memory_error(problem: IlpProblem, budget: float, smallest: float,
+                  choices: np.ndarray) -> InfeasibleMemoryError:
+    """The error for "nothing fits in ``budget``", given the plan that peaks lowest."""
+    memory = evaluate(problem, choices).memory_bytes
+    point = int(np.argmax(memory))
+    terms = [(float(nbytes[choices[node]]), node) for node, nbytes in problem.memory_points[point]]
+    where = f"at liveness point {point}"
+    if terms:
+        top_bytes, top = max(terms)
+        where += f", where the largest term is {problem.node_names[top]!r} with {_format_bytes(top_bytes)}"
+    return InfeasibleMemoryError(
+        f"no plan fits in {_format_bytes(budget)} per device; the smallest budget that fits is "
+        f"{_format_bytes(smallest)} ({where}); raise memory_budget or use more devices",
+        smallest, budget_bytes=budget, liveness_point=point)
+
+
+# ---------------------------------------------------------------------------------------------
+# presolve (P1-P4)
+
+
+@dataclass
+class _Reduced:
+    """The problem after presolve, over the strategies still allowed."""
+    allowed: list[np.ndarray]  # per node: original strategy indices still allowed (sorted)
+    node_cost: list[np.ndarray]  # per node: seconds over `allowed`, cheapest = 0
+    edges: list[tuple[NodeIndex, NodeIndex, np.ndarray]]  # (u, v, R) over allowed x allowed; inf = forbidden
+    point_terms: list[list[tuple[NodeIndex, np.ndarray]]]  # per point: int64 bytes over allowed, min = 0
+    point_const: list[int]  # per point: whole bytes fixed by presolve (K rounded up + shifted minima)
+
+
+def _no_strategy_error(problem: IlpProblem, node: int) -> PlanningError:
+    neighbours = sorted({problem.node_names[v if u == node else u] for u, v in problem.edges if node in (u, v)})
+    return PlanningError(
+        f"node {problem.node_names[node]!r} has no allowed strategy: each of its {len(problem.node_costs[node])} "
+        f"strategies is forbidden by its own cost or by forbidden pairs on its edges (neighbours: "
+        f"{', '.join(map(repr, neighbours[:8])) or 'none'}); check the strategy rules for these ops")
+
+
+def _presolve(problem: IlpProblem) -> _Reduced:
+    cost = [np.array(c, dtype=np.float64) for c in problem.node_costs]
+    merged: dict[tuple[int, int], np.ndarray] = {}
+    for (u, v), matrix in zip(problem.edges, problem.edge_costs):
+        matrix = np.asarray(matrix, dtype=np.float64)
+        if u > v:
+            u, v, matrix = v, u, matrix.T
+        merged[(u, v)] = merged[(u, v)] + matrix if (u, v) in merged else matrix.copy()
+    for i, c in enumerate(cost):
+        if not np.isfinite(c).any():
+            raise _no_strategy_error(problem, i)
+    changed = True
+    while changed:  # P1 + P2 until nothing moves
+        changed = False
+        for (u, v) in list(merged):
+            matrix = merged[(u, v)]
+            ok = np.isfinite(matrix) & np.isfinite(cost[u])[:, None] & np.isfinite(cost[v])[None, :]
+            for node, dead in ((u, ~ok.any(axis=1)), (v, ~ok.any(axis=0))):
+                dead &= np.isfinite(cost[node])
+                if dead.any():
+                    cost[node][dead] = np.inf
+                    changed = True
+                if not np.isfinite(cost[node]).any():
+                    raise _no_strategy_error(problem, node)
+            left_u, left_v = np.flatnonzero(np.isfinite(cost[u])), np.flatnonzero(np.isfinite(cost[v]))
+            if len(left_u) == 1:
+                cost[v] = cost[v] + matrix[left_u[0], :]
+            elif len(left_v) == 1:
+                cost[u] = cost[u] + matrix[:, left_v[0]]
+            else:
+                continue
+            del merged[(u, v)]
+            changed = True
+    allowed = [np.flatnonzero(np.isfinite(c)) for c in cost]
+    edges = []
+    for (u, v), matrix in merged.items():  # P3
+        sub = matrix[np.ix_(allowed[u], allowed[v])]
+        finite = np.isfinite(sub)
+        row_min = np.where(finite, sub, np.inf).min(axis=1)
+        sub = sub - row_min[:, None]
+        col_min = np.where(finite, sub, np.inf).min(axis=0)
+        sub = sub - col_min[None, :]
+        cost[u][allowed[u]] += row_min
+        cost[v][allowed[v]] += col_min
+        if not finite.all() or sub.any():
+            edges.append((u, v, sub))
+    node_cost = [cost[i][allowed[i]] - cost[i][allowed[i]].min() for i in range(len(cost))]  # P4
+    point_terms, point_const = [], []
+    for p, terms in enumerate(problem.memory_points):
+        const = math.ceil(_point_constant(problem, p))
+        kept = []
+        for node, nbytes in terms:
+            whole = np.ceil(np.asarray(nbytes, dtype=np.float64)[allowed[node]]).astype(np.int64)
+            low = int(whole.min())
+            const += low
+            if (whole > low).any():
+                kept.append((node, whole - low))
+        point_terms.append(kept)
+        point_const.append(const)
+    return _Reduced(allowed, node_cost, edges, point_terms, point_const)
+
+
+def _to_ticks(seconds: np.ndarray, ticks_per_s: float) -> np.ndarray:
+    """Integer ticks; inf becomes 0 (forbidden entries are handled by (c)); positive stays >= 1."""
+    finite = np.isfinite(seconds)
+    ticks = np.round(np.where(finite, seconds, 0.0) * ticks_per_s).astype(np.int64)
+    ticks[(ticks == 0) & finite & (seconds > 0)] = 1
+    return ticks
+
+
+# ---------------------------------------------------------------------------------------------
+# model builders, one per constraint family
+
+
+@dataclass
+class _Model:
+    """A CP-SAT model under construction and where each node's booleans s[i, .] live in it."""
+    cp: cp_model.CpModel
+    red: _Reduced
+    names: tuple[str, ...]
+    first_var: np.ndarray  # per node: proto index of s[i, 0]; -1 for a node fixed by presolve
+
+    def s(self, node: NodeIndex, a: int) -> VarIndex:
+        return int(self.first_var[node]) + a
+
+
+@dataclass
+class _EdgeVar:
+    t: VarIndex  # t[e]
+    u: NodeIndex
+    v: NodeIndex
+    ticks: np.ndarray  # R[e] in ticks (0 at forbidden pairs)
+
+
+def _add_var(model: _Model, lower: int, upper: int, name: str) -> VarIndex:
+    var = model.cp.proto.variables.add()
+    var.domain.extend([lower, upper])
+    var.name = name
+    return len(model.cp.proto.variables) - 1
+
+
+def _add_linear(model: _Model, name: str, variables: list[int], coeffs: list[int], lower: int, upper: int) -> None:
+    # Written into the proto directly (named like .with_name would): 4x faster to build than LinearExpr.
+    constraint = model.cp.proto.constraints.add()
+    constraint.name = name
+    constraint.linear.vars.extend(variables)
+    constraint.linear.coeffs.extend(coeffs)
+    constraint.linear.domain.extend([lower, upper])
+
+
+def _new_model(problem: IlpProblem, red: _Reduced) -> _Model:
+    model = _Model(cp_model.CpModel(), red, problem.node_names, np.full(problem.num_nodes, -1, dtype=np.int64))
+    for i, allowed in enumerate(red.allowed):
+        if len(allowed) > 1:
+            model.first_var[i] = len(model.cp.proto.variables)
+            for a in allowed:
+                _add_var(model, 0, 1, f"s[{problem.node_names[i]},{a}]")
+    return model
+
+
+def _add_one_hot(model: _Model) -> None:  # (a)
+    for i, first in enumerate(model.first_var):
+        if first >= 0:
+            constraint = model.cp.proto.constraints.add()
+            constraint.name = f"one_hot[{model.names[i]}]"
+            constraint.exactly_one.literals.extend(range(first, first + len(model.red.allowed[i])))
+
+
+def _add_forbidden_pairs(model: _Model) -> None:  # (c)
+    for u, v, matrix in model.red.edges:
+        for b in np.flatnonzero(~np.isfinite(matrix).all(axis=0)):
+            constraint = model.cp.proto.constraints.add()
+            constraint.name = f"forbid[{model.names[u]}->{model.names[v]},{model.red.allowed[v][b]}]"
+            constraint.at_most_one.literals.extend(
+                [model.s(v, b)] + [model.s(u, a) for a in np.flatnonzero(~np.isfinite(matrix[:, b]))])
+
+
+def _add_edge_costs(model: _Model, ticks_per_s: float) -> list[_EdgeVar]:  # (d)
+    edge_vars = []
+    for u, v, matrix in model.red.edges:
+        if matrix.shape[1] > matrix.shape[0]:
+            u, v, matrix = v, u, matrix.T  # rows of (d) are indexed by v: the smaller side
+        ticks = _to_ticks(matrix, ticks_per_s)
+        if not ticks.any():
+            continue  # only forbidden pairs: (c) has them
+        t = _add_var(model, 0, int(ticks.max()), f"t[{model.names[u]}->{model.names[v]}]")
+        edge_vars.append(_EdgeVar(t, u, v, ticks))
+        allowed_pair = np.isfinite(matrix)
+        diff = ticks[:, :, None] - ticks[:, None, :]  # [a, b, b']
+        lift = np.where(allowed_pair[:, None, :], diff, np.iinfo(np.int64).min).max(axis=0)  # L[b, b']
+        np.fill_diagonal(lift, 0)
+        for b in range(matrix.shape[1]):
+            rows_u, rows_v = np.flatnonzero(ticks[:, b]), np.flatnonzero(lift[b])
+            if len(rows_u) == 0:
+                continue  # t >= -sum L s[v] <= 0 is implied by t >= 0
+            _add_linear(model, f"edge_cost[{model.names[u]}->{model.names[v]},{model.red.allowed[v][b]}]",
+                        [t] + [model.s(u, a) for a in rows_u] + [model.s(v, c) for c in rows_v],
+                        [1] + (-ticks[rows_u, b]).tolist() + lift[b, rows_v].tolist(), 0, cp_model.INT_MAX)
+    return edge_vars
+
+
+def _memory_row(model: _Model, p: int) -> tuple[list[int], list[int]]:
+    variables: list[int] = []
+    coeffs: list[int] = []
+    for node, nbytes in model.red.point_terms[p]:
+        nonzero = np.flatnonzero(nbytes)
+        variables += [model.s(node, a) for a in nonzero]
+        coeffs += nbytes[nonzero].tolist()
+    return variables, coeffs
+
+
+def _add_memory_budget(model: _Model, budget_bytes: float) -> bool:  # (e)
+    """Add (e); False if some point is over budget whatever the choices."""
+    budget = math.floor(budget_bytes)
+    for p, terms in enumerate(model.red.point_terms):
+        room = budget - model.red.point_const[p]
+        if room < 0:
+            return False
+        if sum(int(nbytes.max()) for _, nbytes in terms) > room:  # else it can never bind
+            _add_linear(model, f"memory[{p}]", *_memory_row(model, p), 0, room)
+    return True
+
+
+def _add_peak_memory(model: _Model) -> VarIndex:  # (e')
+    red = model.red
+    lower = max(red.point_const, default=0)
+    upper = max((red.point_const[p] + sum(int(b.max()) for _, b in terms) for p, terms in enumerate(red.point_terms)),
+                default=0)
+    peak = _add_var(model, lower, upper, "peak")
+    for p in range(len(red.point_terms)):
+        variables, coeffs = _memory_row(model, p)
+        if variables:
+            _add_linear(model, f"peak[{p}]", variables + [peak], coeffs + [-1], cp_model.INT_MIN, -red.point_const[p])
+    return peak
+
+
+def _set_objective(model: _Model, ticks_per_s: float, edge_vars: list[_EdgeVar]) -> None:
+    objective = model.cp.proto.objective
+    for i, first in enumerate(model.first_var):
+        if first >= 0:
+            ticks = _to_ticks(model.red.node_cost[i], ticks_per_s)
+            nonzero = np.flatnonzero(ticks)
+            objective.vars.extend((first + nonzero).tolist())
+            objective.coeffs.extend(ticks[nonzero].tolist())
+    objective.vars.extend([e.t for e in edge_vars])
+    objective.coeffs.extend([1] * len(edge_vars))
+
+
+def _add_hint(model: _Model, hint: np.ndarray, edge_vars: list[_EdgeVar]) -> None:
+    position = [int(np.searchsorted(allowed, h)) for allowed, h in zip(model.red.allowed, hint)]
+    position = [k if k < len(allowed) and allowed[k] == h else -1
+                for k, allowed, h in zip(position, model.red.allowed, hint)]
+    variables: list[int] = []
+    values: list[int] = []
+    for i, first in enumerate(model.first_var):
+        if first >= 0 and position[i] >= 0:
+            variables += range(first, first + len(model.red.allowed[i]))
+            values += [int(a == position[i]) for a in range(len(model.red.allowed[i]))]
+    for e in edge_vars:
+        if position[e.u] >= 0 and position[e.v] >= 0:
+            variables.append(e.t)
+            values.append(int(e.ticks[position[e.u], position[e.v]]))
+    model.cp.proto.solution_hint.vars.extend(variables)
+    model.cp.proto.solution_hint.values.extend(values)
+
+
+# ---------------------------------------------------------------------------------------------
+# solving
+
+
+def _run(model: _Model, problem: IlpProblem) -> tuple[cp_model.CpSolver, int]:
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = problem.time_limit_s
+    solver.parameters.random_seed = problem.seed
+    solver.parameters.num_workers = problem.num_workers
+    if problem.num_workers > 1:
+        solver.parameters.interleave_search = True
+    status = solver.solve(model.cp)
+    if status == cp_model.MODEL_INVALID:
+        raise RuntimeError(f"internal error: invalid CP-SAT model: {model.cp.validate()}")
+    return solver, status
+
+
+def _decode(model: _Model, solver: cp_model.CpSolver) -> np.ndarray:
+    values = np.asarray(solver.response_proto.solution, dtype=np.int64)
+    choices = np.empty(len(model.first_var), dtype=np.int64)
+    for i, (first, allowed) in enumerate(zip(model.first_var, model.red.allowed)):
+        choices[i] = allowed[0] if first < 0 else allowed[int(np.argmax(values[first:first + len(allowed)]))]
+    return choices
+
+
+def _timeout_error(problem: IlpProblem, what: str) -> PlanningError:
+    return PlanningError(f"CP-SAT found no {what} for {problem.num_nodes} nodes within time_limit_s="
+                         f"{problem.time_limit_s:g}s, and could not prove there is none; raise time_limit_s")
+
+
+def _forbidden_error(problem: IlpProblem) -> PlanningError:
+    return PlanningError(f"no combination of strategies for the {problem.num_nodes} nodes avoids every forbidden "
+                         "choice and pair (infinite costs); the strategy rules are inconsistent")
+
+
+def _min_peak(problem: IlpProblem) -> tuple[int, np.ndarray]:
+    """Smallest peak over plans free of forbidden choices, in the solver's whole bytes, and that plan."""
+    model = _new_model(problem, red := _presolve(problem))
+    _add_one_hot(model)
+    _add_forbidden_pairs(model)
+    peak = _add_peak_memory(model)
+    model.cp.proto.objective.vars.append(peak)
+    model.cp.proto.objective.coeffs.append(1)
+    solver, status = _run(model, problem)
+    if status == cp_model.INFEASIBLE:
+        raise _forbidden_error(problem)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise _timeout_error(problem, "plan free of forbidden choices")
+    if status == cp_model.FEASIBLE:
+        log.warning("min peak memory not proven minimal within time_limit_s=%gs", problem.time_limit_s)
+    choices = _decode(model, solver)
+    position = [int(np.searchsorted(allowed, c)) for allowed, c in zip(red.allowed, choices)]
+    per_point = [red.point_const[p] + sum(int(b[position[node]]) for node, b in terms)
+                 for p, terms in enumerate(red.point_terms)]
+    return max(per_point, default=0), choices
+
+
+def min_peak_memory(problem: IlpProblem) -> float:
+    """The smallest ``memory_budget_bytes`` under which :func:`solve` finds a plan (bytes rounded up)."""
+    return float(_min_peak(problem)[0])
+
+
+def _infeasible(problem: IlpProblem) -> PlanningError:
+    if problem.memory_budget_bytes is None:
+        return _forbidden_error(problem)
+    smallest, choices = _min_peak(problem)
+    return _memory_error(problem, problem.memory_budget_bytes, float(smallest), choices)
+
+
+def solve(problem: IlpProblem) -> IlpSolution:
+    """Pick one strategy per node minimising node + edge seconds under the memory budget."""
+    start = time.perf_counter()
+    red = _presolve(problem)
+    model = _new_model(problem, red)
+    _add_one_hot(model)
+    _add_forbidden_pairs(model)
+    largest = max([float(c.max()) for c in red.node_cost]
+                  + [float(m[np.isfinite(m)].max(initial=0.0)) for _, _, m in red.edges], default=0.0)
+    ticks_per_s = _TICKS_FOR_LARGEST_COST / largest if largest > 0 else 1.0
+    edge_vars = _add_edge_costs(model, ticks_per_s)
+    budget = problem.memory_budget_bytes
+    if budget is not None and not _add_memory_budget(model, budget):
+        raise _infeasible(problem)
+    _set_objective(model, ticks_per_s, edge_vars)
+    if problem.hint is not None:
+        _add_hint(model, np.asarray(problem.hint), edge_vars)
+    built = time.perf_counter()
+    solver, status = _run(model, problem)
+    proto = model.cp.proto
+    log.debug("ilp: %d nodes (%d free), %d edges kept of %d; build %.2fs (%d variables, %d constraints), "
+              "CP-SAT %.2fs: %s", problem.num_nodes, int((model.first_var >= 0).sum()), len(red.edges),
+              len(problem.edges), built - start, len(proto.variables), len(proto.constraints),
+              time.perf_counter() - built, solver.status_name(status))
+    if status == cp_model.INFEASIBLE:
+        raise _infeasible(problem)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise _timeout_error(problem, "plan")
+    choices = _decode(model, solver)
+    result = evaluate(problem, choices)
+    if result.violations:
+        raise RuntimeError("internal error: the ILP plan violates its problem: " + "; ".join(result.violations))
+    if problem.hint is not None:
+        hinted = evaluate(problem, np.asarray(problem.hint))
+        if not hinted.violations and hinted.objective_s < result.objective_s:
+            log.debug("ilp: the hint (%.6gs) beats the solver's plan (%.6gs); returning the hint",
+                      hinted.objective_s, result.objective_s)
+            choices, result = np.asarray(problem.hint, dtype=np.int64).copy(), hinted
+    gap_s = 0.0 if status == cp_model.OPTIMAL else (solver.objective_value - solver.best_objective_bound) / ticks_per_s
+    gap = max(gap_s, 0.0) / max(result.objective_s, 1e-30) if gap_s > 0 else 0.0
+    return IlpSolution(choices, result.objective_s, "optimal" if status == cp_model.OPTIMAL else "feasible",
+                       gap, time.perf_counter() - start, len(proto.variables), len(proto.constraints))
