@@ -195,6 +195,7 @@ class _Context:
         self.order = {a.name: i for i, a in enumerate(mesh.axes)}
         self._nbytes: dict[Layout, float] = {}
         self._prices: dict[Step, float] = {}
+        self._raw_prices: dict[_Raw, float] = {}
         self._best: dict[tuple[Layout, Layout], _Best] = {}
 
     def best(self, src: Layout, dst: Layout) -> _Best:
@@ -208,8 +209,14 @@ class _Context:
         if src == dst:
             return 0.0, (), ()
         best: tuple[float, tuple[_Raw, ...]] | None = None
+        raw_prices = self._raw_prices
         for plan in _plans(src, dst):
-            seconds = sum(self.price(self.sized(step)) for step in plan)
+            seconds = 0.0
+            for step in plan:
+                found = raw_prices.get(step)
+                if found is None:
+                    found = raw_prices[step] = self.price(self.sized(step))
+                seconds += found
             if best is None or seconds < best[0] * _TIE:
                 best = (seconds, plan)
         if all(n_dst % n_src == 0 for n_src, n_dst in zip(self.counts(src), self.counts(dst))):
