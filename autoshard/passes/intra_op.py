@@ -371,7 +371,7 @@ def decode(pb: _Problem, choices: np.ndarray, stats: IlpStats) -> IntraOpResult:
             output_specs.append(input_specs[carried])
         else:
             output_specs.append(value_specs.get(vid, Spec.replicated(graph.values[vid].rank)))
-    profile, by_role = memory_profile(graph, value_specs, pb.sizes)
+    profile, by_role = memory_profile(graph, value_specs, pb.sizes, reshards)
     return IntraOpResult(
         graph=graph, mesh=pb.mesh, node_strategies=chosen, value_specs=value_specs, input_specs=input_specs,
         output_specs=tuple(output_specs), reshards=tuple(reshards),
@@ -380,26 +380,38 @@ def decode(pb: _Problem, choices: np.ndarray, stats: IlpStats) -> IntraOpResult:
     )
 
 
-def memory_profile(graph: OpGraph, value_specs: Mapping[ValueId, Spec], sizes: Mapping[str, int]
-                   ) -> tuple[np.ndarray, dict[str, float]]:
-    """Per-device live bytes at each program point, and the split by role at the peak."""
+def memory_profile(graph: OpGraph, value_specs: Mapping[ValueId, Spec], sizes: Mapping[str, int],
+                   reshards: Sequence[ReshardSite] = ()) -> tuple[np.ndarray, dict[str, float]]:
+    """Per-device live bytes at each program point, and the split by kind at the peak.
+
+    Resharded copies count too: XLA computes one copy per (value, target layout)
+    and keeps it from its first reader to its last (a parameter gathered for the
+    forward pass stays gathered until the backward pass has used it).
+    """
     live = liveness_intervals(graph)
     keep = materialized_values(graph)
     num_points = len(graph.ops) + 1
     profile = np.zeros(num_points)
-    per_value: dict[ValueId, float] = {}
+    spans: list[tuple[int, int, float, str]] = []
+    input_ids = set(graph.inputs)
     for vid, (start, stop) in live.items():
         if vid not in keep or vid not in value_specs:
             continue
         nbytes = graph.values[vid].nbytes / value_specs[vid].num_shards(sizes)
-        per_value[vid] = nbytes
+        kind = graph.values[vid].role.value if vid in input_ids else "activation"
+        spans.append((start, stop, nbytes, kind))
+    copies: dict[tuple[ValueId, Spec], list[int]] = {}
+    for site in reshards:
+        if site.op_index >= 0:
+            copies.setdefault((site.value, site.dst), []).append(site.op_index)
+    for (vid, dst), readers in copies.items():
+        nbytes = graph.values[vid].nbytes / dst.num_shards(sizes)
+        spans.append((min(readers), max(readers), nbytes, "resharded"))
+    for start, stop, nbytes, _ in spans:
         profile[start:stop + 1] += nbytes
     peak_t = int(np.argmax(profile)) if num_points else 0
-    by_role: dict[str, float] = collections.defaultdict(float)
-    input_ids = set(graph.inputs)
-    for vid, nbytes in per_value.items():
-        start, stop = live[vid]
+    by_kind: dict[str, float] = collections.defaultdict(float)
+    for start, stop, nbytes, kind in spans:
         if start <= peak_t <= stop:
-            role = graph.values[vid].role.value if vid in input_ids else "activation"
-            by_role[role] += nbytes
-    return profile, dict(by_role)
+            by_kind[kind] += nbytes
+    return profile, dict(by_kind)
