@@ -122,16 +122,22 @@ class IntraOpResult:
 
 
 def _input_strategies(graph: OpGraph, mesh: LogicalMesh, options: IntraOpOptions) -> list[list[Strategy]]:
+    """Storage choices of every input leaf; leaves with the same choices share one list object."""
     out: list[list[Strategy]] = []
+    shared: dict[tuple, list[Strategy]] = {}
     for i, vid in enumerate(graph.inputs):
         value = graph.values[vid]
         if i in options.pinned_inputs:
+            key: tuple = ("pinned", options.pinned_inputs[i])
             specs = [options.pinned_inputs[i]]
         elif value.role in (Role.PARAM, Role.OPT_STATE) and not options.shard_state:
-            specs = [Spec.replicated(value.rank)]
+            key, specs = ("replicated", value.rank), [Spec.replicated(value.rank)]
         else:
-            specs = spec_options(value.shape, mesh)
-        out.append([Strategy(in_specs=(), out_specs=(s,), compute_s=0.0, note="storage") for s in specs])
+            key, specs = ("options", value.shape), None
+        if key not in shared:
+            specs = specs if specs is not None else spec_options(value.shape, mesh)
+            shared[key] = [Strategy(in_specs=(), out_specs=(s,), compute_s=0.0, note="storage") for s in specs]
+        out.append(shared[key])
     return out
 
 
@@ -165,6 +171,7 @@ class _Problem:
             for k, vid in enumerate(op.outputs):
                 self.producer[vid] = (self.num_inputs + j, k)
         self.sizes = dict(zip(mesh.axis_names, mesh.shape))
+        self._edge_cache: dict[tuple, np.ndarray] = {}
 
     # per-node views indexed by class strategy
     def node_cost(self, node: int) -> np.ndarray:
@@ -195,6 +202,16 @@ class _Problem:
 
     def edge_matrix(self, p: int, k: int, c: int, pos: int, vid: ValueId) -> np.ndarray:
         value = self.graph.values[vid]
+        maps = self.classes.strategy_map
+        # Tied layers repeat the same (strategy lists, maps, shape) edge many times: compute it once.
+        key = (id(self.strategies[p]), maps[p].tobytes(), k, id(self.strategies[c]), maps[c].tobytes(), pos,
+               value.shape, value.dtype)
+        cached = self._edge_cache.get(key)
+        if cached is None:
+            cached = self._edge_cache[key] = self._edge_matrix(p, k, c, pos, value)
+        return cached
+
+    def _edge_matrix(self, p: int, k: int, c: int, pos: int, value) -> np.ndarray:
         srcs = self.out_specs(p, k)
         dsts = self.out_specs(c, 0) if pos < 0 else self.in_specs(c, pos)
         usrc, src_idx = _unique(srcs)

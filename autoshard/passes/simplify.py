@@ -172,6 +172,7 @@ def build_classes(graph: OpGraph, strategies: Sequence[list[Strategy]], *, tie_l
     # root[i] = node whose class i joins; maps compose along follower chains.
     root = np.arange(num_nodes)
     maps: list[np.ndarray] = [np.arange(len(s)) for s in strategies]
+    follow_cache: dict[tuple, np.ndarray | None] = {}
     followers = 0
     if merge_followers:
         for j, op in enumerate(graph.ops):
@@ -181,7 +182,10 @@ def build_classes(graph: OpGraph, strategies: Sequence[list[Strategy]], *, tie_l
                 continue
             p_node, out_pos = where[op.inputs[pos]]
             r = root[p_node]
-            mapping = _follow_map(strategies[p_node], maps[p_node], out_pos, strategies[node], pos)
+            key = (id(strategies[p_node]), maps[p_node].tobytes(), out_pos, id(strategies[node]), pos)
+            if key not in follow_cache:
+                follow_cache[key] = _follow_map(strategies[p_node], maps[p_node], out_pos, strategies[node], pos)
+            mapping = follow_cache[key]
             if mapping is None:
                 continue
             root[node], maps[node] = r, mapping
