@@ -48,6 +48,9 @@ class IntraOpOptions:
     merge_followers: bool = True  # elementwise chains follow their producer
     num_memory_points: int = 8  # liveness points constrained in the ILP
     pinned_inputs: Mapping[int, Spec] = field(default_factory=dict)  # flat input index -> forced storage spec
+    # a previous plan's chosen strategy per node (IntraOpResult.node_strategies, e.g. the best baseline's):
+    # the ILP hint starts from it instead of the greedy data-parallel plan where the specs match
+    hint: Sequence[Strategy] | None = None
 
 
 @dataclass(frozen=True)
@@ -257,7 +260,7 @@ def _build(pb: _Problem) -> tuple[ilp.IlpProblem, np.ndarray]:
     budget = pb.options.memory_budget_bytes
     if budget is None:
         budget = pb.mesh.cluster.memory_per_device_bytes
-    hint = _greedy_hint(pb, class_cost, edges)
+    hint = _greedy_hint(pb, class_cost, edges, _hint_from(pb, pb.options.hint))
     problem = ilp.IlpProblem(
         node_names=tuple(_class_name(pb, c) for c in range(n)),
         node_costs=tuple(class_cost),
@@ -310,11 +313,29 @@ def _memory_points(pb: _Problem) -> tuple[tuple[tuple[int, np.ndarray], ...], ..
     return tuple(points)
 
 
-def _greedy_hint(pb: _Problem, class_cost: list[np.ndarray], edges: list[tuple[int, int, np.ndarray]]) -> np.ndarray:
-    """A data-parallel-like start: batch split on dim 0 over the most devices, state replicated,
-    then each op class in program order picks its cheapest strategy given the classes already fixed."""
+def _hint_from(pb: _Problem, strategies: Sequence[Strategy] | None) -> np.ndarray | None:
+    """Class choices matching a previous plan's per-node strategies (by specs); -1 where none matches."""
+    if strategies is None or len(strategies) != len(pb.strategies):
+        return None
     cls = pb.classes
     choice = np.full(cls.num_classes, -1, dtype=np.int64)
+    for c, node in enumerate(cls.class_root):
+        want = (strategies[node].in_specs, strategies[node].out_specs)
+        own = pb.strategies[node]
+        for a, i in enumerate(cls.strategy_map[node]):
+            if (own[i].in_specs, own[i].out_specs) == want:
+                choice[c] = a
+                break
+    return choice
+
+
+def _greedy_hint(pb: _Problem, class_cost: list[np.ndarray], edges: list[tuple[int, int, np.ndarray]],
+                 start: np.ndarray | None = None) -> np.ndarray:
+    """A data-parallel-like start: batch split on dim 0 over the most devices, state replicated,
+    then each op class in program order picks its cheapest strategy given the classes already fixed.
+    Classes already chosen in ``start`` (>= 0) keep their choice."""
+    cls = pb.classes
+    choice = np.full(cls.num_classes, -1, dtype=np.int64) if start is None else start.copy()
     for i, vid in enumerate(pb.graph.inputs):
         c = int(cls.node_class[i])
         if choice[c] >= 0:
