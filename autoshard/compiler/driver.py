@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from autoshard.compiler.explain import op_explanations
 from autoshard.compiler.graph import OpGraph
 from autoshard.compiler.plan import Ledger, Plan, SolverInfo
 from autoshard.compiler.trace import trace
@@ -76,6 +77,8 @@ def build_plan(graph: OpGraph, result: IntraOpResult, budget: float, timings: di
         solver=SolverInfo(s.status, s.gap, s.solve_s, s.num_nodes, s.num_classes, s.num_variables,
                           s.num_constraints, s.num_edges),
         planning_s=dict(timings), memory_budget_bytes=budget, num_ops=len(graph.ops), name=name,
+        output_shapes={p: (values[v].shape, values[v].dtype) for p, v in zip(out_paths, graph.outputs)},
+        in_tree=str(graph.in_tree) if graph.in_tree is not None else "", explanations=op_explanations(result),
     )
 
 

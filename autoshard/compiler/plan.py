@@ -18,6 +18,25 @@ from autoshard.meshes.cluster import ClusterSpec
 GIB = 1024**3
 
 
+def fmt_bytes(n: float) -> str:
+    """1.5 GiB, 12.3 MiB, 640 B: for people."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_s(seconds: float) -> str:
+    """3.2 ms, 41 µs, 1.2 s: for people."""
+    if seconds == 0:
+        return "0"
+    if abs(seconds) >= 1:
+        return f"{seconds:.3g} s"
+    if abs(seconds) >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} µs"
+
+
 @dataclass(frozen=True)
 class Ledger:
     compute_s: float
@@ -25,7 +44,7 @@ class Ledger:
     reshard_s: float  # resharding between ops, including state written back to its storage layout
     bubble_s: float  # pipeline bubbles (0 for SPMD)
     peak_memory_bytes: float  # per device
-    memory_by_kind: Mapping[str, float]  # per device at the peak: param, opt_state, batch, activation
+    memory_by_kind: Mapping[str, float]  # per device at the peak: param, opt_state, batch, activation, resharded, ...
     collective_bytes: Mapping[str, float]  # predicted per-device bytes by collective kind
     compute_lower_bound_s: float  # total FLOPs / (devices x peak)
 
@@ -44,6 +63,32 @@ class SolverInfo:
     num_variables: int
     num_constraints: int
     num_edges: int
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One strategy of one op, priced locally in seconds (see compiler/explain.py)."""
+
+    strategy: str  # e.g. "S(x)R x RS(y) -> S(x)S(y) @ {x,y}"
+    compute_s: float
+    comm_s: float  # collectives the strategy itself needs
+    reshard_s: float  # to read its inputs from their producers' layouts and give consumers theirs
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.comm_s + self.reshard_s
+
+
+@dataclass(frozen=True)
+class OpExplanation:
+    """Why an op got its strategy: the chosen one and the cheapest alternatives, priced locally."""
+
+    primitive: str
+    source: str  # file:line (function), when jax knows it
+    shapes: str  # "f32[24,8,48] x f32[48,48] -> f32[24,8,48]"
+    chosen: Choice
+    alternatives: tuple[Choice, ...]  # cheapest first
+    num_strategies: int  # how many the rule table offered
 
 
 @dataclass(frozen=True)
@@ -68,6 +113,11 @@ class Plan:
     schedule: str = "spmd"
     alternatives: Mapping[str, float] = field(default_factory=dict)  # other mesh shapes tried -> modeled step s
     output_reshards: Mapping[int, tuple[Spec, ...]] = field(default_factory=dict)  # flat output -> layouts to pin
+    output_shapes: Mapping[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # path -> (shape, dtype)
+    in_tree: str = ""  # the arguments' pytree structure (str of the PyTreeDef)
+    explanations: Mapping[int, OpExplanation] = field(default_factory=dict)  # op index -> why its strategy
+    origin: Mapping[str, str] = field(default_factory=dict)  # how to rebuild the step, e.g. {target, config}
+    baselines: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # compared strategies -> figures
 
     @property
     def step_s(self) -> float:

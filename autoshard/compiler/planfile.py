@@ -1,19 +1,35 @@
 """Plan files: a versioned JSON schema (never pickle: loading runs no code).
 
-Top-level fields (version 1)::
+Top-level fields (version 2; version 1 files, without the fields marked v2, still load)::
 
-    format, version, autoshard_version, jax_version, name
+    format: "autoshard-plan", version, autoshard_version, jax_version, created (ISO time), name
+    origin: {target, config, ...}      how the step was built (the CLI fills it; `verify plan.json` uses it)  v2
     mesh: {shape, axis_names}          cluster: ClusterSpec fields
-    signature: {inputs: {path: {shape, dtype, role}}, num_ops}
-    input_specs / output_specs: {path: [[mesh axes per dim], ...]}
-    op_out_specs: {op index: [spec, ...]}    op_in_reshards: {op index: {input position: spec}}
-    ledger, solver, planning_s, memory_budget_bytes, stages, num_microbatches, schedule, alternatives
+    signature: {inputs: {path: {shape, dtype, role}}, outputs: {path: {shape, dtype}} (v2),
+                in_tree: str(PyTreeDef) (v2), num_ops}
+    input_specs / output_specs: {path: [[mesh axes per dim], ...]}   ([] per replicated dim)
+    op_out_specs: {op index: [spec, ...]}    op_in_reshards: {op index: {input position: [spec, ...]}}
+    output_reshards: {flat output index: [spec, ...]}
+    ledger: {compute_s, comm_s, reshard_s, bubble_s, step_s, peak_memory_bytes,
+             memory_by_kind: {param, opt_state, batch, activation, resharded, ...}, collective_bytes: {kind: bytes},
+             compute_lower_bound_s}
+    solver: {status, gap, solve_s, num_nodes, num_classes, num_variables, num_constraints, num_edges}
+    planning_s: {pass: seconds}   memory_budget_bytes   stages: [...]   num_microbatches   schedule
+    alternatives: {mesh shape: step s}
+    explanations: {op index: {primitive, source, shapes, num_strategies,                              v2
+                              chosen: [strategy, compute_s, comm_s, reshard_s], alternatives: [[...], ...]}}
+    baselines: {strategy: {step_s, peak_memory_bytes, fits, batch_ceiling, speedup}}                  v2
+
+Every spec is checked against the mesh's axis names on load; a missing or
+mistyped field raises ``PlanFileError`` naming it.
 
 ``check_signature`` compares a plan with a freshly traced graph and says
 exactly what differs (which argument, which shape, which mesh axis).
 """
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
@@ -23,13 +39,13 @@ from typing import Any
 import jax
 
 from autoshard.compiler.graph import OpGraph
-from autoshard.compiler.plan import Ledger, Plan, SolverInfo
+from autoshard.compiler.plan import Choice, Ledger, OpExplanation, Plan, SolverInfo
 from autoshard.compiler.spec import Spec
 from autoshard.errors import PlanMismatchError, PlanningError
 from autoshard.meshes.cluster import ClusterSpec, ClusterSpecError
 
 FORMAT = "autoshard-plan"
-VERSION = 1
+VERSION = 2
 
 
 class PlanFileError(PlanningError):
@@ -48,12 +64,16 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
         "version": VERSION,
         "autoshard_version": __version__,
         "jax_version": jax.__version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "name": plan.name,
+        "origin": dict(plan.origin),
         "mesh": {"shape": list(plan.mesh_shape), "axis_names": list(plan.axis_names)},
         "cluster": plan.cluster.to_dict(),
         "signature": {
             "inputs": {p: {"shape": list(shape), "dtype": dtype, "role": plan.input_roles.get(p, "")}
                        for p, (shape, dtype) in plan.input_shapes.items()},
+            "outputs": {p: {"shape": list(shape), "dtype": dtype} for p, (shape, dtype) in plan.output_shapes.items()},
+            "in_tree": plan.in_tree,
             "num_ops": plan.num_ops,
         },
         "input_specs": _specs_json(plan.input_specs),
@@ -70,7 +90,54 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
         "num_microbatches": plan.num_microbatches,
         "schedule": plan.schedule,
         "alternatives": dict(plan.alternatives),
+        "explanations": {str(k): _explanation_json(e) for k, e in plan.explanations.items()},
+        "baselines": {k: dict(v) for k, v in plan.baselines.items()},
     }
+
+
+def _choice_json(c: Choice) -> list[Any]:
+    return [c.strategy, *(float(f"{x:.4g}") for x in (c.compute_s, c.comm_s, c.reshard_s))]
+
+
+def _explanation_json(e: OpExplanation) -> dict[str, Any]:
+    return {"primitive": e.primitive, "source": e.source, "shapes": e.shapes, "num_strategies": e.num_strategies,
+            "chosen": _choice_json(e.chosen), "alternatives": [_choice_json(c) for c in e.alternatives]}
+
+
+def _choice(data: Any, where: str) -> Choice:
+    if not (isinstance(data, list) and len(data) == 4 and isinstance(data[0], str)
+            and all(isinstance(x, (int, float)) for x in data[1:])):
+        raise PlanFileError(f"{where}: a choice is [strategy, compute_s, comm_s, reshard_s], got {data!r}")
+    return Choice(data[0], float(data[1]), float(data[2]), float(data[3]))
+
+
+def _explanation(data: Any, where: str) -> OpExplanation:
+    if not isinstance(data, dict):
+        raise PlanFileError(f"{where}: expected an object, got {type(data).__name__}")
+    return OpExplanation(
+        primitive=str(_field(data, "primitive", str, where)), source=str(data.get("source", "")),
+        shapes=str(data.get("shapes", "")), chosen=_choice(_field(data, "chosen", list, where), f"{where}.chosen"),
+        alternatives=tuple(_choice(c, f"{where}.alternatives") for c in data.get("alternatives", [])),
+        num_strategies=int(data.get("num_strategies", 0)),
+    )
+
+
+def _shapes(data: Any, where: str, *, roles: bool) -> tuple[dict[str, tuple[tuple[int, ...], str]], dict[str, str]]:
+    if not isinstance(data, dict):
+        raise PlanFileError(f"{where}: expected an object of path -> {{shape, dtype}}, got {type(data).__name__}")
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    found_roles: dict[str, str] = {}
+    for path, entry in data.items():
+        here = f"{where}[{path}]"
+        if not isinstance(entry, dict):
+            raise PlanFileError(f"{here}: expected {{shape, dtype}}, got {entry!r}")
+        shape = _field(entry, "shape", list, here)
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise PlanFileError(f"{here}: shape must be a list of non-negative integers, got {shape!r}")
+        shapes[path] = (tuple(shape), str(_field(entry, "dtype", str, here)))
+        if roles:
+            found_roles[path] = str(entry.get("role", ""))
+    return shapes, found_roles
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:
@@ -106,6 +173,8 @@ def plan_from_json(data: Any, source: str = "plan") -> Plan:
     if data.get("format") != FORMAT:
         raise PlanFileError(f"{source}: not an autoshard plan file (format {data.get('format')!r})")
     version = _field(data, "version", int, source)
+    if version < 1:
+        raise PlanFileError(f"{source}: plan file version {version} is not a version autoshard ever wrote")
     if version > VERSION:
         raise PlanFileError(f"{source}: plan file version {version} is newer than this autoshard reads "
                             f"({VERSION}); upgrade autoshard")
@@ -119,14 +188,18 @@ def plan_from_json(data: Any, source: str = "plan") -> Plan:
     except ClusterSpecError as err:
         raise PlanFileError(str(err)) from None
     sig = _field(data, "signature", dict, source)
-    inputs = _field(sig, "inputs", dict, f"{source}: signature")
-    input_shapes = {p: (tuple(int(s) for s in v["shape"]), str(v["dtype"])) for p, v in inputs.items()}
-    input_roles = {p: str(v.get("role", "")) for p, v in inputs.items()}
+    input_shapes, input_roles = _shapes(_field(sig, "inputs", dict, f"{source}: signature"),
+                                        f"{source}: signature.inputs", roles=True)
+    output_shapes, _ = _shapes(sig.get("outputs", {}), f"{source}: signature.outputs", roles=False)
     in_specs = {p: _spec(s, names, f"{source}: input_specs[{p}]")
                 for p, s in _field(data, "input_specs", dict, source).items()}
     missing = sorted(set(input_shapes) - set(in_specs))
     if missing:
         raise PlanFileError(f"{source}: input_specs lacks {missing[:3]}")
+    for path, spec in in_specs.items():
+        if path in input_shapes and spec.rank != len(input_shapes[path][0]):
+            raise PlanFileError(f"{source}: input_specs[{path}] has {spec.rank} dims, the argument has shape "
+                                f"{list(input_shapes[path][0])}")
     out_specs = {p: _spec(s, names, f"{source}: output_specs[{p}]")
                  for p, s in _field(data, "output_specs", dict, source).items()}
     op_out = {int(k): tuple(_spec(s, names, f"{source}: op_out_specs[{k}]") for s in v)
@@ -138,11 +211,8 @@ def plan_from_json(data: Any, source: str = "plan") -> Plan:
                     for k, chain in data.get("output_reshards", {}).items()}
     led = _field(data, "ledger", dict, source)
     sol = _field(data, "solver", dict, source)
-    try:
-        ledger = Ledger(**{k: v for k, v in led.items() if k != "step_s"})
-        solver = SolverInfo(**sol)
-    except TypeError as err:
-        raise PlanFileError(f"{source}: ledger/solver fields do not match this autoshard: {err}") from None
+    ledger = Ledger(**_record(Ledger, {k: v for k, v in led.items() if k != "step_s"}, f"{source}: ledger"))
+    solver = SolverInfo(**_record(SolverInfo, sol, f"{source}: solver"))
     return Plan(
         mesh_shape=shape, axis_names=names, cluster=cluster, input_specs=in_specs, output_specs=out_specs,
         input_roles=input_roles, input_shapes=input_shapes, op_out_specs=op_out, op_in_reshards=op_in,
@@ -151,8 +221,38 @@ def plan_from_json(data: Any, source: str = "plan") -> Plan:
         num_ops=int(_field(sig, "num_ops", int, f"{source}: signature")), name=str(data.get("name", "plan")),
         stages=tuple(data.get("stages", ())), num_microbatches=int(data.get("num_microbatches", 1)),
         schedule=str(data.get("schedule", "spmd")), alternatives=dict(data.get("alternatives", {})),
-        output_reshards=out_reshards,
+        output_reshards=out_reshards, output_shapes=output_shapes, in_tree=str(sig.get("in_tree", "")),
+        explanations={int(k): _explanation(v, f"{source}: explanations[{k}]")
+                      for k, v in _dict(data, "explanations", source).items()},
+        origin={str(k): str(v) for k, v in _dict(data, "origin", source).items()},
+        baselines={str(k): dict(v) for k, v in _dict(data, "baselines", source).items()},
     )
+
+
+def _record(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The fields of dataclass ``cls`` from ``data``, each present and of a plausible type."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    missing = [n for n in names if n not in data]
+    if missing:
+        raise PlanFileError(f"{where}: missing field(s) {missing}")
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise PlanFileError(f"{where}: unknown field(s) {unknown}; this autoshard knows {names}")
+    for f in dataclasses.fields(cls):
+        value = data[f.name]
+        expected = (dict,) if "Mapping" in str(f.type) else (str,) if f.type in ("str", str) else (int, float)
+        if not isinstance(value, expected) or isinstance(value, bool):
+            raise PlanFileError(f"{where}: field {f.name!r} should be {'/'.join(t.__name__ for t in expected)}, "
+                                f"got {value!r}")
+    return dict(data)
+
+
+def _dict(data: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
+    """An optional object field ({} when absent)."""
+    value = data.get(key, {})
+    if not isinstance(value, dict):
+        raise PlanFileError(f"{where}: field {key!r} should be an object, got {type(value).__name__}")
+    return value
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -171,6 +271,17 @@ def load_plan(path: str | Path) -> Plan:
         raise PlanFileError(f"plan file {path} is malformed: {type(err).__name__}: {err}") from None
 
 
+def read_header(path: str | Path) -> dict[str, str]:
+    """The version fields of a plan file (format version, autoshard and jax versions, creation time)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: str(data[k]) for k in ("version", "autoshard_version", "jax_version", "created") if k in data}
+
+
 def check_signature(plan: Plan, graph: OpGraph) -> None:
     """Raise PlanMismatchError naming each input whose path, shape or dtype differs from the plan's."""
     got = {graph.values[v].path: (graph.values[v].shape, graph.values[v].dtype) for v in graph.inputs}
@@ -184,6 +295,9 @@ def check_signature(plan: Plan, graph: OpGraph) -> None:
     for path in got:
         if path not in plan.input_shapes:
             problems.append(f"argument {path} is new: the plan has no spec for it")
+    if not problems and plan.in_tree and graph.in_tree is not None and str(graph.in_tree) != plan.in_tree:
+        problems.append(f"the arguments' pytree structure changed (same leaves, other containers):\n    plan     "
+                        f"{plan.in_tree[:300]}\n    function {str(graph.in_tree)[:300]}")
     if not problems and len(graph.ops) != plan.num_ops:
         problems.append(f"the traced step has {len(graph.ops)} operations, the plan was made for {plan.num_ops}: "
                         "the model code changed; plan again")

@@ -1,0 +1,97 @@
+"""Why a plan is what it is: each op's strategy against its alternatives.
+
+``op_explanations`` prices, for each op of a solved graph, every strategy the
+rule table offers *locally*: its own compute and collectives, plus the
+resharding it would need from the layouts its producers were given and to
+the layouts its consumers read (the rest of the plan held fixed). The chosen
+strategy is usually the cheapest such; when it is not, the op is tied to
+others (a repeated layer or an elementwise chain solved as one ILP variable)
+or the memory budget forbade the cheaper one. The plan file keeps the chosen
+strategy and the ``top_k`` cheapest alternatives per op, for every op with a
+choice except elementwise and view ops that neither communicate nor reshard
+(they follow their producer; keeping them would make files of megabytes).
+"""
+from __future__ import annotations
+
+import collections
+import re
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from autoshard.compiler.graph import OpGraph, ValueId
+from autoshard.compiler.plan import Choice, OpExplanation
+from autoshard.compiler.spec import Spec
+from autoshard.passes.liveness import FUSIBLE
+from autoshard.passes.resharding import reshard
+from autoshard.passes.strategies import Strategy, strategies_for
+
+_VIEWS = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "slice", "concatenate", "pad", "select_n"})
+
+
+def _itemsize(dtype: str) -> int:
+    return np.dtype(dtype).itemsize if dtype in np.sctypeDict else 4
+
+
+def _short(dtype: str) -> str:
+    return {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "s32", "bool": "pred"}.get(dtype, dtype)
+
+
+def _short_source(source: str) -> str:
+    return re.sub(r"^.*/", "", source)
+
+
+def _typed(value) -> str:
+    return f"{_short(value.dtype)}[{','.join(map(str, value.shape))}]"
+
+
+def op_explanations(result, top_k: int = 5) -> dict[int, OpExplanation]:  # result: passes.intra_op.IntraOpResult
+    """Every op with more than one strategy: the chosen one and the ``top_k`` cheapest others, priced locally."""
+    graph: OpGraph = result.graph
+    mesh = result.mesh
+    num_inputs = len(graph.inputs)
+    readers: dict[ValueId, list[tuple[Spec, ValueId]]] = collections.defaultdict(list)
+    for j, op in enumerate(graph.ops):
+        chosen = result.node_strategies[num_inputs + j]
+        for pos, vid in enumerate(op.inputs):
+            if vid in result.value_specs:
+                readers[vid].append((chosen.in_specs[pos], vid))
+    for k, vid in enumerate(graph.outputs):
+        carried = graph.carried[k] if graph.carried else None
+        if carried is not None:
+            readers[vid].append((result.input_specs[carried], vid))
+    cache: dict[tuple, list[Strategy]] = {}
+    out: dict[int, OpExplanation] = {}
+    for j, op in enumerate(graph.ops):
+        ins = [graph.values[v] for v in op.inputs]
+        outs = [graph.values[v] for v in op.outputs]
+        key = (op.primitive, repr(sorted(op.params.items(), key=lambda kv: kv[0]))[:400],
+               tuple((v.shape, v.dtype) for v in ins), tuple((v.shape, v.dtype) for v in outs))
+        if key not in cache:
+            cache[key] = strategies_for(op, ins, outs, mesh)
+        options = cache[key]
+        chosen_s = result.node_strategies[num_inputs + j]
+        if len(options) < 2:
+            continue
+
+        def price(s: Strategy) -> Choice:
+            seconds = 0.0
+            for pos, value in enumerate(ins):
+                src = result.value_specs.get(value.id)
+                if src is not None and src != s.in_specs[pos]:
+                    seconds += reshard(value.shape, _itemsize(value.dtype), src, s.in_specs[pos], mesh).seconds
+            for k, value in enumerate(outs):
+                for dst, _vid in readers.get(value.id, ()):
+                    if dst != s.out_specs[k]:
+                        seconds += reshard(value.shape, _itemsize(value.dtype), s.out_specs[k], dst, mesh).seconds
+            return Choice(str(s), s.compute_s, s.comm_s, seconds)
+
+        chosen = price(chosen_s)
+        if op.primitive in FUSIBLE | _VIEWS and not chosen.comm_s and not chosen.reshard_s:
+            continue
+        others = sorted((price(s) for s in options
+                         if (s.in_specs, s.out_specs) != (chosen_s.in_specs, chosen_s.out_specs)),
+                        key=lambda c: c.total_s)
+        shapes = " x ".join(map(_typed, ins)) + " -> " + ", ".join(map(_typed, outs))
+        out[j] = OpExplanation(op.primitive, _short_source(op.source), shapes, chosen, tuple(others[:top_k]), len(options))
+    return out
