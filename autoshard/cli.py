@@ -1,26 +1,37 @@
 """The ``autoshard`` command line (argparse + rich).
 
-    autoshard trace examples/gpt.py [--config large]      graph summary of a workload's train step
-    autoshard plan  examples/gpt.py --mesh 2x4 --cluster 1x8-a100 [--out plan.json]
+    autoshard trace    TARGET [--config small]                       graph summary of a workload's train step
+    autoshard plan     TARGET --mesh 2x4 --cluster 1x8-a100 [--out plan.json]
+    autoshard explain  plan.json [--op N] [--html report.html | --png report.png]
+    autoshard compare  TARGET --mesh 2x4 --cluster 1x8-a100 [--out plan.json]
+    autoshard validate plan.json --cluster 2x8-a100 [--mesh 2x8] [--memory-budget-gib 40]
+    autoshard export   plan.json --format flax-rules [--python] [--out rules.json]
+    autoshard verify   plan.json | TARGET [--mesh 2x4]
 
 A TARGET is a Python file or module exposing ``workload(config, abstract=...)``
 (as the bundled examples do), or ``MODULE:FUNCTION`` where the function takes
-no arguments and returns an object with ``step`` and ``args``.
+no arguments and returns an object with ``step`` and ``args``. Plans record
+their target, so ``verify plan.json`` rebuilds the step. Exit status: 0 when
+all is well, 1 when ``validate`` or ``verify`` finds a problem, 2 on an error.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
+import json
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-console = Console()
+console = Console() if sys.stdout.isatty() else Console(width=150)  # pipes and logs get wide tables
 
 
 def _import(target: str) -> Any:
@@ -62,15 +73,67 @@ def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
     if not text:
         return None
     try:
-        return tuple(int(s) for s in text.lower().replace(",", "x").split("x"))
+        shape = tuple(int(s) for s in text.lower().replace(",", "x").split("x"))
     except ValueError:
         raise SystemExit(f"error: --mesh takes sizes like 2x4, got {text!r}") from None
+    if any(s < 1 for s in shape):
+        raise SystemExit(f"error: --mesh sizes must be positive, got {text!r}")
+    return shape
 
 
 def _ensure_devices(count: int) -> None:
     flag = f"--xla_force_host_platform_device_count={count}"
     if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+
+
+def _devices_needed(args: argparse.Namespace) -> int:
+    """Simulated devices to ask for before jax starts: the mesh's, a plan file's, or 8."""
+    if getattr(args, "devices", None):
+        return int(args.devices)
+    mesh = _parse_mesh(getattr(args, "mesh", None))
+    if mesh:
+        return max(8, _prod(mesh))
+    target = getattr(args, "target", None) or getattr(args, "plan", None)
+    if target and str(target).endswith(".json") and Path(target).exists():
+        with contextlib.suppress(Exception):
+            return max(8, _prod(json.loads(Path(target).read_text())["mesh"]["shape"]))
+    return 8
+
+
+def _prod(shape: Any) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _budget(args: argparse.Namespace) -> float | None:
+    gib = getattr(args, "memory_budget_gib", None)
+    return gib * 2**30 if gib else None
+
+
+def _options(args: argparse.Namespace) -> Any:
+    from autoshard.passes.intra_op import IntraOpOptions
+
+    return IntraOpOptions(time_limit_s=args.time_limit) if getattr(args, "time_limit", None) else None
+
+
+@contextlib.contextmanager
+def _progress(what: str) -> Iterator[Callable[[str], None]]:
+    """A spinner with elapsed time; the yielded function updates its text."""
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                  transient=True) as progress:
+        task = progress.add_task(what, total=None)
+        yield lambda text: progress.update(task, description=f"{what}: {text}")
+
+
+def _print(*renderables: Any) -> None:
+    for r in renderables:
+        console.print(r)
+
+
+# ----------------------------------------------------------------------------- commands
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -85,19 +148,160 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    from autoshard.compiler.driver import plan_step
+def _plan_target(args: argparse.Namespace, say: Callable[[str], None]) -> Any:
+    """Trace and plan a TARGET; returns the PlannedStep with the plan's origin recorded."""
+    from dataclasses import replace
 
+    from autoshard.compiler.driver import plan_graph
+    from autoshard.compiler.trace import trace
+
+    say("loading")
     step, step_args, name = load_workload(args.target, args.config, abstract=True)
-    budget = args.memory_budget_gib * 2**30 if args.memory_budget_gib else None
-    with console.status(f"planning {name}..."):
-        planned = plan_step(step, step_args, mesh=_parse_mesh(args.mesh), cluster=args.cluster,
-                            memory_budget=budget, num_devices=args.devices, name=name)
-    console.print(str(planned.plan), markup=False, highlight=False)
+    say("tracing")
+    start = time.perf_counter()
+    graph = trace(step, *step_args)
+    timings = {"trace": time.perf_counter() - start}
+    say(f"solving ({len(graph.ops)} ops)")
+    planned = plan_graph(graph, mesh=_parse_mesh(args.mesh), cluster=args.cluster, memory_budget=_budget(args),
+                         num_devices=getattr(args, "devices", None), options=_options(args), timings=timings,
+                         name=name)
+    origin = {"target": args.target, "config": args.config}
+    return replace(planned, plan=replace(planned.plan, origin=origin)), step, step_args
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from autoshard.report import ledger_table, parameter_table
+
+    with _progress("planning") as say:
+        planned, _step, _args = _plan_target(args, say)
+    _print(ledger_table(planned.plan), parameter_table(planned.plan))
     if args.out:
         planned.plan.save(args.out)
         console.print(f"plan written to {args.out}")
     return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from autoshard.compiler.planfile import load_plan
+    from autoshard.report import explain_renderables, write_html, write_png
+
+    plan = load_plan(args.plan)
+    renderables = explain_renderables(plan, args.op)
+    _print(*renderables)
+    if args.html:
+        write_html(plan, args.html, renderables)
+        console.print(f"report written to {args.html}")
+    if args.png:
+        write_png(plan, args.png)
+        console.print(f"picture written to {args.png}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from autoshard.baselines import ALL_BASELINES, Baseline, compare
+    from autoshard.report import comparison_table
+
+    kinds = ALL_BASELINES
+    if args.baselines:
+        try:
+            kinds = tuple(Baseline(k.strip()) for k in args.baselines.split(","))
+        except ValueError:
+            raise SystemExit(f"error: --baselines takes a comma list of {', '.join(b.value for b in Baseline)}") \
+                from None
+    step, step_args, name = load_workload(args.target, args.config, abstract=True)
+    with _progress(f"comparing {name}") as say:
+        result = compare(step, step_args, _parse_mesh(args.mesh), args.cluster,
+                         memory_budget=_budget(args), options=_options(args), baselines=kinds, progress=say)
+    _print(comparison_table(result))
+    console.print(f"compared in {result.seconds:.1f}s")
+    if args.out:
+        plan = replace(result.autoshard.plan, origin={"target": args.target, "config": args.config},
+                       baselines=result.summary_dict())
+        plan.save(args.out)
+        console.print(f"autoshard's plan (with the comparison) written to {args.out}")
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from autoshard.compiler.planfile import load_plan, read_header
+    from autoshard.compiler.validate import validate_plan
+    from autoshard.meshes.cluster import get_cluster
+    from autoshard.report import findings_table
+
+    plan = load_plan(args.plan)
+    cluster = get_cluster(args.cluster) if args.cluster else None
+    findings = validate_plan(plan, cluster=cluster, mesh_shape=_parse_mesh(args.mesh), memory_budget_bytes=_budget(args),
+                             file_versions=read_header(args.plan))
+    _print(findings_table(findings))
+    failed = [f for f in findings if f.failed]
+    if failed:
+        console.print(f"[bold red]{len(failed)} check(s) failed[/bold red]: " + "; ".join(f.check for f in failed))
+        return 1
+    console.print("[green]the plan passes every check[/green]")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from autoshard.compiler.export import dumps, flax_rules, flax_rules_python
+    from autoshard.compiler.planfile import load_plan
+
+    if args.format != "flax-rules":
+        raise SystemExit(f"error: unknown --format {args.format!r}; known: flax-rules")
+    data = flax_rules(load_plan(args.plan))
+    text = flax_rules_python(data) if args.python else dumps(data)
+    if args.out:
+        Path(args.out).write_text(text)
+        console.print(f"{len(data['params'])} parameter specs and {len(data['rules'])} logical rules written to "
+                      f"{args.out}")
+    else:
+        sys.stdout.write(text + "\n")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from autoshard.compiler.planfile import load_plan
+    from autoshard.compiler.verify import verify_compiled
+    from autoshard.passes.emit import make_jax_mesh
+    from autoshard.report import fidelity_lines, fidelity_table
+
+    with _progress("verifying") as say:
+        if args.target.endswith(".json"):
+            plan = load_plan(args.target)
+            if "target" not in plan.origin:
+                raise SystemExit(f"error: {args.target} does not record the step it was made from (no origin "
+                                 "target); run `autoshard verify TARGET` instead")
+            say("loading the step")
+            step, step_args, _name = load_workload(plan.origin["target"], plan.origin.get("config", "small"),
+                                                   abstract=True)
+        else:
+            planned, step, step_args = _plan_target(args, say)
+            plan = planned.plan
+        mesh = make_jax_mesh(tuple(plan.mesh_shape), plan.axis_names)
+        say("compiling")
+        start = time.perf_counter()
+        compiled = plan.apply(step, mesh).lower(*step_args).compile()
+        compile_s = time.perf_counter() - start
+        report = verify_compiled(plan, compiled)
+    _print(fidelity_table(report, f"plan '{plan.name}' predicted vs compiled on mesh "
+                                  f"{'x'.join(map(str, plan.mesh_shape))} (compiled in {compile_s:.1f}s)"))
+    flagged = [line.what for line in fidelity_lines(report) if line.flagged]
+    if flagged:
+        console.print(f"[bold red]{len(flagged)} figure(s) off by more than 10%[/bold red]: {', '.join(flagged)}")
+        return 1
+    return 0
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+def _planning_flags(p: argparse.ArgumentParser, *, mesh_help: str = "logical mesh shape, e.g. 2x4") -> None:
+    p.add_argument("--config", default="small", help="workload config (default: small)")
+    p.add_argument("--mesh", help=mesh_help)
+    p.add_argument("--cluster", default=None, help="preset name or .json/.toml ClusterSpec file")
+    p.add_argument("--memory-budget-gib", type=float, default=None, help="per-device budget (default: device memory)")
+    p.add_argument("--time-limit", type=float, default=None, help="ILP time limit in seconds per solve")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,22 +311,62 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target")
     p.add_argument("--config", default="small")
     p.set_defaults(func=cmd_trace)
+
     p = sub.add_parser("plan", help="plan a workload on a mesh and cluster")
-    p.add_argument("target")
-    p.add_argument("--config", default="small")
-    p.add_argument("--mesh", help="logical mesh shape, e.g. 2x4 (default: searched)")
-    p.add_argument("--cluster", default=None, help="preset name or .json/.toml ClusterSpec file")
+    p.add_argument("target", help="MODULE:FUNCTION, a module or a .py file with workload()")
+    _planning_flags(p, mesh_help="logical mesh shape, e.g. 2x4 (default: searched)")
     p.add_argument("--devices", type=int, default=None, help="device count when --mesh is not given")
-    p.add_argument("--memory-budget-gib", type=float, default=None)
     p.add_argument("--out", help="write the plan file here")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("explain", help="a plan's specs, ledger and, for --op N, why that op's strategy")
+    p.add_argument("plan", help="plan file")
+    p.add_argument("--op", type=int, default=None, help="op index: its strategy against the alternatives")
+    p.add_argument("--html", help="write an HTML report (tables and pictures)")
+    p.add_argument("--png", help="write the pictures (memory per device, pipeline schedule) as PNG")
+    p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("compare", help="autoshard vs DP, FSDP, ZeRO-2, HSDP, Megatron TP and DP x TP")
+    p.add_argument("target")
+    _planning_flags(p)
+    p.add_argument("--baselines", help="comma list (default: all): dp,fsdp,zero2,hsdp,megatron-tp,dp-tp")
+    p.add_argument("--out", help="write autoshard's plan, with the comparison, here")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("validate", help="static checks of a plan file; non-zero exit on failure")
+    p.add_argument("plan", help="plan file")
+    p.add_argument("--cluster", default=None, help="the cluster it will run on (preset or file)")
+    p.add_argument("--mesh", help="the mesh shape it will run on (default: the plan's)")
+    p.add_argument("--memory-budget-gib", type=float, default=None, help="per-device budget (default: the cluster's)")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("export", help="a plan's parameter layouts as Flax rules / PartitionSpecs")
+    p.add_argument("plan", help="plan file")
+    p.add_argument("--format", default="flax-rules", help="flax-rules (see autoshard.compiler.export)")
+    p.add_argument("--python", action="store_true", help="write an importable Python module instead of JSON")
+    p.add_argument("--out", help="file to write (default: stdout)")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("verify", help="compile a plan on simulated devices: predicted vs compiled")
+    p.add_argument("target", help="plan file (made by `plan` or `compare`) or a TARGET to plan first")
+    _planning_flags(p)
+    p.set_defaults(func=cmd_verify)
+
+    # add_launch_parser(sub)  # <- the lead adds the `launch` command here
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _ensure_devices(getattr(args, "devices", None) or 8)
-    return int(args.func(args) or 0)
+    _ensure_devices(_devices_needed(args))
+    from autoshard.errors import PlanningError
+    from autoshard.meshes.cluster import ClusterSpecError
+
+    try:
+        return int(args.func(args) or 0)
+    except (PlanningError, ClusterSpecError) as err:
+        console.print(f"[bold red]error:[/bold red] {err}", highlight=False)
+        return 2
 
 
 if __name__ == "__main__":

@@ -302,7 +302,9 @@ def check_signature(plan: Plan, graph: OpGraph) -> None:
         problems.append(f"the traced step has {len(graph.ops)} operations, the plan was made for {plan.num_ops}: "
                         "the model code changed; plan again")
     if problems:
-        raise PlanMismatchError("the plan does not match this train step:\n  " + "\n  ".join(problems[:20]))
+        more = [f"... and {len(problems) - 20} more"] if len(problems) > 20 else []
+        raise PlanMismatchError("the plan does not match this train step (plan again for the changed model):\n  "
+                                + "\n  ".join(problems[:20] + more))
 
 
 def check_mesh(plan: Plan, shape: Sequence[int], axis_names: Sequence[str]) -> None:

@@ -1,0 +1,656 @@
+"""Classic parallelization strategies as Plans of the same type, priced by the same model.
+
+Each baseline fixes the *storage layout* of the step's inputs (parameters,
+optimizer state, batch) the way the classic strategy does, and leaves the
+rest to the intra-op ILP (``IntraOpOptions.pinned_inputs``): given those
+layouts, the solver picks every op's strategy and every reshard. A baseline
+is therefore the best plan with that strategy's layouts under the cost
+model (an optimistic version of it), a point of autoshard's own search space.
+autoshard is then solved with the best baseline that fits as its ILP hint,
+so its modeled time is never worse than that baseline's.
+
+============  ======================================================  =========================
+baseline      fixes (storage layouts)                                  left to the solver
+============  ======================================================  =========================
+DP            batch split on dim 0 over all mesh axes; parameters      op strategies (the
+              and optimizer state replicated                           gradient all-reduce
+                                                                       follows from them)
+FSDP/ZeRO-3   batch as DP; every parameter and optimizer-state leaf    when to gather, whether
+              split over all devices on its largest dimension that     gradients reduce-scatter
+              divides (fewer, inner axes when none does)
+ZeRO-2        batch as DP; optimizer state split as FSDP; parameters   the gradients' layout
+              replicated                                               (reduce-scatter or not)
+HSDP          batch as DP; parameters and optimizer state split as     as FSDP
+              FSDP but over the intra-node axes only, replicated
+              over the axes that cross nodes (on one node: the last
+              axis plays the node, the others replicate)
+Megatron TP   batch replicated; attention and MLP kernels split        op strategies, reshards
+              column (q/k/v/up: output features) or row (out/down:     of activations
+              input features) over all axes, column biases with
+              them; everything else (embeddings, norms, LM head)
+              replicated; optimizer state as its parameter
+DP x TP       batch split over the first (outer) axis; Megatron        as Megatron TP
+              over the last (inner) axis
+============  ======================================================  =========================
+
+Megatron's column/row kernels are found from the graph (``megatron_roles``):
+a kernel's forward ``dot_general`` (its first use) is *column* when its
+output, through reshapes and a bias add, feeds a nonlinearity (GELU, ReLU,
+softmax) or an activation x activation dot (attention scores, attention
+values); a kernel is *row* when every parameter dot its activation operand
+comes from (walking back through any op) is column, and no path reaches
+the batch. Only column kernels that some row kernel reads are kept (the
+Megatron pairs), so the LM head and the MoE router stay replicated. When the
+graph shows no pair (a scanned model, say), conventional parameter names
+are used instead (q/k/v/query/key/value/up/gate/fc1/wi/w1/c_fc/c_attn column,
+out/o/down/fc2/wo/w2/c_proj/proj row); ``MegatronRoles.source`` says which.
+
+Batch-size ceilings (``batch_ceiling``): for a fixed plan every value's
+per-device bytes are affine in the global batch (batch-dimension arrays grow
+with it, state does not), so each program point's live bytes are
+``a_t + s_t * batch``. The step is traced again at twice the batch, the plan's
+specs are applied to both graphs (same structure, same value ids), and the two
+memory profiles give ``a_t`` and ``s_t`` exactly; the ceiling is
+``min_t (budget - a_t) / s_t`` rounded down to a multiple of the batch's
+shard count. The batch dimension of every batch input is taken to be dim 0.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import jax
+import numpy as np
+
+from autoshard.compiler.driver import MeshLike, PlannedStep, candidate_meshes, plan_graph
+from autoshard.compiler.graph import Op, OpGraph, Role, ValueId
+from autoshard.compiler.plan import Plan
+from autoshard.compiler.spec import MeshAxes, Spec
+from autoshard.compiler.trace import trace
+from autoshard.errors import InfeasibleMemoryError, PlanningError
+from autoshard.meshes.cluster import ClusterSpec, get_cluster
+from autoshard.meshes.logical import LogicalMesh
+from autoshard.passes.intra_op import IntraOpOptions, memory_profile
+
+log = logging.getLogger(__name__)
+
+UNBOUNDED_BYTES = 1e30  # a budget no plan reaches: baselines that do not fit are priced without one
+Progress = Callable[[str], None]
+
+
+class Baseline(str, enum.Enum):
+    DP = "dp"
+    FSDP = "fsdp"
+    ZERO2 = "zero2"
+    HSDP = "hsdp"
+    TP = "megatron-tp"
+    DP_TP = "dp-tp"
+
+    @property
+    def label(self) -> str:
+        return _LABELS[self]
+
+
+_LABELS = {Baseline.DP: "DP", Baseline.FSDP: "FSDP/ZeRO-3", Baseline.ZERO2: "ZeRO-2", Baseline.HSDP: "HSDP",
+           Baseline.TP: "Megatron TP", Baseline.DP_TP: "DP x TP"}
+ALL_BASELINES: tuple[Baseline, ...] = tuple(Baseline)
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def divisible_axes(size: int, axes: Sequence[str], sizes: Mapping[str, int]) -> MeshAxes:
+    """The most devices from ``axes`` (kept in mesh order) whose product divides ``size``; () if none."""
+    axes = [a for a in axes if sizes[a] > 1]
+    best: MeshAxes = ()
+    best_n = 1
+    for mask in range(1, 1 << len(axes)):
+        chosen = tuple(a for i, a in enumerate(axes) if mask >> i & 1)
+        n = math.prod(sizes[a] for a in chosen)
+        # ties: prefer the inner axes (later in the mesh), which are the faster links
+        if size % n == 0 and (n > best_n or (n == best_n and chosen > best)):
+            best, best_n = chosen, n
+    return best
+
+
+def largest_dim_spec(shape: Sequence[int], axes: Sequence[str], sizes: Mapping[str, int]) -> Spec:
+    """Split the largest dimension that ``axes`` divide (FSDP's flat-shard analogue); replicated if none."""
+    dims: list[MeshAxes] = [()] * len(shape)
+    total = math.prod(sizes[a] for a in axes if sizes[a] > 1)
+    order = sorted(range(len(shape)), key=lambda d: (-shape[d], d))
+    for d in order:  # all the axes on one dimension, the largest that takes them
+        if total > 1 and shape[d] % total == 0:
+            dims[d] = tuple(a for a in axes if sizes[a] > 1)
+            return Spec(tuple(dims))
+    for d in order:  # else as many devices as divide the largest dimension that takes any
+        chosen = divisible_axes(shape[d], axes, sizes)
+        if chosen:
+            dims[d] = chosen
+            return Spec(tuple(dims))
+    return Spec(tuple(dims))
+
+
+def batch_spec(shape: Sequence[int], axes: Sequence[str], sizes: Mapping[str, int]) -> Spec:
+    """Split dim 0 (the batch) over as many of ``axes`` as divide it."""
+    if not shape:
+        return Spec(())
+    return Spec((divisible_axes(shape[0], axes, sizes),) + ((),) * (len(shape) - 1))
+
+
+def _crosses_nodes(mesh: LogicalMesh, axis: int) -> bool:
+    grid = np.asarray(mesh.device_indices).reshape(mesh.shape)
+    moved = np.moveaxis(grid, axis, -1).reshape(-1, mesh.shape[axis]) // mesh.cluster.devices_per_node
+    return bool((moved != moved[:, :1]).any())
+
+
+def node_axes(mesh: LogicalMesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(intra-node axes, axes that cross nodes); on one node the last axis plays the node."""
+    crossing = tuple(a.name for i, a in enumerate(mesh.axes) if a.size > 1 and _crosses_nodes(mesh, i))
+    inside = tuple(a.name for a in mesh.axes if a.size > 1 and a.name not in crossing)
+    if not crossing:
+        return mesh.axis_names[-1:], mesh.axis_names[:-1]
+    return inside, crossing
+
+
+# ----------------------------------------------------------------------------- Megatron roles
+
+_TRANSPARENT = frozenset({"reshape", "transpose", "convert_element_type", "broadcast_in_dim", "copy", "copy_p",
+                          "squeeze", "expand_dims", "reduce_precision"})
+_MIXING = frozenset({"tanh", "erf", "logistic", "exp", "integer_pow", "pow", "log", "max", "reduce_max", "argmax",
+                     "sin", "cos", "erf_inv"})
+_COLUMN_NAMES = re.compile(r"^(q|k|v|query|key|value|qkv|up|gate|fc1|wi|wi_0|wi_1|w1|w3|c_fc|c_attn|w_in|dense_h_to_4h)$")
+_ROW_NAMES = re.compile(r"^(out|o|down|fc2|wo|w2|c_proj|proj|out_proj|o_proj|w_out|dense_4h_to_h|dense)$")
+_BFS_LIMIT = 2000
+
+
+@dataclass(frozen=True)
+class MegatronRoles:
+    """Flat input index -> the dimension Megatron splits: column and row kernels, column biases."""
+
+    column: Mapping[int, int]
+    row: Mapping[int, int]
+    bias: Mapping[int, int]
+    source: Literal["graph", "names", "none"]
+
+    def __str__(self) -> str:
+        return f"{len(self.column)} column, {len(self.row)} row kernels (from {self.source})"
+
+
+class _GraphIndex:
+    def __init__(self, graph: OpGraph) -> None:
+        self.graph = graph
+        self.producer: dict[ValueId, Op] = graph.producers()
+        self.consumers = graph.consumers()
+        self.input_index = {v: i for i, v in enumerate(graph.inputs)}
+
+    def param_origin(self, vid: ValueId) -> int | None:
+        """The flat index of the parameter ``vid`` is a reshaped/converted/broadcast view of, if any."""
+        for _ in range(16):
+            if vid in self.input_index:
+                i = self.input_index[vid]
+                return i if self.graph.values[vid].role == Role.PARAM else None
+            op = self.producer.get(vid)
+            if op is None or op.primitive not in _TRANSPARENT:
+                return None
+            live = [v for v in op.inputs if self.graph.values[v].role != Role.CONSTANT]
+            if len(live) != 1:
+                return None
+            vid = live[0]
+        return None
+
+
+_CONTRACTIONS = ("dot_general", "conv_general_dilated")
+
+
+def _forward_dots(ix: _GraphIndex) -> dict[int, tuple[Op, int]]:
+    """Parameter (flat index) -> (its first dot_general/conv, the operand position it sits at)."""
+    found: dict[int, tuple[Op, int]] = {}
+    for op in ix.graph.ops:
+        if op.primitive not in _CONTRACTIONS:
+            continue
+        origins = [ix.param_origin(v) for v in op.inputs]
+        params = [(pos, p) for pos, p in enumerate(origins) if p is not None]
+        if len(params) != 1:
+            continue
+        pos, p = params[0]
+        value = ix.graph.values[ix.graph.inputs[p]]
+        if op.primitive == "conv_general_dilated" and pos != 1:
+            continue
+        if p not in found and value.rank >= 2 and ix.graph.values[op.inputs[pos]].shape == value.shape:
+            found[p] = (op, pos)
+    return found
+
+
+def _feeds_mixing(ix: _GraphIndex, dot: Op) -> tuple[bool, list[int]]:
+    """Does the dot's output, through views and a bias add, reach a nonlinearity or an activation dot?"""
+    frontier, seen, biases, mixing = list(dot.outputs), set(dot.outputs), [], False
+    while frontier:
+        vid = frontier.pop()
+        for op in ix.consumers.get(vid, []):
+            others = [v for v in op.inputs if v != vid and ix.graph.values[v].role != Role.CONSTANT]
+            if op.primitive in _CONTRACTIONS:
+                mixing |= all(ix.param_origin(v) is None for v in op.inputs)
+                continue
+            if op.primitive in _MIXING:
+                mixing = True
+                continue
+            through = op.primitive in _TRANSPARENT
+            if op.primitive in ("add", "add_any", "sub") and len(others) == 1:
+                bias = ix.param_origin(others[0])
+                if bias is not None:
+                    biases.append(bias)
+                    through = True
+            if through:
+                for out in op.outputs:
+                    if out not in seen:
+                        seen.add(out)
+                        frontier.append(out)
+    return mixing, biases
+
+
+def _dot_sources(ix: _GraphIndex, start: ValueId, dot_of: Mapping[int, int]) -> set[int] | None:
+    """Parameters whose forward dots the value ``start`` comes from; None if a path reaches the batch."""
+    found: set[int] = set()
+    frontier, seen = [start], {start}
+    while frontier:
+        if len(seen) > _BFS_LIMIT:
+            return None
+        vid = frontier.pop()
+        if vid in ix.input_index:
+            if ix.graph.values[vid].role == Role.BATCH:
+                return None
+            continue
+        op = ix.producer.get(vid)
+        if op is None:
+            continue
+        if op.id in dot_of:
+            found.add(dot_of[op.id])
+            continue
+        for v in op.inputs:
+            if v not in seen and ix.graph.values[v].role != Role.CONSTANT:
+                seen.add(v)
+                frontier.append(v)
+    return found
+
+
+def _split_dims(op: Op, pos: int, rank: int) -> tuple[int, int]:
+    """(output-feature dim, contracting dim) of the parameter operand of ``op``; -1 where there is none."""
+    if op.primitive == "conv_general_dilated":
+        out_dim, in_dim = op.params["dimension_numbers"].rhs_spec[:2]
+        return (out_dim, in_dim) if op.params["feature_group_count"] == 1 else (-1, -1)
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    contract, batch = (lc, lb) if pos == 0 else (rc, rb)
+    free = [d for d in range(rank) if d not in contract and d not in batch]
+    return (free[-1] if free else -1), (contract[0] if contract else -1)
+
+
+def megatron_roles(graph: OpGraph) -> MegatronRoles:
+    """Column and row kernels of the Megatron pairs (see the module docstring), from the graph or names.
+
+    Kernels are taken in the order of their forward contractions: one is row when every
+    contraction its input comes from is column; otherwise it is column when its output feeds a
+    nonlinearity or an activation contraction. A chain of layers alternates column, row, column...
+    """
+    ix = _GraphIndex(graph)
+    dots = _forward_dots(ix)
+    dot_of = {op.id: p for p, (op, _pos) in dots.items()}
+    rank = {p: graph.values[graph.inputs[p]].rank for p in dots}
+    column: dict[int, int] = {}
+    row: dict[int, int] = {}
+    partners: set[int] = set()
+    biases: dict[int, list[int]] = {}
+    for p, (op, pos) in sorted(dots.items(), key=lambda item: item[1][0].id):
+        out_dim, in_dim = _split_dims(op, pos, rank[p])
+        sources = _dot_sources(ix, op.inputs[1 - pos] if op.primitive == "dot_general" else op.inputs[0], dot_of)
+        if sources and all(s in column for s in sources) and in_dim >= 0:
+            row[p] = in_dim
+            partners |= sources
+            continue
+        mixing, found = _feeds_mixing(ix, op)
+        if mixing and out_dim >= 0:
+            column[p] = out_dim
+            biases[p] = found
+    column = {p: d for p, d in column.items() if p in partners}
+    if column and row:
+        bias = {}
+        for p, d in column.items():
+            size = graph.values[graph.inputs[p]].shape[d]
+            for b in biases[p]:
+                shape = graph.values[graph.inputs[b]].shape
+                if shape and shape[-1] == size:
+                    bias[b] = len(shape) - 1
+        return MegatronRoles(column, row, bias, "graph")
+    return _roles_from_names(graph)
+
+
+_KEY = re.compile(r"\['([^']*)'\]|\.(\w+)|\[(\d+)\]")
+
+
+def _keys(path: str | None) -> list[str]:
+    """The keys of a pytree path: ``[0]['blocks'][3]['q']['kernel']`` -> 0, blocks, 3, q, kernel."""
+    return [a or b or c for a, b, c in _KEY.findall(path or "")]
+
+
+def _roles_from_names(graph: OpGraph) -> MegatronRoles:
+    column: dict[int, int] = {}
+    row: dict[int, int] = {}
+    bias: dict[int, int] = {}
+    params = [(i, graph.values[v]) for i, v in enumerate(graph.inputs) if graph.values[v].role == Role.PARAM]
+    kernels: dict[str, tuple[int, int]] = {}
+    for i, value in params:
+        keys = _keys(value.path)
+        if len(keys) < 2 or value.rank < 2:
+            continue
+        module, leaf = (keys[-2], keys[-1]) if keys[-1] in ("kernel", "weight", "w") else (keys[-1], keys[-1])
+        prefix = (value.path or "").rsplit("[", 1)[0]
+        if _COLUMN_NAMES.match(module.lower()):
+            column[i] = value.rank - 1
+            kernels[prefix] = (i, value.shape[-1])
+        elif _ROW_NAMES.match(module.lower()):
+            row[i] = value.rank - 2
+    for i, value in params:
+        prefix = (value.path or "").rsplit("[", 1)[0]
+        if _keys(value.path)[-1:] == ["bias"] and prefix in kernels and value.shape[-1:] == (kernels[prefix][1],):
+            bias[i] = value.rank - 1
+    if not (column and row):
+        return MegatronRoles({}, {}, {}, "none")
+    return MegatronRoles(column, row, bias, "names")
+
+
+# ----------------------------------------------------------------------------- pins
+
+
+def _mirror_params(graph: OpGraph, param_specs: Mapping[int, Spec]) -> dict[int, Spec]:
+    """Optimizer-state leaves that mirror a parameter (same shape, path ending in its path) get its spec."""
+    by_suffix: dict[tuple[str, tuple[int, ...]], Spec] = {}
+    for i, spec in param_specs.items():
+        value = graph.values[graph.inputs[i]]
+        suffix = re.sub(r"^\[\d+\]", "", value.path or "")
+        by_suffix[(suffix, value.shape)] = spec
+    out: dict[int, Spec] = {}
+    for i, vid in enumerate(graph.inputs):
+        value = graph.values[vid]
+        if value.role != Role.OPT_STATE:
+            continue
+        for (suffix, shape), spec in by_suffix.items():
+            if suffix and value.shape == shape and (value.path or "").endswith(suffix):
+                out[i] = spec
+                break
+    return out
+
+
+def baseline_pins(graph: OpGraph, mesh: LogicalMesh, kind: Baseline,
+                  roles: MegatronRoles | None = None) -> dict[int, Spec]:
+    """The storage spec of every flat input under a classic strategy (see the module docstring)."""
+    sizes = dict(zip(mesh.axis_names, mesh.shape))
+    all_axes = tuple(a for a in mesh.axis_names if sizes[a] > 1)
+    inside, _crossing = node_axes(mesh)
+    data_axes: tuple[str, ...] = all_axes
+    if kind == Baseline.TP:
+        data_axes = ()
+    elif kind == Baseline.DP_TP:
+        data_axes = all_axes[:1] if len(all_axes) > 1 else ()
+    model_axes = all_axes if kind == Baseline.TP else all_axes[-1:]
+    pins: dict[int, Spec] = {}
+    state: dict[int, Spec] = {}
+    for i, vid in enumerate(graph.inputs):
+        value = graph.values[vid]
+        replicated = Spec.replicated(value.rank)
+        if value.role == Role.BATCH:
+            pins[i] = batch_spec(value.shape, data_axes, sizes)
+        elif value.role == Role.PARAM:
+            if kind == Baseline.FSDP:
+                pins[i] = largest_dim_spec(value.shape, all_axes, sizes)
+            elif kind == Baseline.HSDP:
+                pins[i] = largest_dim_spec(value.shape, inside, sizes)
+            else:
+                pins[i] = replicated
+        elif value.role == Role.OPT_STATE:
+            if kind in (Baseline.FSDP, Baseline.ZERO2):
+                pins[i] = largest_dim_spec(value.shape, all_axes, sizes)
+            elif kind == Baseline.HSDP:
+                pins[i] = largest_dim_spec(value.shape, inside, sizes)
+            else:
+                pins[i] = replicated
+        else:
+            pins[i] = replicated
+    if kind in (Baseline.TP, Baseline.DP_TP):
+        roles = roles or megatron_roles(graph)
+        for i, dim in {**roles.column, **roles.row, **roles.bias}.items():
+            shape = graph.values[graph.inputs[i]].shape
+            axes = divisible_axes(shape[dim], model_axes, sizes)
+            dims = [()] * len(shape)
+            dims[dim] = axes
+            state[i] = Spec(tuple(dims))
+        pins.update(state)
+        pins.update(_mirror_params(graph, state))
+    return pins
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def _logical_mesh(mesh: MeshLike, cluster: ClusterSpec | str | None) -> LogicalMesh:
+    if mesh is None:
+        raise PlanningError("baselines need a mesh: pass mesh=(2, 4) or a jax Mesh")
+    num = mesh.devices.size if isinstance(mesh, jax.sharding.Mesh) else int(np.prod(mesh))
+    spec = get_cluster(cluster, num_devices=num)
+    return candidate_meshes(mesh, spec, num)[0]
+
+
+def plan_baseline(graph: OpGraph, kind: Baseline, *, mesh: MeshLike, cluster: ClusterSpec | str | None = None,
+                  memory_budget: float | None = None, options: IntraOpOptions | None = None,
+                  roles: MegatronRoles | None = None) -> PlannedStep:
+    """The ``kind`` baseline on ``mesh`` as a Plan named after it.
+
+    Planned under the memory budget; when its layouts cannot fit, it is planned
+    without one and returned with ``plan.fits`` False.
+    """
+    logical = _logical_mesh(mesh, cluster)
+    pins = baseline_pins(graph, logical, kind, roles)
+    opts = replace(options or IntraOpOptions(), pinned_inputs=pins)
+    try:
+        return plan_graph(graph, mesh=mesh, cluster=logical.cluster, memory_budget=memory_budget, options=opts,
+                          name=kind.label)
+    except InfeasibleMemoryError:
+        budget = float(memory_budget if memory_budget is not None else logical.cluster.memory_per_device_bytes)
+        planned = plan_graph(graph, mesh=mesh, cluster=logical.cluster, memory_budget=UNBOUNDED_BYTES,
+                             options=opts, name=kind.label)
+        return replace(planned, plan=replace(planned.plan, memory_budget_bytes=budget))
+
+
+# ----------------------------------------------------------------------------- batch ceilings
+
+
+def scaled_batch_args(graph: OpGraph, args: Sequence[Any], factor: int) -> tuple[Any, ...]:
+    """``args`` as ShapeDtypeStructs with every batch input's dim 0 multiplied by ``factor``."""
+    leaves = jax.tree_util.tree_leaves(tuple(args))
+    out = []
+    for vid, leaf in zip(graph.inputs, leaves):
+        value = graph.values[vid]
+        shape = tuple(value.shape)
+        if value.role == Role.BATCH and shape:
+            shape = (shape[0] * factor,) + shape[1:]
+        out.append(jax.ShapeDtypeStruct(shape, getattr(leaf, "dtype", value.dtype)))
+    return tuple(jax.tree_util.tree_unflatten(graph.in_tree, out))
+
+
+def batch_size_of(graph: OpGraph) -> int | None:
+    sizes = {graph.values[v].shape[0] for v in graph.inputs
+             if graph.values[v].role == Role.BATCH and graph.values[v].shape}
+    return min(sizes) if sizes else None
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Per-device live bytes at each program point as ``intercept + slope * global batch``."""
+
+    intercept: np.ndarray
+    slope: np.ndarray
+    batch_multiple: int  # the global batch must be a multiple of this (the batch's shard count)
+
+    def peak_bytes(self, batch: int) -> float:
+        return float((self.intercept + self.slope * batch).max())
+
+    def ceiling(self, budget_bytes: float) -> int | None:
+        """Largest global batch whose peak fits ``budget_bytes``; None if memory does not grow with it."""
+        growing = self.slope > 1e-9
+        if not growing.any():
+            return None
+        largest = float(((budget_bytes - self.intercept[growing]) / self.slope[growing]).min())
+        if largest < self.batch_multiple:
+            return 0
+        return int(largest // self.batch_multiple) * self.batch_multiple
+
+
+def same_structure(a: OpGraph, b: OpGraph) -> bool:
+    return len(a.ops) == len(b.ops) and all(x.primitive == y.primitive and x.inputs == y.inputs
+                                            and x.outputs == y.outputs for x, y in zip(a.ops, b.ops))
+
+
+def memory_model(planned: PlannedStep, scaled: OpGraph) -> MemoryModel | None:
+    """The affine memory model of ``planned``'s plan from its graph and the same step at another batch."""
+    graph, result = planned.graph, planned.result
+    b1, b2 = batch_size_of(graph), batch_size_of(scaled)
+    if b1 is None or b2 is None or b1 == b2 or not same_structure(graph, scaled):
+        return None
+    sizes = dict(zip(result.mesh.axis_names, result.mesh.shape))
+    ops = result.node_strategies[len(graph.inputs):]
+    p1, _ = memory_profile(graph, result.value_specs, sizes, result.reshards, op_strategies=ops)
+    p2, _ = memory_profile(scaled, result.value_specs, sizes, result.reshards, op_strategies=ops)
+    if p1.shape != p2.shape:  # the simulated schedule changed with the batch: no affine model
+        return None
+    slope = (p2 - p1) / (b2 - b1)
+    multiple = 1
+    for vid, spec in zip(graph.inputs, result.input_specs):
+        if graph.values[vid].role == Role.BATCH and spec.dims:
+            multiple = max(multiple, math.prod(sizes[a] for a in spec.dims[0]))
+    return MemoryModel(p1 - slope * b1, slope, multiple)
+
+
+# ----------------------------------------------------------------------------- comparison
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One row of a comparison: a plan and what the model says about it."""
+
+    name: str
+    plan: Plan
+    batch_ceiling: int | None  # largest global batch that fits; None: memory does not grow with the batch
+    planned: PlannedStep | None = None
+
+    @property
+    def step_s(self) -> float:
+        return self.plan.step_s
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.plan.ledger.peak_memory_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.plan.fits
+
+
+@dataclass(frozen=True)
+class Comparison:
+    autoshard: Candidate
+    baselines: tuple[Candidate, ...]
+    batch_size: int | None
+    memory_budget_bytes: float
+    megatron: MegatronRoles
+    seconds: float
+
+    def speedup(self, baseline: Candidate) -> float:
+        """How many times faster autoshard's modeled step is than ``baseline``'s."""
+        return baseline.step_s / self.autoshard.step_s if self.autoshard.step_s > 0 else float("inf")
+
+    @property
+    def best_baseline(self) -> Candidate | None:
+        """The fastest classic plan under the model (fits or not)."""
+        return min(self.baselines, key=lambda c: c.step_s, default=None)
+
+    @property
+    def fallback(self) -> Candidate | None:
+        """The fastest classic plan that fits the memory budget: what to run if autoshard is not trusted."""
+        return min((c for c in self.baselines if c.fits), key=lambda c: c.step_s, default=None)
+
+    @property
+    def rows(self) -> tuple[Candidate, ...]:
+        return (self.autoshard, *self.baselines)
+
+    def summary_dict(self) -> dict[str, dict[str, Any]]:
+        """Per strategy: modeled step, peak, fits, ceiling, speedup (what ``Plan.baselines`` records)."""
+        return {c.name: {"step_s": c.step_s, "peak_memory_bytes": c.peak_bytes, "fits": c.fits,
+                         "batch_ceiling": c.batch_ceiling, "speedup": self.speedup(c)} for c in self.rows}
+
+
+def _hint_options(options: IntraOpOptions, best: PlannedStep | None) -> IntraOpOptions:
+    if best is None:
+        return options
+    return replace(options, hint=tuple(best.result.node_strategies))
+
+
+def compare(fn: Callable[..., Any], args: Sequence[Any], mesh: MeshLike = None, cluster: ClusterSpec | str | None = None,
+            *, memory_budget: float | None = None, options: IntraOpOptions | None = None,
+            baselines: Sequence[Baseline] = ALL_BASELINES, progress: Progress | None = None) -> Comparison:
+    """autoshard and every classic baseline on ``mesh``: modeled time, memory, fit, batch ceiling.
+
+    With no mesh, autoshard's own mesh search picks it. The baselines are planned first; autoshard is then solved with the fastest
+    one that fits as its ILP hint, and, should the solver still return a worse
+    plan (a time-out), that baseline's plan is kept as autoshard's.
+    """
+    start = time.perf_counter()
+    say = progress or (lambda _msg: None)
+    options = options or IntraOpOptions()
+    say("tracing")
+    graph = trace(fn, *args)
+    if mesh is None:
+        say("choosing the mesh")
+        mesh = plan_graph(graph, cluster=cluster, memory_budget=memory_budget, options=options).logical_mesh.shape
+    logical = _logical_mesh(mesh, cluster)
+    budget = float(memory_budget if memory_budget is not None else logical.cluster.memory_per_device_bytes)
+    scaled: OpGraph | None = None
+    if batch_size_of(graph):
+        try:
+            scaled = trace(fn, *scaled_batch_args(graph, args, 2))
+        except Exception as err:  # a step that only runs at one batch size has no ceiling
+            log.warning("could not trace the step at twice the batch (%s); no batch ceilings", err)
+    roles = megatron_roles(graph)
+    planned: dict[Baseline, PlannedStep] = {}
+    for kind in baselines:
+        say(f"planning {kind.label}")
+        planned[kind] = plan_baseline(graph, kind, mesh=mesh, cluster=logical.cluster, memory_budget=budget,
+                                      options=options, roles=roles)
+    fitting = [p for p in planned.values() if p.plan.fits]
+    best = min(fitting, key=lambda p: p.plan.step_s, default=None)
+    say("planning autoshard" + (f" (hinted with {best.plan.name})" if best else ""))
+    auto = plan_graph(graph, mesh=mesh, cluster=logical.cluster, memory_budget=budget,
+                      options=_hint_options(options, best), name="autoshard")
+    if best is not None and auto.plan.step_s > best.plan.step_s * (1 + 1e-9):
+        log.warning("autoshard's solver returned %.6g s, worse than %s (%.6g s) it was hinted with; keeping %s",
+                    auto.plan.step_s, best.plan.name, best.plan.step_s, best.plan.name)
+        kept = replace(best.plan, name="autoshard",
+                       solver=replace(auto.plan.solver, status=f"{auto.plan.solver.status}; kept {best.plan.name}"))
+        auto = replace(best, plan=kept)
+
+    def candidate(name: str, step: PlannedStep) -> Candidate:
+        model = memory_model(step, scaled) if scaled is not None else None
+        ceiling = model.ceiling(budget) if model is not None else None
+        return Candidate(name, step.plan, ceiling, step)
+
+    say("batch ceilings")
+    result = Comparison(
+        autoshard=candidate("autoshard", auto),
+        baselines=tuple(candidate(kind.label, planned[kind]) for kind in baselines),
+        batch_size=batch_size_of(graph), memory_budget_bytes=budget, megatron=roles,
+        seconds=time.perf_counter() - start,
+    )
+    return result

@@ -1,0 +1,482 @@
+"""What a person reads: rich tables for plans, comparisons, checks and fidelity; matplotlib pictures.
+
+Tables are built from plain plan data (no solving, no compiling here), so
+``autoshard explain plan.json`` works on any machine. Pictures
+(``memory_figure``, ``gantt_figure``; ``write_png`` and ``write_html`` put
+them in files) show one memory bar per device split by kind and, when the
+plan has pipeline stages, the schedule as a Gantt chart.
+
+Stages in a plan file are objects; the picture reads ``name``, ``forward_s``
+and ``backward_s`` (or ``time_s``, split 1:2 into forward and backward),
+``peak_memory_bytes``, ``memory_by_kind`` and ``num_devices`` when present.
+"""
+from __future__ import annotations
+
+import base64
+import collections
+import html
+import io
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from autoshard.compiler.plan import Choice, Plan, fmt_bytes, fmt_s
+
+KIND_COLORS = {"param": "#4c72b0", "grad": "#8172b3", "opt_state": "#dd8452", "batch": "#55a868",
+               "activation": "#c44e52", "resharded": "#937860"}
+FLAG_TOLERANCE = 0.10  # `verify` flags a figure off by more than this
+
+
+# ----------------------------------------------------------------------------- plan tables
+
+
+def ledger_table(plan: Plan) -> Table:
+    led = plan.ledger
+    mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.axis_names, plan.mesh_shape))
+    table = Table(title=f"plan '{plan.name}' on mesh ({mesh}) of {plan.cluster.name}", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    reached = (f" ({led.step_s / led.compute_lower_bound_s:,.1f}x the compute lower bound)"
+               if led.compute_lower_bound_s > 0 else "")
+    table.add_row("modeled step", fmt_s(led.step_s) + reached)
+    table.add_row("  compute", fmt_s(led.compute_s))
+    table.add_row("  collectives", fmt_s(led.comm_s))
+    table.add_row("  resharding", fmt_s(led.reshard_s))
+    table.add_row("  pipeline bubble", fmt_s(led.bubble_s))
+    table.add_row("compute lower bound", fmt_s(led.compute_lower_bound_s))
+    fits = "fits" if plan.fits else "[red]OVER BUDGET[/red]"
+    table.add_row("peak memory / device", f"{fmt_bytes(led.peak_memory_bytes)} of {fmt_bytes(plan.memory_budget_bytes)}"
+                                          f" ({fits})")
+    for kind, nbytes in led.memory_by_kind.items():
+        table.add_row(f"  {kind}", fmt_bytes(nbytes))
+    table.add_row("collectives / device",
+                  ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(led.collective_bytes.items())) or "none")
+    s = plan.solver
+    table.add_row("solver", f"{s.status}, gap {s.gap:.2%}, {s.solve_s:.2f}s; {s.num_nodes} nodes -> "
+                            f"{s.num_classes} classes, {s.num_edges} edges")
+    table.add_row("planning", ", ".join(f"{k} {v:.2f}s" for k, v in plan.planning_s.items()))
+    if plan.stages:
+        table.add_row("pipeline", f"{len(plan.stages)} stages, {plan.num_microbatches} microbatches, {plan.schedule}")
+    if plan.alternatives:
+        table.add_row("meshes tried", ", ".join(f"{k}: {fmt_s(v)}" for k, v in plan.alternatives.items()))
+    if plan.origin:
+        table.add_row("made from", ", ".join(f"{k}={v}" for k, v in plan.origin.items()))
+    return table
+
+
+_LAYER = re.compile(r"\[(\d+)\]|_(\d+)(?=['\]])")
+
+
+def _layer_of(path: str) -> tuple[str, int | None]:
+    """(path with the first layer number blanked, that number) for ``[0]['blocks'][3]['q']``-style paths."""
+    inner = re.sub(r"^\[\d+\]", "", path)
+    match = _LAYER.search(inner)
+    if not match:
+        return inner, None
+    number = int(match.group(1) or match.group(2))
+    start, end = match.span(1) if match.group(1) else match.span(2)
+    return inner[:start] + "#" + inner[end:], number
+
+
+def dotted(path: str) -> str:
+    """``['blocks']#['attn']['q']['kernel']`` -> ``blocks.#.attn.q.kernel`` (display only)."""
+    keys = re.findall(r"\['([^']*)'\]|\.(\w+)|\[(\d+)\]|(#)", path)
+    return ".".join(a or b or c or d for a, b, c, d in keys) or path
+
+
+def _ranges(numbers: Sequence[int]) -> str:
+    numbers = sorted(numbers)
+    parts, start = [], None
+    for i, n in enumerate(numbers):
+        if start is None:
+            start = n
+        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
+            parts.append(str(start) if start == n else f"{start}-{n}")
+            start = None
+    return ",".join(parts)
+
+
+def parameter_table(plan: Plan) -> Table:
+    """Per-parameter specs; repeated layers with the same spec share one row."""
+    groups: dict[tuple[str, tuple[int, ...], str], list[tuple[int | None, str]]] = collections.defaultdict(list)
+    for path, spec in plan.param_specs().items():
+        key, layer = _layer_of(path)
+        groups[(key, plan.input_shapes[path][0], str(spec))].append((layer, path))
+    table = Table(title="parameters (their optimizer state is laid out alike unless noted) by path")
+    for col in ("path", "layers", "shape", "spec", "per device"):
+        table.add_column(col, overflow="fold")
+    sizes = dict(zip(plan.axis_names, plan.mesh_shape))
+    for (key, shape, spec_text), members in sorted(groups.items()):
+        local = plan.input_specs[members[0][1]].shard_shape(shape, sizes)
+        numbered = [n for n, _ in members if n is not None]
+        table.add_row(dotted(key), _ranges(numbered), str(list(shape)), spec_text, str(list(local)))
+    return table
+
+
+def layer_table(plan: Plan) -> Table:
+    """Per layer: how many parameters are split, and the bytes per device of its parameters and their state."""
+    sizes = dict(zip(plan.axis_names, plan.mesh_shape))
+    rows: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0, 0.0, 0.0])
+    for path, spec in plan.input_specs.items():
+        role = plan.input_roles.get(path)
+        if role not in ("param", "opt_state"):
+            continue
+        layer = _layer_key(re.sub(r"^\[\d+\](?:\[\d+\])*(?:\.\w+)?", "", path))
+        shape, dtype = plan.input_shapes[path]
+        nbytes = math.prod(shape) * _itemsize(dtype) / spec.num_shards(sizes)
+        row = rows[layer]
+        if role == "param":
+            row[0] += 1
+            row[1] += 0 if spec.is_replicated else 1
+            row[2] += nbytes
+        else:
+            row[3] += nbytes
+    table = Table(title="per layer")
+    for col in ("layer", "parameters", "split", "params / device", "opt state / device"):
+        table.add_column(col, justify="left" if col == "layer" else "right")
+    for layer, (count, split, pbytes, obytes) in sorted(rows.items()):
+        table.add_row(dotted(layer), str(int(count)), str(int(split)), fmt_bytes(pbytes), fmt_bytes(obytes))
+    return table
+
+
+def _layer_key(inner: str) -> str:
+    """The path up to its first layer number (``['blocks'][3]``, ``['params']['Dense_3']``), else its first key."""
+    match = re.search(r"\[\d+\]|_\d+'\]", inner)
+    if match:
+        return inner[:match.end()]
+    first = re.match(r"^\['[^']*'\]", inner)
+    return first.group(0) if first else "(other)"
+
+
+def _itemsize(dtype: str) -> int:
+    import numpy as np
+
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        return 4
+
+
+def op_table(plan: Plan, op: int) -> Table | Text:
+    """The strategy op ``op`` got and its alternatives, each priced locally."""
+    if not 0 <= op < plan.num_ops:
+        return Text(f"op {op} is out of range: the plan has ops 0..{plan.num_ops - 1}", style="red")
+    ex = plan.explanations.get(op)
+    if ex is None:
+        specs = plan.op_out_specs.get(op, ())
+        return Text(f"op {op} has no recorded alternatives: it had a single strategy, or it is an elementwise or "
+                    f"view op that follows its producer without communicating. Its output layout: "
+                    f"{', '.join(map(str, specs)) or '?'}. Ops with recorded choices: "
+                    f"{_ranges(sorted(plan.explanations))[:200]}")
+    table = Table(title=f"op {op}: {ex.primitive} {ex.shapes}" + (f"  ({ex.source})" if ex.source else "")
+                  + f"; {ex.num_strategies} strategies, cheapest {len(ex.alternatives)} others shown",
+                  caption="local prices: the op's compute and collectives, plus resharding from its producers' and "
+                          "to its consumers' chosen layouts. A cheaper alternative loses because the op is tied to "
+                          "others (repeated layer, elementwise chain) or to stay within memory.")
+    for col in ("", "strategy", "compute", "collectives", "resharding", "total", "vs chosen"):
+        table.add_column(col, justify="left" if col in ("", "strategy") else "right")
+
+    def row(mark: str, c: Choice, style: str = "") -> None:
+        delta = c.total_s - ex.chosen.total_s
+        table.add_row(mark, c.strategy, fmt_s(c.compute_s), fmt_s(c.comm_s), fmt_s(c.reshard_s), fmt_s(c.total_s),
+                      "" if mark else ("+" if delta >= 0 else "-") + fmt_s(abs(delta)), style=style)
+
+    row("chosen", ex.chosen, "bold green")
+    for c in ex.alternatives:
+        row("", c)
+    return table
+
+
+def explain_renderables(plan: Plan, op: int | None = None) -> list[Any]:
+    items: list[Any] = [ledger_table(plan), parameter_table(plan), layer_table(plan)]
+    if plan.baselines:
+        items.append(baseline_summary_table(plan.baselines, plan.memory_budget_bytes))
+    if op is not None:
+        items.append(op_table(plan, op))
+    return items
+
+
+# ----------------------------------------------------------------------------- comparisons
+
+
+def _comparison_rows(rows: Sequence[Mapping[str, Any]], budget: float, title: str, note: str) -> Table:
+    table = Table(title=title, caption=note)
+    for col in ("strategy", "modeled step", "peak memory / device", "fits", "batch ceiling", "autoshard speedup"):
+        table.add_column(col, justify="left" if col == "strategy" else "right")
+    for r in rows:
+        ceiling = r["batch_ceiling"]
+        table.add_row(
+            r["name"], fmt_s(r["step_s"]), fmt_bytes(r["peak_memory_bytes"]),
+            "yes" if r["fits"] else "[red]no[/red]",
+            "unbounded" if ceiling is None else f"{ceiling:,}",
+            "" if r["name"] == "autoshard" else f"{r['speedup']:.2f}x",
+            style="bold" if r["name"] == "autoshard" else "",
+        )
+    return table
+
+
+def comparison_table(comparison: Any) -> Table:  # comparison: autoshard.baselines.Comparison
+    rows = [{"name": c.name, "step_s": c.step_s, "peak_memory_bytes": c.peak_bytes, "fits": c.fits,
+             "batch_ceiling": c.batch_ceiling, "speedup": comparison.speedup(c)} for c in comparison.rows]
+    plan = comparison.autoshard.plan
+    mesh = "x".join(map(str, plan.mesh_shape))
+    best, fallback = comparison.best_baseline, comparison.fallback
+    note = [f"global batch {comparison.batch_size}; budget {fmt_bytes(comparison.memory_budget_bytes)}/device; "
+            f"Megatron kernels: {comparison.megatron}"]
+    if best is not None:
+        note.append(f"best classic: {best.name} ({comparison.speedup(best):.2f}x slower than autoshard)")
+    note.append(f"fallback (best classic that fits): {fallback.name}" if fallback else "no classic plan fits")
+    return _comparison_rows(rows, comparison.memory_budget_bytes,
+                            f"autoshard vs classic strategies on mesh {mesh} of {plan.cluster.name}",
+                            "\n".join(note))
+
+
+def baseline_summary_table(baselines: Mapping[str, Mapping[str, Any]], budget: float) -> Table:
+    rows = [{"name": name, **figures} for name, figures in baselines.items()]
+    return _comparison_rows(rows, budget, "compared with", "")
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def findings_table(findings: Sequence[Any]) -> Table:  # findings: compiler.validate.Finding
+    table = Table(title="validate", show_lines=True)
+    for col in ("check", "result", "details", "what to change"):
+        table.add_column(col)
+    style = {"ok": "green", "warning": "yellow", "error": "bold red"}
+    for f in findings:
+        table.add_row(f.check, Text(f.severity.value, style=style[f.severity.value]), f.message, f.fix)
+    return table
+
+
+@dataclass(frozen=True)
+class FidelityLine:
+    what: str
+    predicted: float
+    compiled: float
+    rel_error: float
+    flagged: bool
+
+
+def fidelity_lines(report: Any, tolerance: float = FLAG_TOLERANCE) -> list[FidelityLine]:
+    """Rows of a verify report, flagged when off by more than ``tolerance`` (and by more than 1 KiB)."""
+    lines = []
+    for r in report.rows:
+        err = r.rel_error
+        lines.append(FidelityLine(r.what, r.predicted, r.compiled, err,
+                                  err > tolerance and abs(r.predicted - r.compiled) > 1024))
+    return lines
+
+
+def fidelity_table(report: Any, title: str, tolerance: float = FLAG_TOLERANCE) -> Table:
+    table = Table(title=title, caption=f"per device; flagged: off by more than {tolerance:.0%}")
+    for col in ("figure", "predicted", "compiled (XLA)", "error", ""):
+        table.add_column(col, justify="left" if col in ("figure", "") else "right")
+    for line in fidelity_lines(report, tolerance):
+        err = "inf" if math.isinf(line.rel_error) else f"{line.rel_error:.1%}"
+        table.add_row(line.what.replace(" bytes", ""), fmt_bytes(line.predicted), fmt_bytes(line.compiled), err,
+                      Text("OFF", style="bold red") if line.flagged else Text("ok", style="green"))
+    return table
+
+
+# ----------------------------------------------------------------------------- pictures
+
+
+@dataclass(frozen=True)
+class Slot:
+    stage: int
+    microbatch: int
+    kind: Literal["F", "B"]
+    start_s: float
+    end_s: float
+
+
+def pipeline_schedule(forward_s: Sequence[float], backward_s: Sequence[float], num_microbatches: int,
+                      schedule: str = "1f1b") -> list[Slot]:
+    """Start and end of every forward and backward of every microbatch on every stage.
+
+    Each stage runs its work in the schedule's order (GPipe: all forwards, then all
+    backwards; 1F1B: S - s - 1 warm-up forwards, then one forward one backward),
+    starting each piece when the stage is free and its input has arrived
+    (the previous stage's forward, the next stage's backward).
+    """
+    stages = len(forward_s)
+    order: list[list[tuple[str, int]]] = []
+    for s in range(stages):
+        if schedule == "gpipe":
+            work = [("F", m) for m in range(num_microbatches)] + [("B", m) for m in range(num_microbatches)]
+        else:
+            warm = min(stages - s - 1, num_microbatches)
+            work = [("F", m) for m in range(warm)]
+            f, b = warm, 0
+            while b < num_microbatches:
+                if f < num_microbatches:
+                    work.append(("F", f))
+                    f += 1
+                work.append(("B", b))
+                b += 1
+        order.append(work)
+    done: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * stages
+    position = [0] * stages
+    slots: list[Slot] = []
+    while any(position[s] < len(order[s]) for s in range(stages)):
+        progressed = False
+        for s in range(stages):
+            if position[s] >= len(order[s]):
+                continue
+            kind, m = order[s][position[s]]
+            if kind == "F":
+                need = [("F", s - 1, m)] if s > 0 else []
+            else:
+                need = [("F", s, m)] + ([("B", s + 1, m)] if s + 1 < stages else [])
+            if any(n not in done for n in need):
+                continue
+            start = max([free[s]] + [done[n] for n in need])
+            end = start + (forward_s[s] if kind == "F" else backward_s[s])
+            done[(kind, s, m)] = end
+            free[s] = end
+            position[s] += 1
+            slots.append(Slot(s, m, kind, start, end))  # type: ignore[arg-type]
+            progressed = True
+        if not progressed:
+            raise ValueError("pipeline schedule deadlocked (inconsistent stage order)")
+    return slots
+
+
+def stage_times(plan: Plan) -> tuple[list[float], list[float]]:
+    fwd, bwd = [], []
+    for stage in plan.stages:
+        data = stage if isinstance(stage, Mapping) else {}
+        if "forward_s" in data and "backward_s" in data:
+            fwd.append(float(data["forward_s"]))
+            bwd.append(float(data["backward_s"]))
+        else:
+            total = float(data.get("time_s", data.get("stage_time_s", 0.0)))
+            fwd.append(total / 3)
+            bwd.append(2 * total / 3)
+    return fwd, bwd
+
+
+def _memory_bars(plan: Plan) -> list[tuple[str, Mapping[str, float]]]:
+    """One bar per device: SPMD devices all hold the ledger's split; a stage's devices hold the stage's."""
+    bars: list[tuple[str, Mapping[str, float]]] = []
+    if plan.stages:
+        device = 0
+        for i, stage in enumerate(plan.stages):
+            data = stage if isinstance(stage, Mapping) else {}
+            kinds = data.get("memory_by_kind") or {"total": float(data.get("peak_memory_bytes", 0.0))}
+            for _ in range(int(data.get("num_devices", 1))):
+                bars.append((f"dev{device}\n{data.get('name', f'stage {i}')}", kinds))
+                device += 1
+        return bars
+    count = math.prod(plan.mesh_shape)
+    return [(f"dev{d}", plan.ledger.memory_by_kind) for d in range(count)]
+
+
+def memory_figure(plan: Plan, ax: Any = None) -> Any:
+    """Stacked per-device memory bars by kind, with the budget as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    bars = _memory_bars(plan)
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(bars) + 2), 4))
+    kinds = list(dict.fromkeys(k for _, split in bars for k in split))
+    scale, unit = next(((s, u) for s, u in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
+                        if max((sum(v.values()) for _, v in bars), default=0) >= s), (1, "B"))
+    bottom = [0.0] * len(bars)
+    for kind in kinds:
+        heights = [split.get(kind, 0.0) / scale for _, split in bars]
+        ax.bar(range(len(bars)), heights, bottom=bottom, label=kind, color=KIND_COLORS.get(kind))
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    if plan.memory_budget_bytes / scale < 4 * max(bottom, default=0):
+        ax.axhline(plan.memory_budget_bytes / scale, color="black", linestyle="--", label="budget")
+    ax.set_xticks(range(len(bars)), [name for name, _ in bars], fontsize=7)
+    ax.set_ylabel(f"peak memory per device ({unit})")
+    ax.set_title(f"memory per device at the peak: {plan.name}")
+    ax.legend(fontsize=7)
+    return ax.figure
+
+
+def gantt_figure(plan: Plan, ax: Any = None) -> Any | None:
+    """The pipeline schedule (None for a plan without stages)."""
+    if not plan.stages:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fwd, bwd = stage_times(plan)
+    slots = pipeline_schedule(fwd, bwd, max(1, plan.num_microbatches), plan.schedule)
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(9, 0.6 * len(fwd) + 1.5))
+    for slot in slots:
+        color = "#4c72b0" if slot.kind == "F" else "#dd8452"
+        ax.barh(slot.stage, (slot.end_s - slot.start_s) * 1e3, left=slot.start_s * 1e3, color=color,
+                edgecolor="white")
+        ax.text((slot.start_s + slot.end_s) / 2 * 1e3, slot.stage, f"{slot.kind}{slot.microbatch}",
+                ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(range(len(fwd)), [f"stage {s}" for s in range(len(fwd))])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms, modeled)")
+    ax.set_title(f"{plan.schedule} schedule, {plan.num_microbatches} microbatches")
+    return ax.figure
+
+
+def figures(plan: Plan) -> list[Any]:
+    found = [memory_figure(plan)]
+    gantt = gantt_figure(plan)
+    if gantt is not None:
+        found.append(gantt)
+    return found
+
+
+def _png_bytes(fig: Any) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    return buf.getvalue()
+
+
+def write_png(plan: Plan, path: str | Path) -> None:
+    """The memory bars (and the Gantt chart, when there are stages) in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    rows = 2 if plan.stages else 1
+    fig, axes = plt.subplots(rows, 1, figsize=(max(8, 0.6 * len(_memory_bars(plan)) + 2), 4 * rows), squeeze=False)
+    memory_figure(plan, axes[0][0])
+    if plan.stages:
+        gantt_figure(plan, axes[1][0])
+    fig.tight_layout()
+    Path(path).write_bytes(_png_bytes(fig))
+    plt.close(fig)
+
+
+def write_html(plan: Plan, path: str | Path, renderables: Sequence[Any] | None = None) -> None:
+    """A self-contained HTML report: the explain tables and the pictures (inline PNG)."""
+    import matplotlib.pyplot as plt
+
+    console = Console(record=True, width=140, file=io.StringIO())
+    console.print(Group(*(renderables if renderables is not None else explain_renderables(plan))))
+    tables = console.export_html(inline_styles=True, code_format="<pre style=\"font-family:monospace\">{code}</pre>")
+    images = []
+    for fig in figures(plan):
+        images.append(f'<img alt="plan figure" src="data:image/png;base64,{base64.b64encode(_png_bytes(fig)).decode()}">')
+        plt.close(fig)
+    Path(path).write_text(
+        "<!doctype html><html><head><meta charset=\"utf-8\">"
+        f"<title>autoshard plan {html.escape(plan.name)}</title></head><body>"
+        f"<h1>autoshard plan {html.escape(plan.name)}</h1>{''.join(images)}{tables}</body></html>")
