@@ -10,18 +10,18 @@ smallest budget under which a plan exists.
 
 Legend (single-letter names are used in this module only)
 ---------------------------------------------------------
-    i, u, v   nodes (an edge e = (u, v));      a, b   strategies of u, of v
+    i, u, v   nodes (an edge e = (u, v));       a, b   strategies of u, of v
     s[i,a]    boolean: node i uses strategy a
     c[i,a]    node cost in seconds (inf: forbidden choice)
     C[e,a,b]  edge cost in seconds (inf: forbidden pair);  R[e] its reduced form (P3)
-    t[e]      integer >= 0: the cost edge e pays
-    L[e,b,b'] lifting coefficient of (d), defined there
-    p         liveness point;  m[p,i,a] bytes;  K[p] constant bytes;  B budget bytes
-    P         peak bytes (only in the min-peak model)
+    A, B      a row group of R[e] (strategies of u with identical rows), a column group
+    y[e,A,B]  boolean: edge e pays R[e,A,B]; only for allowed (finite) group pairs
+    p         liveness point;  m[p,i,a] bytes;  K[p] constant bytes;  M budget bytes
+    P         peak bytes (min-peak model only)
     q         ticks per second (the objective scale)
 
-Presolve (exact: every plan keeps its objective, only impossible choices go)
-------------------------------------------------------------------------------
+Presolve (exact: every plan keeps its objective; only impossible choices go)
+-----------------------------------------------------------------------------
     P1  arc consistency: a strategy with no allowed partner on some edge is forbidden.
     P2  a node with one allowed strategy is a constant: each of its edges is added
         to the neighbour's node costs and its bytes to the point constants.
@@ -31,33 +31,39 @@ Presolve (exact: every plan keeps its objective, only impossible choices go)
 
 Constraints (built in this order, one builder each, every constraint named)
 ----------------------------------------------------------------------------
-    (a) one_hot     sum_a s[i,a] = 1                                  every free node i
+    (a) one_hot     sum_a s[i,a] = 1                                   every free node i
     (b) forbidden   s[i,a] = 0 where c[i,a] = inf: no variable is created for it
-    (c) forbid      s[v,b] + sum_{a : C[e,a,b] = inf} s[u,a] <= 1       every e, b with an inf
-    (d) edge_cost   t[e] >= sum_a R[e,a,b] s[u,a] - sum_{b' != b} L[e,b,b'] s[v,b']   every e, b
-                    with L[e,b,b'] = max_{a : (a,b') allowed} (R[e,a,b] - R[e,a,b'])
-                    (inf entries of R count as 0 on the left). When u = a*, v = b*, row
-                    b* reads t >= R[a*,b*] and every other row b reads
-                    t >= R[a*,b] - L[b,b*] <= R[a*,b*], so min t[e] = R[e,a*,b*] exactly.
-                    L <= max_a R[e,a,b] = M_b, so this is a lifted (tighter) form of the
-                    big-M row t >= sum_a R s[u,a] - M_b (1 - s[v,b]). Rows are indexed by
-                    the endpoint with fewer strategies; all-zero rows are skipped.
-    (e) memory      K[p] + sum_{i,a} m[p,i,a] s[i,a] <= B              every point p that can bind
-    (e') peak       K[p] + sum_{i,a} m[p,i,a] s[i,a] <= P              (min-peak model only)
+    (c) edge_rows   sum_B y[e,A,B] = sum_{a in A} s[u,a]                every e, row group A
+    (d) edge_cols   sum_A y[e,A,B] = sum_{b in B} s[v,b]                every e, column group B
+    (e) memory      K[p] + sum_{i,a} m[p,i,a] s[i,a] <= M               every point p that can bind
+    (e') peak       K[p] + sum_{i,a} m[p,i,a] s[i,a] <= P               min-peak model only
+    (f) forbid      s[v,b] + sum_{a : C[e,a,b] = inf} s[u,a] <= 1        min-peak model only
 
-Objective: minimize sum_{i,a} c[i,a] s[i,a] + sum_e t[e] (seconds), in integer ticks.
+Objective: minimize sum_{i,a} c[i,a] s[i,a] + sum_{e,A,B} R[e,A,B] y[e,A,B], in ticks.
+
+(c)-(d) is Alpa's edge formulation (y is the product s[u,a] s[v,b]: with s integral,
+exactly y[e, group(a*), group(b*)] = 1, and a forbidden pair has no y, so it cannot be
+chosen) with strategies that see the same row or column merged: several strategies of
+an op usually share its output layout or the layout they need of an input, and P3's
+shifts make more rows equal. Its LP relaxation is the local marginal polytope, far
+tighter than the compact form with one integer t[e] >= sum_a R[e,a,b] s[u,a] - M_b (1 -
+s[v,b]) per column (even lifted): on benchmarks/ilp_scale.py (300 nodes x 20
+strategies, 450 edges) CP-SAT proves this model optimal (6.47 ms) in ~10 s, while
+with the compact form it was still at 24.7 ms after 15 s (optimum confirmed by HiGHS).
 
 Scaling: q = 1e9 / (largest finite reduced cost), so the largest cost is 1e9 ticks; a
 cost x becomes round(q x), and a positive x that would round to 0 becomes 1 tick (a
 nonzero cost is never free). Each term is off by at most 1 tick, so a plan's model
 objective is within (nodes + edges) / q seconds of its true one; the returned
 ``objective_s`` is always recomputed in float from the choices. Bytes are rounded up
-to whole bytes and B down, so a plan the model accepts always fits.
+to whole bytes and M down, so a plan the model accepts always fits.
 
-Solving: CP-SAT with ``time_limit_s``, ``seed`` and ``num_workers`` (one worker, or
-interleaved search for several, is deterministic unless the time limit cuts the
-search). A hint is passed to CP-SAT; if it evaluates better than the solver's plan
-(possible only by time-out or rounding), the hint is returned: never worse than it.
+Solving: CP-SAT with ``time_limit_s``, ``seed`` and ``num_workers``. One worker (the
+default) is deterministic unless the time limit cuts the search; several run CP-SAT's
+parallel portfolio, which is not (and its interleaved deterministic mode was 5x slower
+on the tests' 80-node problem). The hint is given to CP-SAT (s and y, so it is complete); if it evaluates
+better than the solver's plan, or the solver found none in time, the hint is returned:
+the result is never worse than the hint.
 """
 from __future__ import annotations
 
@@ -87,6 +93,7 @@ SolveStatus: TypeAlias = Literal["optimal", "feasible"]
 _TICKS_FOR_LARGEST_COST = 1e9
 _BRUTE_FORCE_LIMIT = 1_000_000
 _BYTES_REL_TOL = 1e-12  # float summation slack when comparing bytes with the budget
+_ROW_WEIGHTS = np.random.default_rng(0).uniform(0.5, 1.5, size=4096)  # fingerprints of edge-matrix rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,7 +108,7 @@ class IlpProblem:
     hint: np.ndarray | None = None  # one strategy per node, e.g. the data-parallel plan
     time_limit_s: float = 30.0  # CP-SAT wall-clock limit
     seed: int = 0  # CP-SAT random seed
-    num_workers: int = 1  # CP-SAT workers; >1 uses interleaved (deterministic) search
+    num_workers: int = 1  # CP-SAT workers; 1 is deterministic, >1 runs CP-SAT's portfolio (not)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -164,6 +171,8 @@ def _validate(problem: IlpProblem) -> None:
         raise ValueError(f"{len(problem.memory_constant_bytes)} constants for {len(problem.memory_points)} points")
     if problem.hint is not None and np.shape(problem.hint) != (n,):
         raise ValueError(f"hint must have one strategy per node ({n}), got shape {np.shape(problem.hint)}")
+    if problem.memory_budget_bytes is not None and not math.isfinite(problem.memory_budget_bytes):
+        raise ValueError(f"memory_budget_bytes must be finite or None, got {problem.memory_budget_bytes}")
     if problem.time_limit_s <= 0 or problem.num_workers < 1:
         raise ValueError("time_limit_s must be > 0 and num_workers >= 1")
 
@@ -253,7 +262,7 @@ def brute_force(problem: IlpProblem, max_combinations: int = _BRUTE_FORCE_LIMIT)
             j = int(np.argmin(np.where(allowed, peak, np.inf)))
             if peak[j] < lowest[0]:
                 lowest = (float(peak[j]), choices[j])
-        fits = allowed & ~_over_budget(peak, budget) if budget is not None else allowed
+        fits = allowed & ~_over_budget(peak, budget) if budget is not None and problem.memory_points else allowed
         if fits.any():
             j = int(np.argmin(np.where(fits, objective, np.inf)))
             if objective[j] < best[0]:
@@ -280,12 +289,14 @@ def _memory_error(problem: IlpProblem, budget: float, smallest: float,
                   choices: np.ndarray) -> InfeasibleMemoryError:
     """The error for "nothing fits in ``budget``", given the plan that peaks lowest."""
     memory = evaluate(problem, choices).memory_bytes
-    point = int(np.argmax(memory))
-    terms = [(float(nbytes[choices[node]]), node) for node, nbytes in problem.memory_points[point]]
-    where = f"at liveness point {point}"
-    if terms:
-        top_bytes, top = max(terms)
-        where += f", where the largest term is {problem.node_names[top]!r} with {_format_bytes(top_bytes)}"
+    point = int(np.argmax(memory)) if memory else None
+    where = "there are no liveness points"
+    if point is not None:
+        where = f"at liveness point {point}"
+        terms = [(float(nbytes[choices[node]]), node) for node, nbytes in problem.memory_points[point]]
+        if terms:
+            top_bytes, top = max(terms)
+            where += f", where the largest term is {problem.node_names[top]!r} with {_format_bytes(top_bytes)}"
     return InfeasibleMemoryError(
         f"no plan fits in {_format_bytes(budget)} per device; the smallest budget that fits is "
         f"{_format_bytes(smallest)} ({where}); raise memory_budget or use more devices",
@@ -377,7 +388,7 @@ def _presolve(problem: IlpProblem) -> _Reduced:
 
 
 def _to_ticks(seconds: np.ndarray, ticks_per_s: float) -> np.ndarray:
-    """Integer ticks; inf becomes 0 (forbidden entries are handled by (c)); positive stays >= 1."""
+    """Integer ticks; inf becomes 0 (a forbidden entry gets no variable); a positive cost stays >= 1."""
     finite = np.isfinite(seconds)
     ticks = np.round(np.where(finite, seconds, 0.0) * ticks_per_s).astype(np.int64)
     ticks[(ticks == 0) & finite & (seconds > 0)] = 1
@@ -395,29 +406,49 @@ class _Model:
     red: _Reduced
     names: tuple[str, ...]
     first_var: np.ndarray  # per node: proto index of s[i, 0]; -1 for a node fixed by presolve
+    num_vars: int = 0
+
+    @property
+    def proto(self) -> cp_model.cp_model_helper.CpModelProto:
+        return self.cp.proto
 
     def s(self, node: NodeIndex, a: int) -> VarIndex:
         return int(self.first_var[node]) + a
 
 
 @dataclass
-class _EdgeVar:
-    t: VarIndex  # t[e]
+class _EdgeVars:
+    """The y[e, A, B] of one edge, by row group A of u and column group B of v."""
     u: NodeIndex
     v: NodeIndex
-    ticks: np.ndarray  # R[e] in ticks (0 at forbidden pairs)
+    row_group: np.ndarray  # per allowed strategy of u: its row group A
+    col_group: np.ndarray  # per allowed strategy of v: its column group B
+    y: np.ndarray  # [A, B] proto index of y[e, A, B]; -1 for a forbidden pair
+    ticks: np.ndarray  # [A, B] R[e, A, B] in ticks
 
 
 def _add_var(model: _Model, lower: int, upper: int, name: str) -> VarIndex:
-    var = model.cp.proto.variables.add()
-    var.domain.extend([lower, upper])
+    var = model.proto.variables.add()
+    var.domain.extend((lower, upper))
     var.name = name
-    return len(model.cp.proto.variables) - 1
+    model.num_vars += 1
+    return model.num_vars - 1
+
+
+def _add_bools(model: _Model, names: list[str]) -> VarIndex:
+    """Add one boolean per name; returns the index of the first."""
+    add = model.proto.variables.add
+    for name in names:
+        var = add()
+        var.domain.extend((0, 1))
+        var.name = name
+    model.num_vars += len(names)
+    return model.num_vars - len(names)
 
 
 def _add_linear(model: _Model, name: str, variables: list[int], coeffs: list[int], lower: int, upper: int) -> None:
     # Written into the proto directly (named like .with_name would): 4x faster to build than LinearExpr.
-    constraint = model.cp.proto.constraints.add()
+    constraint = model.proto.constraints.add()
     constraint.name = name
     constraint.linear.vars.extend(variables)
     constraint.linear.coeffs.extend(coeffs)
@@ -428,50 +459,63 @@ def _new_model(problem: IlpProblem, red: _Reduced) -> _Model:
     model = _Model(cp_model.CpModel(), red, problem.node_names, np.full(problem.num_nodes, -1, dtype=np.int64))
     for i, allowed in enumerate(red.allowed):
         if len(allowed) > 1:
-            model.first_var[i] = len(model.cp.proto.variables)
-            for a in allowed:
-                _add_var(model, 0, 1, f"s[{problem.node_names[i]},{a}]")
+            model.first_var[i] = _add_bools(model, [f"s[{problem.node_names[i]},{a}]" for a in allowed])
     return model
 
 
 def _add_one_hot(model: _Model) -> None:  # (a)
     for i, first in enumerate(model.first_var):
         if first >= 0:
-            constraint = model.cp.proto.constraints.add()
+            constraint = model.proto.constraints.add()
             constraint.name = f"one_hot[{model.names[i]}]"
             constraint.exactly_one.literals.extend(range(first, first + len(model.red.allowed[i])))
 
 
-def _add_forbidden_pairs(model: _Model) -> None:  # (c)
+def _add_forbidden_pairs(model: _Model) -> None:  # (f), min-peak model only
     for u, v, matrix in model.red.edges:
         for b in np.flatnonzero(~np.isfinite(matrix).all(axis=0)):
-            constraint = model.cp.proto.constraints.add()
+            constraint = model.proto.constraints.add()
             constraint.name = f"forbid[{model.names[u]}->{model.names[v]},{model.red.allowed[v][b]}]"
             constraint.at_most_one.literals.extend(
                 [model.s(v, b)] + [model.s(u, a) for a in np.flatnonzero(~np.isfinite(matrix[:, b]))])
 
 
-def _add_edge_costs(model: _Model, ticks_per_s: float) -> list[_EdgeVar]:  # (d)
+def _identical(lines: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(group per row, first row of each group): equal rows share a group."""
+    key = np.where(np.isfinite(lines), lines, -1.0) + 0.0  # R >= 0, so -1 marks inf; + 0.0 drops -0.0
+    if key.shape[1] <= len(_ROW_WEIGHTS):  # fast path: group by a fingerprint, then check it exactly
+        _, first, group = np.unique(key @ _ROW_WEIGHTS[:key.shape[1]], return_index=True, return_inverse=True)
+        if np.array_equal(key[first][group.ravel()], key):
+            return group.ravel(), first
+    seen: dict[bytes, int] = {}
+    group = np.array([seen.setdefault(line.tobytes(), len(seen)) for line in key], dtype=np.int64)
+    return group, np.unique(group, return_index=True)[1]
+
+
+def _members(group: np.ndarray, first_var: int) -> list[list[VarIndex]]:
+    """Per group, the s variables of the strategies in it."""
+    members: list[list[VarIndex]] = [[] for _ in range(int(group.max()) + 1)]
+    for k, g in enumerate(group.tolist()):
+        members[g].append(first_var + k)
+    return members
+
+
+def _add_edge_costs(model: _Model, ticks_per_s: float) -> list[_EdgeVars]:  # (c), (d)
     edge_vars = []
     for u, v, matrix in model.red.edges:
-        if matrix.shape[1] > matrix.shape[0]:
-            u, v, matrix = v, u, matrix.T  # rows of (d) are indexed by v: the smaller side
-        ticks = _to_ticks(matrix, ticks_per_s)
-        if not ticks.any():
-            continue  # only forbidden pairs: (c) has them
-        t = _add_var(model, 0, int(ticks.max()), f"t[{model.names[u]}->{model.names[v]}]")
-        edge_vars.append(_EdgeVar(t, u, v, ticks))
-        allowed_pair = np.isfinite(matrix)
-        diff = ticks[:, :, None] - ticks[:, None, :]  # [a, b, b']
-        lift = np.where(allowed_pair[:, None, :], diff, np.iinfo(np.int64).min).max(axis=0)  # L[b, b']
-        np.fill_diagonal(lift, 0)
-        for b in range(matrix.shape[1]):
-            rows_u, rows_v = np.flatnonzero(ticks[:, b]), np.flatnonzero(lift[b])
-            if len(rows_u) == 0:
-                continue  # t >= -sum L s[v] <= 0 is implied by t >= 0
-            _add_linear(model, f"edge_cost[{model.names[u]}->{model.names[v]},{model.red.allowed[v][b]}]",
-                        [t] + [model.s(u, a) for a in rows_u] + [model.s(v, c) for c in rows_v],
-                        [1] + (-ticks[rows_u, b]).tolist() + lift[b, rows_v].tolist(), 0, cp_model.INT_MAX)
+        (rows, first_row), (cols, first_col) = _identical(matrix), _identical(matrix.T)
+        grouped = matrix[np.ix_(first_row, first_col)]
+        name = f"{model.names[u]}->{model.names[v]}"
+        allowed_pair = np.isfinite(grouped)
+        y = np.full(grouped.shape, -1, dtype=np.int64)
+        pairs = np.argwhere(allowed_pair).tolist()
+        y[allowed_pair] = _add_bools(model, [f"y[{name},{r},{c}]" for r, c in pairs]) + np.arange(len(pairs))
+        for kind, members, lines in (("rows", _members(rows, model.s(u, 0)), y),
+                                     ("cols", _members(cols, model.s(v, 0)), y.T)):
+            for g, (line, s_vars) in enumerate(zip(lines, members)):
+                ys = line[line >= 0].tolist()
+                _add_linear(model, f"edge_{kind}[{name},{g}]", ys + s_vars, [1] * len(ys) + [-1] * len(s_vars), 0, 0)
+        edge_vars.append(_EdgeVars(u, v, rows, cols, y, _to_ticks(grouped, ticks_per_s)))
     return edge_vars
 
 
@@ -510,19 +554,30 @@ def _add_peak_memory(model: _Model) -> VarIndex:  # (e')
     return peak
 
 
-def _set_objective(model: _Model, ticks_per_s: float, edge_vars: list[_EdgeVar]) -> None:
-    objective = model.cp.proto.objective
+def _set_objective(model: _Model, ticks_per_s: float, edge_vars: list[_EdgeVars]) -> None:
+    objective = model.proto.objective
     for i, first in enumerate(model.first_var):
         if first >= 0:
             ticks = _to_ticks(model.red.node_cost[i], ticks_per_s)
             nonzero = np.flatnonzero(ticks)
             objective.vars.extend((first + nonzero).tolist())
             objective.coeffs.extend(ticks[nonzero].tolist())
-    objective.vars.extend([e.t for e in edge_vars])
-    objective.coeffs.extend([1] * len(edge_vars))
+    for e in edge_vars:
+        paid = (e.y >= 0) & (e.ticks > 0)
+        objective.vars.extend(e.y[paid].tolist())
+        objective.coeffs.extend(e.ticks[paid].tolist())
 
 
-def _add_hint(model: _Model, hint: np.ndarray, edge_vars: list[_EdgeVar]) -> None:
+def _model_ticks(model: _Model, edge_vars: list[_EdgeVars], ticks_per_s: float, choices: np.ndarray) -> float:
+    """The model's objective (ticks, without presolve's constants) at a plan free of forbidden choices."""
+    position = [int(np.searchsorted(allowed, c)) for allowed, c in zip(model.red.allowed, choices)]
+    ticks = sum(int(_to_ticks(model.red.node_cost[i], ticks_per_s)[position[i]])
+                for i in range(len(position)) if model.first_var[i] >= 0)
+    return float(ticks + sum(int(e.ticks[e.row_group[position[e.u]], e.col_group[position[e.v]]]) for e in edge_vars))
+
+
+def _add_hint(model: _Model, hint: np.ndarray, edge_vars: list[_EdgeVars]) -> None:
+    """Hint every s and y that the hint decides (a complete hint is checked by CP-SAT at once)."""
     position = [int(np.searchsorted(allowed, h)) for allowed, h in zip(model.red.allowed, hint)]
     position = [k if k < len(allowed) and allowed[k] == h else -1
                 for k, allowed, h in zip(position, model.red.allowed, hint)]
@@ -534,10 +589,12 @@ def _add_hint(model: _Model, hint: np.ndarray, edge_vars: list[_EdgeVar]) -> Non
             values += [int(a == position[i]) for a in range(len(model.red.allowed[i]))]
     for e in edge_vars:
         if position[e.u] >= 0 and position[e.v] >= 0:
-            variables.append(e.t)
-            values.append(int(e.ticks[position[e.u], position[e.v]]))
-    model.cp.proto.solution_hint.vars.extend(variables)
-    model.cp.proto.solution_hint.values.extend(values)
+            chosen = e.y[e.row_group[position[e.u]], e.col_group[position[e.v]]]
+            present = e.y[e.y >= 0]
+            variables += present.tolist()
+            values += (present == chosen).astype(int).tolist()
+    model.proto.solution_hint.vars.extend(variables)
+    model.proto.solution_hint.values.extend(values)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -549,8 +606,9 @@ def _run(model: _Model, problem: IlpProblem) -> tuple[cp_model.CpSolver, int]:
     solver.parameters.max_time_in_seconds = problem.time_limit_s
     solver.parameters.random_seed = problem.seed
     solver.parameters.num_workers = problem.num_workers
-    if problem.num_workers > 1:
-        solver.parameters.interleave_search = True
+    solver.parameters.linearization_level = 2  # LP cuts pay off on (c)-(d); measured 2x on ilp_scale
+    solver.parameters.cp_model_probing_level = 0  # probing 100k+ y booleans costs more than it finds
+    solver.parameters.hint_conflict_limit = 0  # a complete hint is taken as is; searching near it cost 2x
     status = solver.solve(model.cp)
     if status == cp_model.MODEL_INVALID:
         raise RuntimeError(f"internal error: invalid CP-SAT model: {model.cp.validate()}")
@@ -581,8 +639,8 @@ def _min_peak(problem: IlpProblem) -> tuple[int, np.ndarray]:
     _add_one_hot(model)
     _add_forbidden_pairs(model)
     peak = _add_peak_memory(model)
-    model.cp.proto.objective.vars.append(peak)
-    model.cp.proto.objective.coeffs.append(1)
+    model.proto.objective.vars.append(peak)
+    model.proto.objective.coeffs.append(1)
     solver, status = _run(model, problem)
     if status == cp_model.INFEASIBLE:
         raise _forbidden_error(problem)
@@ -615,7 +673,6 @@ def solve(problem: IlpProblem) -> IlpSolution:
     red = _presolve(problem)
     model = _new_model(problem, red)
     _add_one_hot(model)
-    _add_forbidden_pairs(model)
     largest = max([float(c.max()) for c in red.node_cost]
                   + [float(m[np.isfinite(m)].max(initial=0.0)) for _, _, m in red.edges], default=0.0)
     ticks_per_s = _TICKS_FOR_LARGEST_COST / largest if largest > 0 else 1.0
@@ -628,26 +685,32 @@ def solve(problem: IlpProblem) -> IlpSolution:
         _add_hint(model, np.asarray(problem.hint), edge_vars)
     built = time.perf_counter()
     solver, status = _run(model, problem)
-    proto = model.cp.proto
+    proto = model.proto
     log.debug("ilp: %d nodes (%d free), %d edges kept of %d; build %.2fs (%d variables, %d constraints), "
               "CP-SAT %.2fs: %s", problem.num_nodes, int((model.first_var >= 0).sum()), len(red.edges),
               len(problem.edges), built - start, len(proto.variables), len(proto.constraints),
               time.perf_counter() - built, solver.status_name(status))
     if status == cp_model.INFEASIBLE:
         raise _infeasible(problem)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise _timeout_error(problem, "plan")
-    choices = _decode(model, solver)
-    result = evaluate(problem, choices)
-    if result.violations:
+    found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    choices = _decode(model, solver) if found else None
+    result = evaluate(problem, choices) if found else None
+    if result is not None and result.violations:
         raise RuntimeError("internal error: the ILP plan violates its problem: " + "; ".join(result.violations))
-    if problem.hint is not None:
+    if problem.hint is not None:  # never worse than the hint, even after a time-out
         hinted = evaluate(problem, np.asarray(problem.hint))
-        if not hinted.violations and hinted.objective_s < result.objective_s:
-            log.debug("ilp: the hint (%.6gs) beats the solver's plan (%.6gs); returning the hint",
-                      hinted.objective_s, result.objective_s)
+        if not hinted.violations and (result is None or hinted.objective_s < result.objective_s):
+            log.debug("ilp: returning the hint (%.6gs); the solver's plan: %s", hinted.objective_s,
+                      "none" if result is None else f"{result.objective_s:.6g}s")
             choices, result = np.asarray(problem.hint, dtype=np.int64).copy(), hinted
-    gap_s = 0.0 if status == cp_model.OPTIMAL else (solver.objective_value - solver.best_objective_bound) / ticks_per_s
-    gap = max(gap_s, 0.0) / max(result.objective_s, 1e-30) if gap_s > 0 else 0.0
+    if choices is None or result is None:
+        raise _timeout_error(problem, "plan")
+    gap = 0.0
+    if status != cp_model.OPTIMAL:
+        gap_s = (_model_ticks(model, edge_vars, ticks_per_s, choices) - solver.best_objective_bound) / ticks_per_s
+        if result.objective_s > 0:
+            gap = max(gap_s, 0.0) / result.objective_s
+        elif gap_s > 0:
+            gap = np.inf
     return IlpSolution(choices, result.objective_s, "optimal" if status == cp_model.OPTIMAL else "feasible",
                        gap, time.perf_counter() - start, len(proto.variables), len(proto.constraints))

@@ -1,0 +1,256 @@
+"""The intra-op ILP solver (passes/ilp.py): a hand-built problem with its total worked out,
+random small problems against brute force, memory infeasibility, determinism and the hint."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from autoshard.errors import InfeasibleMemoryError, PlanningError
+from autoshard.passes.ilp import IlpProblem, brute_force, evaluate, min_peak_memory, solve
+
+MS = 1e-3
+INF = np.inf
+
+
+def _mlp_problem(budget: float | None = 14.0) -> IlpProblem:
+    """x @ w1 -> h -> relu -> loss on 2 devices; costs in ms, bytes per device.
+
+    node  name  strategies (index: spec)            cost (ms)
+    0     x     0: S(0)  1: R                       0.5  0     (splitting the batch costs a scatter)
+    1     w1    0: R     1: S(1)                    0    0
+    2     h     0: S(0)R 1: RS(1) 2: RR             2    2   8
+    3     relu  0: S(0)R 1: RS(1) 2: RR             1    1   4
+    4     loss  0: R                                1          (one strategy: folded by presolve)
+
+    edges (resharding, ms)       rows = producer strategy, columns = consumer strategy
+    x  -> h     S(0): [0 3 3]    R: [0 0 0]      (all-gather x unless h keeps the batch split)
+    w1 -> h     R: [0 0 0]       S(1): [5 0 5]   (all-gather w1 unless h keeps it split)
+    h  -> relu  [[0 2 2], [inf 0 2], [2 2 0]]   (RS(1) -> S(0)R is forbidden)
+    relu->loss  S(0)R: 1  RS(1): 2  RR: 0       (reduce the partial loss)
+
+    memory (bytes): point 0 = 1 (constant) + x [2 8] + w1 [8 2] + h [3 3 12];
+                    point 1 = h [3 3 12] + relu [3 3 12]; budget 14.
+
+    Unconstrained optimum: x=R, w1=R, h=S(0)R, relu=S(0)R:
+        nodes 0 + 0 + 2 + 1 + 1 = 4, edges 0 + 0 + 0 + 1 = 1, total 5 ms; point 0 = 1 + 8 + 8 + 3 = 20 B.
+    Under 14 B, x and w1 cannot both be replicated and h cannot be RR (1 + 2 + 2 + 12 > 14):
+        x=S(0), w1=R,    h=S(0)R, relu=S(0)R: nodes 0.5 + 2 + 1 + 1, edges 1         = 5.5 ms, point 0 = 14 B
+        x=R,    w1=S(1), h=RS(1), relu=RS(1): nodes 0 + 2 + 1 + 1,   edges 2         = 6   ms
+        x=S(0), w1=S(1), h=RS(1), relu=RS(1): nodes 0.5 + 2 + 1 + 1, edges 3 + 2     = 9.5 ms
+        (every other mix pays a 3 or 5 ms gather on top)                             -> 5.5 ms.
+    Smallest peak: x=S(0), w1=S(1): point 0 = 1 + 2 + 2 + 3 = 8 B.
+    """
+    return IlpProblem(
+        node_names=("x", "w1", "h", "relu", "loss"),
+        node_costs=tuple(np.array(c) * MS for c in ([0.5, 0], [0, 0], [2, 2, 8], [1, 1, 4], [1])),
+        edges=((0, 2), (1, 2), (2, 3), (3, 4)),
+        edge_costs=tuple(np.array(m) * MS for m in (
+            [[0, 3, 3], [0, 0, 0]],
+            [[0, 0, 0], [5, 0, 5]],
+            [[0, 2, 2], [INF, 0, 2], [2, 2, 0]],
+            [[1], [2], [0]],
+        )),
+        memory_points=(
+            ((0, np.array([2.0, 8.0])), (1, np.array([8.0, 2.0])), (2, np.array([3.0, 3.0, 12.0]))),
+            ((2, np.array([3.0, 3.0, 12.0])), (3, np.array([3.0, 3.0, 12.0]))),
+        ),
+        memory_constant_bytes=(1.0, 0.0),
+        memory_budget_bytes=budget,
+    )
+
+
+def test_hand_built_problem_matches_worked_total() -> None:
+    problem = _mlp_problem()
+    solution = solve(problem)
+    assert solution.status == "optimal" and solution.gap == 0.0
+    assert solution.choices.tolist() == [0, 0, 0, 0, 0]
+    assert solution.objective_s == pytest.approx(5.5 * MS, rel=1e-12)
+    check = evaluate(problem, solution.choices)
+    assert check.violations == ()
+    assert check.memory_bytes == (14.0, 6.0)
+    assert check.node_s == pytest.approx(4.5 * MS) and check.edge_s == pytest.approx(1.0 * MS)
+
+    free = solve(dataclasses.replace(problem, memory_budget_bytes=None))
+    assert free.choices.tolist() == [1, 0, 0, 0, 0]
+    assert free.objective_s == pytest.approx(5.0 * MS, rel=1e-12)
+    assert min_peak_memory(problem) == 8.0
+
+
+def test_hand_built_problem_below_min_peak_names_the_smallest_budget() -> None:
+    with pytest.raises(InfeasibleMemoryError) as info:
+        solve(_mlp_problem(budget=7.0))
+    assert info.value.smallest_budget_bytes == 8.0
+    assert info.value.budget_bytes == 7.0 and info.value.liveness_point == 0
+    message = str(info.value)
+    assert "smallest budget that fits is 8 B" in message and "liveness point 0" in message
+    assert "raise memory_budget or use more devices" in message
+
+
+def test_evaluate_reports_every_violation() -> None:
+    problem = _mlp_problem(budget=10.0)
+    check = evaluate(problem, np.array([1, 0, 1, 0, 5]))  # R, R, RS(1), S(0)R (forbidden pair), out of range
+    text = " | ".join(check.violations)
+    assert "'h' -> 'relu'" in text and "forbidden" in text
+    assert "out of range" in text and "'loss'" in text
+    assert "over budget at liveness point 0 by 10 bytes" in text  # 1 + 8 + 8 + 3 = 20 > 10
+    assert check.objective_s == np.inf
+    assert evaluate(problem, np.array([0, 0])).violations  # wrong length
+
+
+def _random_problem(rng: np.random.Generator) -> IlpProblem:
+    n = int(rng.integers(2, 9))
+    sizes = rng.integers(1, 5, size=n)
+    while np.prod(sizes) > 20_000:
+        sizes[rng.integers(n)] = 1
+
+    def costs(shape: tuple[int, ...], inf_rate: float) -> np.ndarray:
+        c = rng.uniform(0.0, 1.0, size=shape) * (rng.random(shape) > 0.2)
+        return np.where(rng.random(shape) < inf_rate, INF, c)
+
+    edges = [tuple(int(x) for x in rng.choice(n, size=2, replace=False)) for _ in range(int(rng.integers(0, 2 * n)))]
+    matrices = [costs((int(sizes[u]), int(sizes[v])), 0.15) for u, v in edges]
+    for m in matrices:  # strategies that share a layout share a row or column of the edge matrix
+        if rng.random() < 0.5:
+            m[rng.integers(m.shape[0])] = m[rng.integers(m.shape[0])]
+        if rng.random() < 0.5:
+            m[:, rng.integers(m.shape[1])] = m[:, rng.integers(m.shape[1])]
+    points = []
+    for _ in range(int(rng.integers(0, 4))):
+        members = rng.choice(n, size=int(rng.integers(1, n + 1)), replace=False)
+        points.append(tuple((int(i), rng.integers(0, 11, size=sizes[i]).astype(np.float64)) for i in members))
+    return IlpProblem(
+        node_names=tuple(f"n{i}" for i in range(n)),
+        node_costs=tuple(costs((int(k),), 0.1) for k in sizes),
+        edges=tuple(edges),
+        edge_costs=tuple(matrices),
+        memory_points=tuple(points),
+        memory_constant_bytes=tuple(float(rng.integers(0, 5)) for _ in points) if rng.random() < 0.5 else (),
+        time_limit_s=10.0,
+    )
+
+
+def _outcome(run, problem: IlpProblem):
+    try:
+        return run(problem)
+    except InfeasibleMemoryError as error:
+        return error
+    except PlanningError as error:
+        return error
+
+
+def test_random_problems_match_brute_force() -> None:
+    rng = np.random.default_rng(2024)
+    kinds = {"solved": 0, "memory": 0, "forbidden": 0}
+    for instance in range(60):
+        problem = _random_problem(rng)
+        lowest = None  # brute force's minimum peak
+        try:
+            brute_force(dataclasses.replace(problem, memory_budget_bytes=-1.0))
+        except InfeasibleMemoryError as error:
+            lowest = error.smallest_budget_bytes
+        except PlanningError:
+            pass
+        if lowest is not None:
+            assert min_peak_memory(problem) == lowest, instance
+            if instance % 2:  # a budget around the minimum peak, sometimes below it
+                problem = dataclasses.replace(problem, memory_budget_bytes=lowest + float(rng.integers(-2, 6)))
+        expected, got = _outcome(brute_force, problem), _outcome(solve, problem)
+        assert type(got) is type(expected), (instance, expected, got)
+        if isinstance(expected, InfeasibleMemoryError):
+            kinds["memory"] += 1
+            assert got.smallest_budget_bytes == expected.smallest_budget_bytes == lowest, instance
+        elif isinstance(expected, PlanningError):
+            kinds["forbidden"] += 1
+        else:
+            kinds["solved"] += 1
+            assert got.status == "optimal" and got.gap == 0.0, instance
+            assert got.objective_s == pytest.approx(expected.objective_s, rel=1e-6, abs=1e-12), instance
+            check = evaluate(problem, got.choices)
+            assert check.violations == (), (instance, check.violations)
+            assert check.objective_s == got.objective_s
+    assert min(kinds.values()) >= 3, kinds  # every outcome was exercised
+
+
+def _medium_problem(seed: int) -> IlpProblem:
+    """A chain-like graph too big to enumerate: 80 nodes x 6 strategies."""
+    rng = np.random.default_rng(seed)
+    n, k = 80, 6
+    edges = [(i, i + 1) for i in range(n - 1)] + [(i, i + int(rng.integers(2, 6))) for i in range(0, n - 6, 3)]
+    return IlpProblem(
+        node_names=tuple(f"op{i}" for i in range(n)),
+        node_costs=tuple(rng.uniform(0, 1, size=k) for _ in range(n)),
+        edges=tuple(edges),
+        edge_costs=tuple(rng.uniform(0, 1, size=(k, k)) * (1 - np.eye(k)) for _ in edges),
+        memory_points=tuple(tuple((j, rng.integers(1, 10, size=k).astype(float)) for j in range(i, i + 8))
+                            for i in range(0, n - 8, 4)),
+        memory_budget_bytes=45.0,
+        time_limit_s=10.0,
+    )
+
+
+def test_same_problem_same_answer() -> None:
+    problem = _medium_problem(seed=7)
+    first, second = solve(problem), solve(problem)
+    assert first.status == "optimal"  # so the time limit played no part
+    assert first.choices.tolist() == second.choices.tolist()
+    assert first.objective_s == second.objective_s
+    assert evaluate(problem, first.choices).violations == ()
+    assert first.num_variables > problem.num_nodes and first.num_constraints > problem.num_nodes
+
+
+def test_never_worse_than_the_hint() -> None:
+    problem = _medium_problem(seed=3)
+    hint = np.zeros(problem.num_nodes, dtype=np.int64)
+    hint_s = evaluate(dataclasses.replace(problem, memory_budget_bytes=None), hint).objective_s
+    for time_limit_s in (1e-3, 0.05, 10.0):  # a time-out returns the hint rather than failing
+        timed = dataclasses.replace(problem, memory_budget_bytes=None, hint=hint, time_limit_s=time_limit_s)
+        solution = solve(timed)
+        assert solution.objective_s <= hint_s
+        assert evaluate(timed, solution.choices).violations == ()
+        assert solution.gap >= 0.0
+
+
+def test_hint_beats_a_plan_that_only_wins_by_rounding() -> None:
+    """Costs below one tick: the integer model prefers r (1.4 -> 1 tick) over p + q (0.6 + 0.6 ->
+    2 ticks), the float objective prefers p + q. Memory forces "p and q expensive" or "r expensive":
+    point = p [1 0] + q [1 0] + r [2 0] <= 2. The hint (p + q) must come back."""
+    tick = 1e-9  # the largest cost (node z) is 1 s = 1e9 ticks
+    problem = IlpProblem(
+        node_names=("p", "q", "r", "z"),
+        node_costs=(np.array([0, 0.6 * tick]), np.array([0, 0.6 * tick]), np.array([0, 1.4 * tick]),
+                    np.array([0, 1.0])),
+        edges=(), edge_costs=(),
+        memory_points=(((0, np.array([1.0, 0.0])), (1, np.array([1.0, 0.0])), (2, np.array([2.0, 0.0]))),),
+        memory_budget_bytes=2.0,
+    )
+    assert solve(problem).choices.tolist() == [0, 0, 1, 0]  # the rounded model's optimum: 1.4 ticks
+    assert brute_force(problem).objective_s == pytest.approx(1.2 * tick)
+    hinted = solve(dataclasses.replace(problem, hint=np.array([1, 1, 0, 0])))
+    assert hinted.choices.tolist() == [1, 1, 0, 0]
+    assert hinted.objective_s == pytest.approx(1.2 * tick)
+
+
+def test_forbidden_everywhere_names_the_node() -> None:
+    problem = IlpProblem(
+        node_names=("a", "b"),
+        node_costs=(np.array([0.0, INF]), np.array([1.0, 2.0])),
+        edges=((0, 1),), edge_costs=(np.array([[INF, INF], [0.0, 0.0]]),),
+        memory_points=(),
+    )
+    with pytest.raises(PlanningError, match="node 'a' has no allowed strategy"):
+        solve(problem)
+
+
+def test_malformed_problems_are_refused() -> None:
+    with pytest.raises(ValueError, match="cost matrix must have shape"):
+        dataclasses.replace(_mlp_problem(), edge_costs=(np.zeros((2, 2)),) * 4)
+    with pytest.raises(ValueError, match="appears twice"):
+        dataclasses.replace(_mlp_problem(), memory_points=(((0, np.ones(2)), (0, np.ones(2))),),
+                            memory_constant_bytes=())
+
+
+def test_brute_force_refuses_big_problems() -> None:
+    with pytest.raises(ValueError, match="refused"):
+        brute_force(_medium_problem(seed=0))
