@@ -62,7 +62,8 @@ class AutoshardedFunction:
             cfg = self.config
             if cfg.num_stages not in (None, 1):
                 raise NotImplementedError("pipeline stages are not planned yet; use num_stages=None or 1")
-            planned = plan_step(self.fn, args, mesh=cfg.mesh, cluster=cfg.cluster, memory_budget=cfg.memory_budget,
+            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x)), args)
+            planned = plan_step(self.fn, shapes, mesh=cfg.mesh, cluster=cfg.cluster, memory_budget=cfg.memory_budget,
                                 options=cfg.options)
             mesh = cfg.mesh if isinstance(cfg.mesh, Mesh) else make_jax_mesh(planned.logical_mesh)
             self._cache[key] = (planned, SpmdStep(planned.graph, planned.annotations, mesh))

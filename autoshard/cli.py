@@ -352,7 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     _planning_flags(p)
     p.set_defaults(func=cmd_verify)
 
-    # add_launch_parser(sub)  # <- the lead adds the `launch` command here
+    from autoshard.runtime.launch import add_launch_parser
+
+    add_launch_parser(sub)
     return parser
 
 

@@ -67,6 +67,8 @@ the result is never worse than the hint.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import math
 import time
@@ -682,6 +684,10 @@ def solve(problem: IlpProblem) -> IlpSolution:
         raise _infeasible(problem)
     _set_objective(model, ticks_per_s, edge_vars)
     if problem.hint is not None:
+        from autoshard.passes.ilp_search import local_search  # imports this module: keep it lazy
+
+        improved = local_search(problem, np.asarray(problem.hint), seed=problem.seed)
+        problem = dataclasses.replace(problem, hint=improved)
         _add_hint(model, np.asarray(problem.hint), edge_vars)
     built = time.perf_counter()
     solver, status = _run(model, problem)

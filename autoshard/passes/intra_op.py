@@ -30,7 +30,7 @@ from autoshard.compiler.graph import OpGraph, Role, ValueId
 from autoshard.compiler.spec import Collective, Spec
 from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes import ilp
-from autoshard.passes.liveness import liveness_intervals, materialized_values
+from autoshard.passes.liveness import liveness_intervals, materialized_values, simulate
 from autoshard.passes.resharding import reshard, reshard_cost_matrix, spec_options
 from autoshard.passes.simplify import NodeClasses, build_classes, op_token
 from autoshard.passes.strategies import Strategy, strategies_for
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class IntraOpOptions:
     memory_budget_bytes: float | None = None  # per device; None: the cluster's device memory
-    time_limit_s: float = 30.0  # CP-SAT wall-clock limit
+    time_limit_s: float = 10.0  # CP-SAT wall-clock limit (after a deterministic local search)
     seed: int = 0  # CP-SAT seed: same input, same plan
     shard_state: bool = True  # allow sharded storage of parameters and optimizer state (FSDP/ZeRO)
     tie_layers: bool = True  # solve repeated layers once
@@ -409,7 +409,7 @@ def decode(pb: _Problem, choices: np.ndarray, stats: IlpStats) -> IntraOpResult:
             output_specs.append(input_specs[carried])
         else:
             output_specs.append(value_specs.get(vid, Spec.replicated(graph.values[vid].rank)))
-    profile, by_role = memory_profile(graph, value_specs, pb.sizes, reshards)
+    profile, by_role = memory_profile(graph, value_specs, pb.sizes, reshards, chosen[pb.num_inputs:])
     return IntraOpResult(
         graph=graph, mesh=pb.mesh, node_strategies=chosen, value_specs=value_specs, input_specs=input_specs,
         output_specs=tuple(output_specs), reshards=tuple(reshards),
@@ -419,37 +419,23 @@ def decode(pb: _Problem, choices: np.ndarray, stats: IlpStats) -> IntraOpResult:
 
 
 def memory_profile(graph: OpGraph, value_specs: Mapping[ValueId, Spec], sizes: Mapping[str, int],
-                   reshards: Sequence[ReshardSite] = ()) -> tuple[np.ndarray, dict[str, float]]:
-    """Per-device live bytes at each program point, and the split by kind at the peak.
+                   reshards: Sequence[ReshardSite] = (), op_strategies: Sequence[Strategy] | None = None,
+                   ) -> tuple[np.ndarray, dict[str, float]]:
+    """Per-device bytes at each point of XLA:CPU's schedule, and the split by kind at the peak.
 
-    Resharded copies count too: XLA computes one copy per (value, target layout)
-    and keeps it from its first reader to its last (a parameter gathered for the
-    forward pass stays gathered until the backward pass has used it).
+    ``passes/liveness.py`` says which XLA behaviour each rule models: fusion,
+    the breadth-first schedule, collectives and their combining, donation.
+    The profile is arguments + non-donated outputs + live temporaries, the
+    figure ``compiled.memory_analysis()`` reports. ``op_strategies`` (one per
+    op) supply the partial-sum all-reduces and reduce-scatters of the chosen
+    strategies.
     """
-    live = liveness_intervals(graph)
-    keep = materialized_values(graph)
-    num_points = len(graph.ops) + 1
-    profile = np.zeros(num_points)
-    spans: list[tuple[int, int, float, str]] = []
-    input_ids = set(graph.inputs)
-    for vid, (start, stop) in live.items():
-        if vid not in keep or vid not in value_specs:
-            continue
-        nbytes = graph.values[vid].nbytes / value_specs[vid].num_shards(sizes)
-        kind = graph.values[vid].role.value if vid in input_ids else "activation"
-        spans.append((start, stop, nbytes, kind))
-    copies: dict[tuple[ValueId, Spec], list[int]] = {}
-    for site in reshards:
-        if site.op_index >= 0:
-            copies.setdefault((site.value, site.dst), []).append(site.op_index)
-    for (vid, dst), readers in copies.items():
-        nbytes = graph.values[vid].nbytes / dst.num_shards(sizes)
-        spans.append((min(readers), max(readers), nbytes, "resharded"))
-    for start, stop, nbytes, _ in spans:
-        profile[start:stop + 1] += nbytes
-    peak_t = int(np.argmax(profile)) if num_points else 0
-    by_kind: dict[str, float] = collections.defaultdict(float)
-    for start, stop, nbytes, kind in spans:
-        if start <= peak_t <= stop:
-            by_kind[kind] += nbytes
-    return profile, dict(by_kind)
+    collectives: dict[int, tuple] = {}
+    reductions: dict[int, str | None] = {}
+    for t, strategy in enumerate(op_strategies or ()):
+        if strategy.collectives:
+            collectives[t] = strategy.collectives
+            reductions[t] = strategy.reduction
+    sim = simulate(graph, value_specs, sizes, reshards, collectives, reductions)
+    profile = sim.profile()
+    return profile, sim.by_kind_at(int(np.argmax(profile)))

@@ -42,7 +42,9 @@ class AppliedPlan:
 
     def _build(self, args: tuple[Any, ...]) -> SpmdStep:
         if self.step is None:
-            graph = trace(self.fn, *args)
+            # Trace from shapes: tracing committed, sharded arrays makes jax add reshard ops of its own.
+            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+            graph = trace(self.fn, *shapes)
             check_signature(self.plan, graph)
             self.step = SpmdStep(graph, annotations_from_plan(self.plan, graph), self.mesh)
         return self.step
