@@ -232,7 +232,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     plan = load_plan(args.plan)
     cluster = get_cluster(args.cluster) if args.cluster else None
-    findings = validate_plan(plan, cluster=cluster, mesh_shape=_parse_mesh(args.mesh), memory_budget_bytes=_budget(args),
+    findings = validate_plan(plan, cluster=cluster, mesh_shape=_parse_mesh(args.mesh),
+                             memory_budget_bytes=_budget(args),
                              file_versions=read_header(args.plan))
     _print(findings_table(findings))
     failed = [f for f in findings if f.failed]

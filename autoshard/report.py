@@ -197,7 +197,7 @@ def op_table(plan: Plan, op: int) -> Table | Text:
 def explain_renderables(plan: Plan, op: int | None = None) -> list[Any]:
     items: list[Any] = [ledger_table(plan), parameter_table(plan), layer_table(plan)]
     if plan.baselines:
-        items.append(baseline_summary_table(plan.baselines, plan.memory_budget_bytes))
+        items.append(baseline_summary_table(plan))
     if op is not None:
         items.append(op_table(plan, op))
     return items
@@ -206,7 +206,7 @@ def explain_renderables(plan: Plan, op: int | None = None) -> list[Any]:
 # ----------------------------------------------------------------------------- comparisons
 
 
-def _comparison_rows(rows: Sequence[Mapping[str, Any]], budget: float, title: str, note: str) -> Table:
+def _comparison_rows(rows: Sequence[Mapping[str, Any]], title: str, note: str) -> Table:
     table = Table(title=title, caption=note)
     for col in ("strategy", "modeled step", "peak memory / device", "fits", "batch ceiling", "autoshard speedup"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
@@ -233,14 +233,17 @@ def comparison_table(comparison: Any) -> Table:  # comparison: autoshard.baselin
     if best is not None:
         note.append(f"best classic: {best.name} ({comparison.speedup(best):.2f}x slower than autoshard)")
     note.append(f"fallback (best classic that fits): {fallback.name}" if fallback else "no classic plan fits")
-    return _comparison_rows(rows, comparison.memory_budget_bytes,
-                            f"autoshard vs classic strategies on mesh {mesh} of {plan.cluster.name}",
+    return _comparison_rows(rows, f"autoshard vs classic strategies on mesh {mesh} of {plan.cluster.name}",
                             "\n".join(note))
 
 
-def baseline_summary_table(baselines: Mapping[str, Mapping[str, Any]], budget: float) -> Table:
-    rows = [{"name": name, **figures} for name, figures in baselines.items()]
-    return _comparison_rows(rows, budget, "compared with", "")
+def baseline_summary_table(plan: Plan) -> Table:
+    """The comparison a plan file records (``autoshard compare --out``)."""
+    rows = [{"name": name, **figures} for name, figures in plan.baselines.items()]
+    fallback = plan.best_baseline(fitting=True)
+    note = (f"best classic: {plan.best_baseline()}; fallback (best classic that fits): "
+            f"{fallback or 'no classic plan fits'}")
+    return _comparison_rows(rows, "compared with", note)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -474,7 +477,8 @@ def write_html(plan: Plan, path: str | Path, renderables: Sequence[Any] | None =
     tables = console.export_html(inline_styles=True, code_format="<pre style=\"font-family:monospace\">{code}</pre>")
     images = []
     for fig in figures(plan):
-        images.append(f'<img alt="plan figure" src="data:image/png;base64,{base64.b64encode(_png_bytes(fig)).decode()}">')
+        data = base64.b64encode(_png_bytes(fig)).decode()
+        images.append(f'<img alt="plan figure" src="data:image/png;base64,{data}">')
         plt.close(fig)
     Path(path).write_text(
         "<!doctype html><html><head><meta charset=\"utf-8\">"

@@ -16,7 +16,8 @@ def hand_plan(graph: OpGraph, specs: Mapping[int, Spec] | None = None, *, mesh_s
     specs = dict(specs or {})
     values = graph.values
     in_paths = [values[v].path for v in graph.inputs]
-    in_specs = {p: specs.get(i, Spec.replicated(values[v].rank)) for i, (p, v) in enumerate(zip(in_paths, graph.inputs))}
+    in_specs = {p: specs.get(i, Spec.replicated(values[v].rank))
+                for i, (p, v) in enumerate(zip(in_paths, graph.inputs))}
     out_specs = {}
     for k, (path, vid) in enumerate(zip(graph.output_paths, graph.outputs)):
         carried = graph.carried[k] if graph.carried else None

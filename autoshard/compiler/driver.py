@@ -51,7 +51,7 @@ def candidate_meshes(mesh: MeshLike, cluster: ClusterSpec, num_devices: int) -> 
 
 
 def build_plan(graph: OpGraph, result: IntraOpResult, budget: float, timings: dict[str, float],
-               name: str = "autoshard") -> Plan:
+               name: str = "autoshard", explain: bool = True) -> Plan:
     mesh = result.mesh
     values = graph.values
     in_paths = [values[v].path or f"[{i}]" for i, v in enumerate(graph.inputs)]
@@ -78,15 +78,19 @@ def build_plan(graph: OpGraph, result: IntraOpResult, budget: float, timings: di
                           s.num_constraints, s.num_edges),
         planning_s=dict(timings), memory_budget_bytes=budget, num_ops=len(graph.ops), name=name,
         output_shapes={p: (values[v].shape, values[v].dtype) for p, v in zip(out_paths, graph.outputs)},
-        in_tree=str(graph.in_tree) if graph.in_tree is not None else "", explanations=op_explanations(result),
+        in_tree=str(graph.in_tree) if graph.in_tree is not None else "",
+        explanations=op_explanations(result) if explain else {},
     )
 
 
 def plan_graph(graph: OpGraph, *, mesh: MeshLike = None, cluster: ClusterSpec | str | None = None,
                memory_budget: float | None = None, options: IntraOpOptions | None = None,
                num_devices: int | None = None, timings: dict[str, float] | None = None,
-               name: str = "autoshard") -> PlannedStep:
-    """Plan an already traced graph on the given (or searched) logical mesh."""
+               name: str = "autoshard", explain: bool = True) -> PlannedStep:
+    """Plan an already traced graph on the given (or searched) logical mesh.
+
+    ``explain`` records each op's strategy against its alternatives in the plan (``Plan.explanations``).
+    """
     if isinstance(mesh, Mesh):
         num_devices = mesh.devices.size
     elif mesh is not None:
@@ -119,7 +123,7 @@ def plan_graph(graph: OpGraph, *, mesh: MeshLike = None, cluster: ClusterSpec | 
             f"no mesh shape of {num_devices} devices fits {budget / 2**30:.3f} GiB per device; the smallest budget "
             f"that fits is {smallest / 2**30:.3f} GiB: raise memory_budget or use more devices", smallest)
     result = best[1]
-    plan = build_plan(graph, result, budget, timings, name=name)
+    plan = build_plan(graph, result, budget, timings, name=name, explain=explain)
     if len(candidates) > 1:
         plan = replace(plan, alternatives=alternatives)
     return PlannedStep(plan, graph, annotations_from(result), result.mesh, result)

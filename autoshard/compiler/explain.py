@@ -93,5 +93,6 @@ def op_explanations(result, top_k: int = 5) -> dict[int, OpExplanation]:  # resu
                          if (s.in_specs, s.out_specs) != (chosen_s.in_specs, chosen_s.out_specs)),
                         key=lambda c: c.total_s)
         shapes = " x ".join(map(_typed, ins)) + " -> " + ", ".join(map(_typed, outs))
-        out[j] = OpExplanation(op.primitive, _short_source(op.source), shapes, chosen, tuple(others[:top_k]), len(options))
+        out[j] = OpExplanation(op.primitive, _short_source(op.source), shapes, chosen, tuple(others[:top_k]),
+                               len(options))
     return out

@@ -142,6 +142,23 @@ class Plan:
     def param_specs(self) -> dict[str, Spec]:
         return {p: s for p, s in self.input_specs.items() if self.input_roles.get(p) == "param"}
 
+    def best_baseline(self, *, fitting: bool = False) -> str | None:
+        """The fastest compared classic strategy (``fitting``: among those that fit: the fallback)."""
+        rows = [(float(r["step_s"]), name) for name, r in self.baselines.items()
+                if name != "autoshard" and (r.get("fits", True) or not fitting)]
+        return min(rows)[1] if rows else None
+
+    def _baseline_lines(self) -> list[str]:
+        if not self.baselines:
+            return []
+        lines = ["  compared with     " + ", ".join(
+            f"{name} {fmt_s(float(r['step_s']))} ({self.step_s and float(r['step_s']) / self.step_s:.2f}x"
+            + ("" if r.get("fits", True) else ", does not fit") + ")"
+            for name, r in self.baselines.items() if name != "autoshard")]
+        best, fallback = self.best_baseline(), self.best_baseline(fitting=True)
+        lines.append(f"  best classic      {best}; fallback (best classic that fits): {fallback or 'none fits'}")
+        return lines
+
     def __str__(self) -> str:
         led = self.ledger
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.mesh_shape))
@@ -162,6 +179,7 @@ class Plan:
         ]
         if self.alternatives:
             lines.append("  meshes tried      " + ", ".join(f"{k}: {v * 1e3:.3f} ms" for k, v in self.alternatives.items()))
+        lines += self._baseline_lines()
         lines.append("  parameters:")
         for path, spec in self.param_specs().items():
             shape = self.input_shapes[path][0]

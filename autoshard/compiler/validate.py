@@ -126,7 +126,8 @@ def _memory(plan: Plan, budget: float, source: str) -> list[Finding]:
     if peak <= budget:
         return [Finding("memory", Severity.OK,
                         f"peak {fmt_bytes(peak)} per device fits the {fmt_bytes(budget)} budget ({source})")]
-    kinds = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(plan.ledger.memory_by_kind.items(), key=lambda kv: -kv[1]))
+    kinds = ", ".join(f"{k} {fmt_bytes(v)}"
+                      for k, v in sorted(plan.ledger.memory_by_kind.items(), key=lambda kv: -kv[1]))
     ceiling = plan.baselines.get("autoshard", {}).get("batch_ceiling") if plan.baselines else None
     fix = (f"re-plan with --memory-budget-gib {budget / GIB:.4g} (autoshard then shards more state or "
            f"activations), use devices with at least {fmt_bytes(peak)}")

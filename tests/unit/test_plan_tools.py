@@ -17,8 +17,7 @@ from plan_helpers import hand_plan
 
 from autoshard import cli
 from autoshard.baselines import (
-    Baseline, MemoryModel, _roles_from_names, baseline_pins, batch_spec, divisible_axes, largest_dim_spec,
-    megatron_roles, node_axes,
+    Baseline, MemoryModel, baseline_pins, batch_spec, divisible_axes, largest_dim_spec, node_axes,
 )
 from autoshard.compiler.export import flax_rules, flax_rules_python
 from autoshard.compiler.graph import Role
@@ -29,6 +28,7 @@ from autoshard.compiler.validate import Severity, validate_plan
 from autoshard.errors import PlanMismatchError
 from autoshard.meshes.cluster import get_cluster
 from autoshard.meshes.logical import make_logical_mesh
+from autoshard.passes.megatron import roles_from_names, megatron_roles
 from autoshard.report import pipeline_schedule
 from examples import gpt, mlp, moe
 
@@ -119,8 +119,8 @@ def test_unknown_mesh_axis_in_a_spec_fails_naming_the_path(saved):
     (lambda d: d.pop("ledger"), r"missing field 'ledger'"),
     (lambda d: d["ledger"].pop("peak_memory_bytes"), r"ledger: missing field\(s\) \['peak_memory_bytes'\]"),
     (lambda d: d["mesh"].pop("axis_names"), r"mesh: missing field 'axis_names'"),
-    (lambda d: d["signature"]["inputs"]["[2]['tokens']"].update(shape="24x9"), r"signature.inputs\[\[2\]\['tokens'\]\]: "
-                                                                             r"field 'shape' should be list"),
+    (lambda d: d["signature"]["inputs"]["[2]['tokens']"].update(shape="24x9"),
+     r"signature.inputs\[\[2\]\['tokens'\]\]: field 'shape' should be list"),
     (lambda d: d["input_specs"].update({"[2]['tokens']": [["x"]]}), r"has 1 dims, the argument has shape \[24, 9\]"),
     (lambda d: d.update(version=99), r"version 99 is newer than this autoshard reads \(2\); upgrade autoshard"),
     (lambda d: d.update(format="pickle"), r"not an autoshard plan file"),
@@ -164,11 +164,12 @@ def test_megatron_roles_from_the_gpt_graph(gpt_tiny):
     names = lambda idx: {re.sub(r"\[0\]\['blocks'\]\[(\d)\]", r"\1", p) for p in _paths(graph, idx)}  # noqa: E731
     assert names(roles.column) == {f"{n}['{m}']['{k}']['kernel']" for n in "01"
                                    for m, k in [("attn", "q"), ("attn", "k"), ("attn", "v"), ("mlp", "up")]}
-    assert names(roles.row) == {f"{n}['{m}']['{k}']['kernel']" for n in "01" for m, k in [("attn", "out"), ("mlp", "down")]}
+    assert names(roles.row) == {f"{n}['{m}']['{k}']['kernel']" for n in "01"
+                                for m, k in [("attn", "out"), ("mlp", "down")]}
     assert names(roles.bias) == {f"{n}['{m}']['{k}']['bias']" for n in "01"
                                  for m, k in [("attn", "q"), ("attn", "k"), ("attn", "v"), ("mlp", "up")]}
     assert set(roles.column.values()) == {1} and set(roles.row.values()) == {0}  # output / input features
-    by_names = _roles_from_names(graph)
+    by_names = roles_from_names(graph)
     assert by_names.source == "names" and by_names.column == roles.column and by_names.row == roles.row
 
 
@@ -176,14 +177,14 @@ def test_megatron_roles_moe_experts_and_mlp_alternation():
     work = moe.workload("small", abstract=True)
     graph = trace(work.step, *work.args)
     roles = megatron_roles(graph)
-    experts = {graph.values[graph.inputs[i]].path.split("['moe']")[-1]: d for i, d in {**roles.column, **roles.row}.items()
-               if "moe" in graph.values[graph.inputs[i]].path}
+    experts = {graph.values[graph.inputs[i]].path.split("['moe']")[-1]: d
+               for i, d in {**roles.column, **roles.row}.items() if "moe" in graph.values[graph.inputs[i]].path}
     assert experts == {"['w_in']": 2, "['w_out']": 1}  # [E, d, ff] split on ff, [E, ff, d] split on ff
     work = mlp.workload("small", abstract=True)
     graph = trace(work.step, *work.args)
     roles = megatron_roles(graph)
-    order = sorted((graph.values[graph.inputs[i]].path, kind) for kind, part in (("col", roles.column), ("row", roles.row))
-                   for i in part)
+    order = sorted((graph.values[graph.inputs[i]].path, kind)
+                   for kind, part in (("col", roles.column), ("row", roles.row)) for i in part)
     assert [kind for _, kind in order] == ["col", "row"] * (len(order) // 2)
 
 
@@ -274,7 +275,8 @@ def test_export_flax_rules_match_linen_logical_sharding(gpt_tiny, tmp_path):
     exec(flax_rules_python(data), module)  # noqa: S102 - the module we generate must import and run
     jmesh = _mesh()
     direct = jax.tree.leaves(module["param_shardings"](work.args[0], jmesh))
-    logical = jax.tree.leaves(nn.logical_to_mesh_sharding(module["logical_specs"](work.args[0]), jmesh, module["RULES"]))
+    logical = jax.tree.leaves(nn.logical_to_mesh_sharding(module["logical_specs"](work.args[0]), jmesh,
+                                                          module["RULES"]))
     assert [s.spec for s in direct] == [s.spec for s in logical]
     assert len(direct) == len(plan.param_specs())
     path = tmp_path / "plan.json"
@@ -291,7 +293,8 @@ def test_pipeline_schedule_hand_worked():
     for schedule in ("1f1b", "gpipe"):
         slots = pipeline_schedule([1.0, 1.0], [2.0, 2.0], 2, schedule)
         assert max(s.end_s for s in slots) == 9.0 and len(slots) == 8
-    one_f_one_b = [(s.kind, s.microbatch, s.start_s) for s in pipeline_schedule([1.0, 1.0], [2.0, 2.0], 2) if s.stage == 0]
+    one_f_one_b = [(s.kind, s.microbatch, s.start_s)
+                   for s in pipeline_schedule([1.0, 1.0], [2.0, 2.0], 2) if s.stage == 0]
     assert one_f_one_b == [("F", 0, 0.0), ("F", 1, 1.0), ("B", 0, 4.0), ("B", 1, 7.0)]
 
 
@@ -299,7 +302,12 @@ def test_explain_cli_tables_and_pictures(gpt_tiny, tmp_path, capsys):
     stages = ({"name": "s0", "forward_s": 1e-3, "backward_s": 2e-3, "num_devices": 4,
                "memory_by_kind": {"param": 1e6, "activation": 2e6}},
               {"name": "s1", "time_s": 3e-3, "num_devices": 4, "peak_memory_bytes": 2.5e6})
-    plan = dataclasses.replace(_dp_plan(gpt_tiny[1], stages=stages), num_microbatches=4, schedule="1f1b")
+    row = {"peak_memory_bytes": 1e6, "batch_ceiling": 4096, "speedup": 1.0}
+    baselines = {"autoshard": {**row, "step_s": 1e-3, "fits": True}, "DP": {**row, "step_s": 2e-3, "fits": True},
+                 "FSDP/ZeRO-3": {**row, "step_s": 1.5e-3, "fits": False, "batch_ceiling": None}}
+    plan = dataclasses.replace(_dp_plan(gpt_tiny[1], stages=stages), num_microbatches=4, schedule="1f1b",
+                               baselines=baselines)
+    assert "best classic      FSDP/ZeRO-3; fallback (best classic that fits): DP" in str(plan)
     path = tmp_path / "plan.json"
     plan.save(path)
     html, png = tmp_path / "report.html", tmp_path / "report.png"
@@ -307,4 +315,5 @@ def test_explain_cli_tables_and_pictures(gpt_tiny, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "blocks.#.attn.q.kernel" in out and "0-1" in out and "modeled step" in out
     assert "op 3 has no recorded alternatives" in out
+    assert "best classic: FSDP/ZeRO-3; fallback (best classic that fits): DP" in out
     assert png.read_bytes()[:4] == b"\x89PNG" and html.read_text().count("data:image/png;base64") == 2
