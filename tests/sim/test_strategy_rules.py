@@ -544,7 +544,8 @@ def _cases() -> list[Case]:
     key = jax.random.key(0)
     cases += [
         Case("scan", "scan", lambda x: lax.scan(lambda c, r: (c + r, c * r), jnp.zeros(8), x), (normal(4, 8),)),
-        Case("while", "while", lambda x: lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2), (0, x)), (normal(4, 8),)),
+        Case("while", "while", lambda x: lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2), (0, x)),
+             (normal(4, 8),)),
         Case("cond", "cond", lambda p, x: lax.cond(p, jnp.sin, jnp.cos, x), (np.bool_(True), normal(4, 8))),
         Case("platform_index", "platform_index",
              lambda x: lax.platform_dependent(x, cpu=jnp.sin, default=jnp.cos), (normal(4, 8),)),

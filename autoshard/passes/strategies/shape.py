@@ -80,7 +80,8 @@ def _reshape_rule(op: Op, ins: Sequence[Value], outs: Sequence[Value], mesh: Log
 @register("transpose")
 def _transpose_rule(op: Op, ins: Sequence[Value], outs: Sequence[Value], mesh: LogicalMesh) -> list[Strategy]:
     perm = op.params["permutation"]
-    return factor_strategies(op, ins, outs, mesh, [Factor(size, (perm[d],), (d,)) for d, size in enumerate(outs[0].shape)])
+    factors = [Factor(size, (perm[d],), (d,)) for d, size in enumerate(outs[0].shape)]
+    return factor_strategies(op, ins, outs, mesh, factors)
 
 
 @register("squeeze")
