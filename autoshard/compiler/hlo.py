@@ -27,6 +27,8 @@ What the reader knows about the text (checked on jax/jaxlib 0.10.2, XLA:CPU):
 """
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import json
 import logging
@@ -437,7 +439,12 @@ def _multipliers(module: _Module) -> dict[str, int]:
 
 
 def _only_group_slices(module: _Module, comp: _Computation, name: str, elements: int, group: int) -> bool:
-    """True when every use of ``name`` is a dynamic-slice keeping elements/group of it."""
+    """True when every use of ``name`` is a dynamic-slice keeping at most elements/group of it.
+
+    A slice finer than 1/group is a reduce-scatter over the group followed by a local slice
+    (a sum over one mesh axis landing in a layout split over more axes): the bytes that
+    cross the links are the reduce-scatter's.
+    """
     inst = comp.instructions[name]
     users = comp.users.get(name, [])
     if inst.is_root or not users:
@@ -446,7 +453,8 @@ def _only_group_slices(module: _Module, comp: _Computation, name: str, elements:
         if user.opcode in ("bitcast", "reshape", "copy"):
             ok = _only_group_slices(module, comp, user.name, elements, group)
         elif user.opcode == "dynamic-slice" and user.operands[0] == name:
-            ok = sum(shape_elements(user.shape)) * group == elements
+            kept = sum(shape_elements(user.shape)) * group
+            ok = kept <= elements and elements % kept == 0
         elif user.opcode == "fusion":
             fused = module.computations.get(user.attrs.get("calls", "").lstrip("%"))
             params = [fused.parameter(k) if fused else None for k, o in enumerate(user.operands) if o == name]
@@ -494,8 +502,44 @@ def read_hlo_collectives(hlo_text: str) -> list[HloCollective]:
                     log.warning("%s has no %s-done: reading its own shape", inst.name, base)
                 else:
                     result = done
-            found.append(_collective(module, comp, inst, result, base, runs[comp.name]))
+            found.extend(_collectives(module, comp, inst, result, base, runs[comp.name]))
     return found
+
+
+def _tuple_element_bytes(result: _Instruction) -> list[int]:
+    inner = result.shape.strip()[1:-1]
+    return [shape_nbytes(part) for part in _split_top_level(inner)]
+
+
+def _collectives(module: _Module, comp: _Computation, inst: _Instruction, result: _Instruction,
+                 kind: str, count: int) -> list[HloCollective]:
+    """One collective, or for a combined (tuple) all-reduce, its reduce-scatter and all-reduce parts.
+
+    XLA's all-reduce combiner merges independent all-reduces into one tuple; on CPU some of its
+    elements may be reduce-scatters (only a group slice of them is used) and others plain sums.
+    """
+    single = _collective(module, comp, inst, result, kind, count)
+    if kind != "all-reduce" or single.kind != "all-reduce" or not result.shape.startswith("(") or result.is_root:
+        return [single]
+    group = single.group_size
+    users = comp.users.get(result.name, [])
+    if group <= 1 or not users or any(u.opcode != "get-tuple-element" for u in users):
+        return [single]
+    sizes = _tuple_element_bytes(result)
+    leaves = shape_elements(result.shape)
+    scattered = [False] * len(sizes)
+    for index in range(len(sizes)):
+        readers = [u for u in users if int(u.attrs.get("index", "0")) == index]
+        scattered[index] = bool(readers) and all(
+            _only_group_slices(module, comp, u.name, leaves[index], group) for u in readers)
+    rs = sum(b for b, sc in zip(sizes, scattered) if sc)
+    ar = sum(b for b, sc in zip(sizes, scattered) if not sc)
+    parts = []
+    if rs:
+        parts.append(dataclasses.replace(single, kind="reduce-scatter", nbytes=rs))
+    if ar:
+        parts.append(dataclasses.replace(single, nbytes=ar))
+    return parts or [single]
 
 
 def _collective(module: _Module, comp: _Computation, inst: _Instruction, result: _Instruction,

@@ -113,8 +113,15 @@ class IntraOpResult:
         return self.node_strategies[len(self.graph.inputs) + op_index]
 
     def collectives(self) -> list[Collective]:
+        """Collectives the plan runs: each op's own, and each distinct resharded copy once (XLA
+        computes a copy of one value in one layout once, however many ops read it)."""
         found = [c for s in self.node_strategies for c in s.collectives]
-        found += [c for site in self.reshards for c in site.collectives]
+        seen: set[tuple] = set()
+        for site in self.reshards:
+            key = (site.value, site.src, site.chain)
+            if key not in seen:
+                seen.add(key)
+                found += list(site.collectives)
         return found
 
     def collective_bytes_by_kind(self) -> dict[str, float]:
@@ -414,7 +421,8 @@ def decode(pb: _Problem, choices: np.ndarray, stats: IlpStats) -> IntraOpResult:
         graph=graph, mesh=pb.mesh, node_strategies=chosen, value_specs=value_specs, input_specs=input_specs,
         output_specs=tuple(output_specs), reshards=tuple(reshards),
         compute_s=float(sum(s.compute_s for s in chosen)), comm_s=float(sum(s.comm_s for s in chosen)),
-        reshard_s=float(sum(r.seconds for r in reshards)), memory_profile=profile, memory_by_role=by_role, ilp=stats,
+        reshard_s=float(sum(r.seconds for r in {(r.value, r.src, r.chain): r for r in reshards}.values())),
+        memory_profile=profile, memory_by_role=by_role, ilp=stats,
     )
 
 
