@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -560,6 +560,10 @@ def _cases() -> list[Case]:
         Case("threefry2x32", "threefry2x32", jax._src.random.threefry2x32.threefry_2x32,
              (np.array([0, 7], np.uint32), ints(8, hi=1000, dtype=np.uint32))),
         Case("iota_2x32_shape", "iota_2x32_shape", lambda: jax._src.random.prng.iota_2x32_shape((4, 8)), ()),
+        *(Case(name, name, functools.partial(_random_bits_of(name), bit_width=32, shape=(4, 8)), (_raw_key(name),))
+          for name in ("threefry4x32",)),
+        Case("io_callback", "io_callback", lambda x: jax.experimental.io_callback(
+            np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x, ordered=False), (normal(4, 8),)),
         Case("rng_bit_generator", "rng_bit_generator", lambda k: lax.rng_bit_generator(k, (4, 8)),
              (np.arange(4, dtype=np.uint32),)),
         # optimization_barrier types every result as varying over all its operands' axes (jax 0.10).
@@ -578,6 +582,18 @@ def _cases() -> list[Case]:
     return cases
 
 
+def _random_bits_of(impl: str) -> Callable[..., Any]:
+    """The raw-key random_bits of a non-default PRNG implementation (it binds that impl's primitive)."""
+    import jax._src.random.threefry4x32 as threefry4x32
+
+    return {"threefry4x32": threefry4x32.threefry4x32_random_bits}[impl]
+
+
+def _raw_key(impl: str) -> np.ndarray:
+    shape = jax._src.random.prng.prngs[impl].key_shape
+    return np.arange(1, 1 + int(np.prod(shape)), dtype=np.uint32).reshape(shape)
+
+
 @functools.cache
 def _auto_mesh() -> jax.sharding.Mesh:
     return jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
@@ -586,6 +602,7 @@ def _auto_mesh() -> jax.sharding.Mesh:
 CASES = {c.name: c for c in _cases()}
 
 
+@functools.cache
 def _strategies(case: Case) -> list[Strategy]:
     built = build(case)
     with warnings.catch_warnings():
@@ -623,14 +640,12 @@ def test_strategy_matches_unsharded_op(devices8: Any, name: str, index: int) -> 
 
 
 NO_CASE = {  # registered primitives without a simulation case, and why
-    "threefry4x32": "needs a non-default PRNG implementation; replicated only, like threefry2x32",
-    "philox2x32": "needs a non-default PRNG implementation; replicated only",
-    "philox4x32": "needs a non-default PRNG implementation; replicated only",
-    "rng_uniform": "replicated only; its XLA op is not implemented on CPU",
-    "io_callback": "replicated only; ordered effects are not allowed inside shard_map",
     "reshard": "an identity on local shards; only made under Explicit mesh axes",
     "layout_constraint": "an identity on local shards; only made by the layout API",
     "mulhi": "XLA cannot lower it under shard_map's manual sharding (jax 0.10: 'mhlo.unknown' illegal)",
+    "philox2x32": "replicated only; lowers through mulhi, which XLA cannot lower under shard_map",
+    "philox4x32": "replicated only; lowers through mulhi, which XLA cannot lower under shard_map",
+    "rng_uniform": "replicated only; stateful, so two runs never agree and there is nothing to compare",
     "select_and_scatter": "no public jax API emits the generic form (max-pool gradients use select_and_scatter_add)",
 }
 
