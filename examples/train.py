@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,8 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mesh", default=None, help="e.g. 2x4; default: searched")
     parser.add_argument("--cluster", default=None, help="preset or ClusterSpec file; default: the devices present")
     args = parser.parse_args(argv)
-    if "jax" in sys.modules:
-        raise SystemExit("run examples.train as a program: it must set XLA_FLAGS before jax is imported")
+    # XLA reads the flag when the CPU backend starts (first device query), not at `import jax`.
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + f" --xla_force_host_platform_device_count={args.devices}").strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -35,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     import autoshard
 
     console = Console()
+    if len(jax.devices()) < args.devices:
+        raise SystemExit(f"only {len(jax.devices())} devices: the jax backend started before XLA_FLAGS was set")
     module = importlib.import_module(f"examples.{args.model}")
     work = module.workload(args.config)
     mesh = tuple(int(s) for s in args.mesh.split("x")) if args.mesh else None

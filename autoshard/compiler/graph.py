@@ -34,6 +34,16 @@ class Role(str, enum.Enum):
     CONSTANT = "constant"
 
 
+def dtype_itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype name; extended dtypes (PRNG keys such as ``key<fry>``) included."""
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        if dtype.startswith("key"):
+            return 8  # a threefry key is two uint32 words
+        raise
+
+
 @dataclass(frozen=True)
 class Value:
     id: ValueId
@@ -52,7 +62,7 @@ class Value:
 
     @property
     def nbytes(self) -> int:
-        return self.size * np.dtype(self.dtype).itemsize
+        return self.size * dtype_itemsize(self.dtype)
 
     def __str__(self) -> str:
         dims = ",".join(map(str, self.shape))

@@ -252,7 +252,8 @@ def _input_roles(args: tuple[Any, ...], leaves: list[Any], carried: set[int]) ->
     roles: list[Role] = []
     first_arg_leaves = len(jax.tree_util.tree_leaves(args[0])) if args else 0
     for i, leaf in enumerate(leaves):
-        floating = np.issubdtype(np.dtype(_dtype_name(leaf)), np.floating) if _dtype_name(leaf) != "key" else False
+        name = _dtype_name(leaf)
+        floating = not name.startswith("key") and np.issubdtype(np.dtype(name), np.floating)
         if opt_mask[i]:
             roles.append(Role.OPT_STATE)
         elif i in carried:

@@ -85,3 +85,22 @@ def test_adamw_steps_match_one_device(model, devices8):
         *ref, ref_loss = reference(*ref, batch)
         *state, loss = sharded(*state, batch)
         assert _rel(loss, ref_loss) <= 1e-5, f"loss {float(loss)} vs one device {float(ref_loss)}"
+
+
+def test_step_with_a_prng_key_matches_one_device(devices8):
+    import jax.numpy as jnp
+
+    def step(w, batch, key):
+        def loss(w):
+            x = batch @ w
+            keep = jax.random.bernoulli(key, 0.9, x.shape)
+            return jnp.mean(jnp.where(keep, x, 0.0) ** 2)
+
+        value, grad = jax.value_and_grad(loss)(w)
+        return w - 0.1 * grad, value
+
+    w, batch, key = jnp.linspace(0, 1, 16 * 8).reshape(16, 8), jnp.ones((32, 16)), jax.random.key(0)
+    want_w, want_loss = jax.jit(step)(w, batch, key)
+    got_w, got_loss = autoshard.autoshard(step, mesh=(2, 4), options=FAST)(w, batch, key)
+    assert _rel(got_loss, want_loss) <= 1e-6
+    assert _rel(got_w, want_w) <= 1e-6

@@ -161,3 +161,19 @@ def test_large_gpt_traces_fast():
     params = sum(graph.values[v].size for v in graph.inputs if graph.values[v].role is Role.PARAM)
     assert params >= 1e9
     assert seconds < 10, f"tracing the large GPT took {seconds:.1f}s"
+
+
+def test_prng_key_inputs_trace_with_their_size():
+    def step(w, key):
+        def loss(w):
+            keep = jax.random.bernoulli(key, 0.9, (4, 8))
+            return jnp.mean(jnp.where(keep, jnp.ones((4, 3)) @ w, 0.0) ** 2)
+
+        value, grad = jax.value_and_grad(loss)(w)
+        return w - 0.1 * grad, value
+
+    graph = trace(step, jnp.ones((3, 8)), jax.random.key(0))
+    key_value = graph.values[graph.inputs[1]]
+    assert key_value.dtype.startswith("key") and key_value.nbytes == 8
+    assert key_value.role is Role.BATCH
+    assert graph.values[graph.inputs[0]].role is Role.PARAM
