@@ -1,20 +1,31 @@
 """Markers a train step may use so the compiler can see its structure.
 
 ``autoshard.grad`` / ``autoshard.value_and_grad`` behave exactly like the jax
-functions; they name the loss computation (``jax.named_scope``) so that
-passes can tell forward, backward and optimizer apart. ``layer_boundary(x)``
-returns ``x`` unchanged and marks a preferred pipeline cut. A step written
-with plain ``jax.grad`` plans as well, as one SPMD stage.
+functions. They run the differentiation inside one ``jax.jit`` named
+``autoshard_value_and_grad`` (``VG_NAME``), so the traced step shows a single
+equation whose operands are the loss arguments and whose results are
+``(loss, *grad leaves)``: the pipeline planner (``passes/layers.py``) finds
+the loss computation there, the optimizer update after it, and needs no
+global registry. The loss itself runs under ``jax.named_scope`` (``LOSS_SCOPE``).
+
+``layer_boundary(x)`` returns ``x`` unchanged: a ``copy`` of each leaf under
+the named scope ``LAYER_SCOPE``, which the layer clustering reads as a
+preferred pipeline cut. Under plain jit it costs one copy XLA removes.
+
+A step written with plain ``jax.grad`` plans as well, as one SPMD stage.
 """
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 LOSS_SCOPE = "autoshard_loss"
+LAYER_SCOPE = "autoshard_layer_boundary"
+VG_NAME = "autoshard_value_and_grad"
 
 
 def _scoped(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -26,20 +37,39 @@ def _scoped(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
-def value_and_grad(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
+def vg_name(argnums: int | Sequence[int], has_aux: bool) -> str:
+    """The jit name that encodes the differentiated arguments: ``autoshard_value_and_grad.0.1.aux``."""
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    return ".".join([VG_NAME, *map(str, nums)] + (["aux"] if has_aux else []))
+
+
+def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False,
+                   **kwargs: Any) -> Callable[..., Any]:
     """``jax.value_and_grad`` that marks ``fun`` as the loss."""
-    return jax.value_and_grad(_scoped(fun), *args, **kwargs)
+    inner = jax.value_and_grad(_scoped(fun), argnums=argnums, has_aux=has_aux, **kwargs)
+
+    @functools.wraps(fun)
+    def marked(*args: Any) -> Any:
+        return inner(*args)
+
+    marked.__name__ = vg_name(argnums, has_aux)
+    return jax.jit(marked)
 
 
-def grad(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
+def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False,
+         **kwargs: Any) -> Callable[..., Any]:
     """``jax.grad`` that marks ``fun`` as the loss."""
-    return jax.grad(_scoped(fun), *args, **kwargs)
+    vg = value_and_grad(fun, argnums=argnums, has_aux=has_aux, **kwargs)
+
+    @functools.wraps(fun)
+    def grads_only(*args: Any) -> Any:
+        value, grads = vg(*args)
+        return (grads, value[1]) if has_aux else grads
+
+    return grads_only
 
 
 def layer_boundary(x: Any) -> Any:
-    """Identity; will mark a preferred pipeline stage boundary after ``x``.
-
-    The inter-op (pipeline) planner is not in this release, so this marker has
-    no effect on plans yet; it is accepted so model code can carry it already.
-    """
-    return x
+    """Identity on a pytree of arrays; marks a preferred pipeline stage boundary after ``x``."""
+    with jax.named_scope(LAYER_SCOPE):
+        return jax.tree.map(lambda a: jnp.array(a, copy=True), x)

@@ -1,0 +1,454 @@
+"""Pipeline runtime: stage executables on sub-meshes, GPipe / 1F1B over microbatches.
+
+Built from a step taken apart by ``passes/layers.py`` and a list of stages
+(layer range + devices). Per stage s, each ``jax.jit``-ed on its own
+``jax.sharding.Mesh`` over its devices:
+
+- ``forward``: the stage's equations (its layers, plus the batch-only *free*
+  equations it reads, recomputed) from its parameters, its microbatch slice of
+  the batch and the activations entering it, to the activations leaving it;
+- ``backward``: ``jax.vjp`` of the same function, **recomputing** the forward
+  (only the stage's input activations are kept per microbatch in flight),
+  adding the parameter gradients into an accumulator (donated) and returning
+  the gradient of the entering activations. The last stage fuses its forward
+  into its backward and also accumulates the loss;
+- ``apply``: the optimizer update restricted to the step outputs this stage
+  owns (the update jaxpr cut down by DCE), fed with the stage's accumulated
+  gradients.
+
+Intra-stage sharding (first version): data parallel. Parameters and optimizer
+state are replicated on the stage's devices, the batch and every activation
+are split along their leading dimension over the stage's one mesh axis
+``dp`` when it divides, and XLA (GSPMD) shards the rest.
+
+Microbatching assumes the loss is a mean over the batch: microbatch losses and
+gradients are averaged (the loss cotangent is 1/B). Every non-differentiated
+loss-argument leaf whose leading dimension is the batch size is split into B
+equal slices; others are passed whole.
+
+The optimizer must act per leaf (optax ``adamw``, ``sgd``, ``adam``, ...):
+each stage updates only its own parameters. A step output that depends on the
+gradients of parameters owned by two stages (``optax.clip_by_global_norm``,
+say) is refused with :class:`PipelineError`. A parameter read by several
+stages (tied embeddings) is sent to each; their gradient contributions are
+summed on its owner, the first stage that reads it.
+
+Activations and their gradients move between stages with ``jax.device_put``
+to the receiving stage's sharding.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src.interpreters import partial_eval as pe
+from jax.extend import core as jcore
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from autoshard.errors import PlanningError
+from autoshard.passes.layers import Forward, Layer, StepParts, VarId
+
+log = logging.getLogger(__name__)
+
+Schedule: TypeAlias = Literal["1f1b", "gpipe"]
+Action: TypeAlias = tuple[Literal["F", "B"], int, int]  # (kind, stage, microbatch)
+
+
+class PipelineError(PlanningError):
+    """The step cannot run as a pipeline; the message says why and what to change."""
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Where a stage runs: a layer range and the (jax) device indices of its sub-mesh."""
+
+    first_layer: int
+    last_layer: int  # inclusive
+    device_indices: tuple[int, ...]
+
+
+# ---------------------------------------------------------------------------
+# Schedules
+
+
+def schedule_actions(kind: Schedule, num_stages: int, num_microbatches: int) -> list[Action]:
+    """Dispatch order of forward (F) and backward (B) actions for GPipe or 1F1B.
+
+    1F1B: stage s runs min(S - s - 1, B) warm-up forwards, then alternates one
+    forward and one backward, then drains its backwards. The per-stage lists
+    are merged by simulating time steps (every stage runs its next action when
+    its inputs are ready), which is a valid order for one controller.
+    """
+    s_n, b_n = num_stages, num_microbatches
+    if kind == "gpipe":
+        return ([("F", s, m) for m in range(b_n) for s in range(s_n)]
+                + [("B", s, m) for m in range(b_n) for s in reversed(range(s_n))])
+    if kind != "1f1b":
+        raise ValueError(f"schedule must be '1f1b' or 'gpipe'; got {kind!r}")
+    per_stage: list[list[Action]] = []
+    for s in range(s_n):
+        warm = min(s_n - s - 1, b_n)
+        seq: list[Action] = [("F", s, m) for m in range(warm)]
+        f, b = warm, 0
+        while b < b_n:
+            if f < b_n:
+                seq.append(("F", s, f))
+                f += 1
+            seq.append(("B", s, b))
+            b += 1
+        per_stage.append(seq)
+    done: set[Action] = set()
+    order: list[Action] = []
+    cursor = [0] * s_n
+    while len(order) < 2 * s_n * b_n:
+        ready = []
+        for s in range(s_n):
+            if cursor[s] == len(per_stage[s]):
+                continue
+            kind_, _, m = act = per_stage[s][cursor[s]]
+            deps = [("F", s - 1, m)] if kind_ == "F" and s > 0 else []
+            if kind_ == "B":
+                deps = [("F", s, m)] + ([("B", s + 1, m)] if s + 1 < s_n else [])
+            if all(d in done for d in deps):
+                ready.append(act)
+        if not ready:
+            raise RuntimeError(f"1F1B schedule deadlocked at {order[-3:]}")  # a bug, not a user error
+        for act in ready:
+            order.append(act)
+            done.add(act)
+            cursor[act[1]] += 1
+    return order
+
+
+# ---------------------------------------------------------------------------
+# Stage programs
+
+
+@dataclass(frozen=True, eq=False)
+class StageProgram:
+    """What stage s computes, in forward variables."""
+
+    index: int
+    eqns: tuple[int, ...]  # forward equations, program order (free ones included)
+    param_leaves: tuple[int, ...]  # differentiated loss-argument leaves it reads
+    data_leaves: tuple[int, ...]  # other loss-argument leaves it reads
+    in_acts: tuple[VarId, ...]  # activations entering
+    out_acts: tuple[VarId, ...]  # activations leaving (the last stage: the loss)
+
+    def function(self, forward: Forward) -> Callable[[list[Any], list[Any], list[Any]], list[Any]]:
+        invars = forward.invars
+
+        def run(params: list[Any], data: list[Any], acts: list[Any]) -> list[Any]:
+            env: dict[VarId, Any] = dict(forward.consts)
+            env.update({invars[k]: v for k, v in zip(self.param_leaves, params)})
+            env.update({invars[k]: v for k, v in zip(self.data_leaves, data)})
+            env.update(zip(self.in_acts, acts))
+            forward.run(self.eqns, env)
+            return [env[v] for v in self.out_acts]
+
+        return run
+
+
+def stage_programs(forward: Forward, layers: Sequence[Layer], ranges: Sequence[tuple[int, int]]
+                   ) -> list[StageProgram]:
+    """Assign the forward's equations to stages and find what crosses each boundary."""
+    num_stages = len(ranges)
+    stage_of: dict[int, int] = {}
+    for s, (a, b) in enumerate(ranges):
+        for layer in layers[a: b + 1]:
+            for i in layer.eqns:
+                stage_of[i] = s
+    producer = {v: i for i, e in enumerate(forward.eqns) for v in e.outs}
+    diff_pos = {v: k for k, (v, d) in enumerate(zip(forward.invars, forward.diff)) if d}
+    data_pos = {v: k for k, (v, d) in enumerate(zip(forward.invars, forward.diff)) if not d}
+    # the stage where each parameter-dependent value is produced, and the last stage that reads it
+    made: dict[VarId, int] = {}
+    last: dict[VarId, int] = {}
+    for i, e in enumerate(forward.eqns):
+        if i in stage_of:
+            for v in e.outs:
+                made[v] = stage_of[i]
+            for a in e.ins:
+                if not isinstance(a, jcore.Literal) and a in made:
+                    last[a] = max(last.get(a, -1), stage_of[i])
+    out = forward.outvar
+    if isinstance(out, jcore.Literal) or out not in made:
+        raise PipelineError("the loss does not depend on the parameters through the layers: nothing to pipeline")
+    last[out] = num_stages  # read "after" the last stage
+    programs = []
+    for s in range(num_stages):
+        own = sorted(i for i, st in stage_of.items() if st == s)
+        needed = _free_closure(forward, own, producer, stage_of)
+        eqns = tuple(sorted(set(own) | needed))
+        reads = {a for i in eqns for a in forward.eqns[i].ins if not isinstance(a, jcore.Literal)}
+        in_acts = tuple(sorted(v for v, p in made.items() if p < s <= last.get(v, -1)))
+        out_acts = (out,) if s == num_stages - 1 else tuple(
+            sorted(v for v, p in made.items() if p <= s < last.get(v, -1)))
+        programs.append(StageProgram(
+            s, eqns, tuple(sorted(diff_pos[v] for v in reads if v in diff_pos)),
+            tuple(sorted(data_pos[v] for v in reads if v in data_pos)), in_acts, out_acts))
+    for p in programs:
+        bad = [v for v in p.in_acts + p.out_acts if not jnp.issubdtype(forward.avals[v].dtype, jnp.floating)]
+        if bad:
+            raise PipelineError(f"stage {p.index} would exchange non-float activations "
+                                f"{[forward.avals[v].str_short() for v in bad]}; move the cut (layer_boundary) "
+                                "so that only float activations cross stages")
+    return programs
+
+
+def _free_closure(forward: Forward, own: Sequence[int], producer: dict[VarId, int],
+                  stage_of: dict[int, int]) -> set[int]:
+    """The free (batch-only) equations the given equations read, transitively."""
+    needed: set[int] = set()
+    stack = [a for i in own for a in forward.eqns[i].ins]
+    while stack:
+        a = stack.pop()
+        if isinstance(a, jcore.Literal) or a not in producer:
+            continue
+        i = producer[a]
+        if i in stage_of or i in needed:
+            continue
+        needed.add(i)
+        stack.extend(forward.eqns[i].ins)
+    return needed
+
+
+# ---------------------------------------------------------------------------
+# The optimizer update, split per stage
+
+
+def _var_deps(jaxpr: Any, in_deps: list[int]) -> list[int]:
+    """Bitmask dependencies of every outvar on the invars' bitmasks (through nested calls)."""
+    env: dict[Any, int] = dict(zip(jaxpr.invars, in_deps))
+
+    def read(a: Any) -> int:
+        return 0 if isinstance(a, jcore.Literal) else env.get(a, 0)
+
+    for e in jaxpr.eqns:
+        ins = [read(a) for a in e.invars]
+        body = e.params.get("jaxpr") if e.primitive.name in ("jit", "pjit", "closed_call") else None
+        if body is not None:
+            inner = body.jaxpr if isinstance(body, jcore.ClosedJaxpr) else body
+            outs = _var_deps(inner, ins)
+        else:
+            mask = 0
+            for m in ins:
+                mask |= m
+            outs = [mask] * len(e.outvars)
+        for v, m in zip(e.outvars, outs):
+            env[v] = m
+    return [read(a) for a in jaxpr.outvars]
+
+
+def assign_outputs(parts: StepParts, owner_of_grad: Sequence[int], out_paths: Sequence[str]) -> list[int]:
+    """The stage that computes each step output: the owner of the gradients it reads (0 if none)."""
+    update = parts.update
+    first_grad = parts.num_consts + parts.num_inputs + 1
+    deps = _var_deps(update, [0] * first_grad + [1 << g for g in range(parts.num_grads)])
+    stages = []
+    for k, mask in enumerate(deps):
+        owners = sorted({owner_of_grad[g] for g in range(parts.num_grads) if mask >> g & 1})
+        if len(owners) > 1:
+            raise PipelineError(
+                f"step output {out_paths[k] if k < len(out_paths) else k} depends on the gradients of parameters "
+                f"in pipeline stages {owners}: the optimizer couples parameters across stages (e.g. "
+                "optax.clip_by_global_norm or a global gradient norm). Pipelines need a per-parameter optimizer "
+                "(adamw, adam, sgd, ...); drop the coupling or use num_stages=1.")
+        stages.append(owners[0] if owners else 0)
+    return stages
+
+
+# ---------------------------------------------------------------------------
+# The runtime
+
+
+def _replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def _split_leading(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
+    n = mesh.devices.size
+    if len(shape) >= 1 and n > 1 and shape[0] % n == 0:
+        return NamedSharding(mesh, PartitionSpec("dp"))
+    return _replicated(mesh)
+
+
+class PipelineStep:
+    """A pipelined train step: call it like the original function ``(params, opt_state, batch) -> outputs``."""
+
+    def __init__(self, parts: StepParts, layers: Sequence[Layer], stages: Sequence[StageLayout],
+                 num_microbatches: int, schedule: Schedule, *, split_inputs: Sequence[bool], in_tree: Any,
+                 out_tree: Any, out_paths: Sequence[str] = (), devices: Sequence[jax.Device] | None = None) -> None:
+        """``parts`` is the step traced at one microbatch (batch leaves cut to 1/B, see
+        ``layers.microbatch_shapes``); ``layers`` index its forward equations; ``split_inputs`` marks the
+        flat step inputs that are batch leaves, split into ``num_microbatches`` slices."""
+        self.parts, self.layers, self.layouts = parts, tuple(layers), tuple(stages)
+        self.num_microbatches, self.schedule = int(num_microbatches), schedule
+        self.in_tree, self.out_tree = in_tree, out_tree
+        devices = list(devices if devices is not None else jax.devices())
+        self.meshes = [Mesh(np.asarray([devices[i] for i in st.device_indices]), ("dp",),
+                            axis_types=(jax.sharding.AxisType.Auto,)) for st in stages]
+        fwd = parts.forward
+        self.programs = stage_programs(fwd, layers, [(st.first_layer, st.last_layer) for st in stages])
+        self.actions = schedule_actions(schedule, len(stages), self.num_microbatches)
+        self.split_inputs = tuple(bool(x) for x in split_inputs)
+        # gradient owners: the first stage that reads each differentiated leaf (stage 0 if none does)
+        readers: dict[int, list[int]] = {}
+        for p in self.programs:
+            for k in p.param_leaves:
+                readers.setdefault(k, []).append(p.index)
+        self.readers = readers
+        self.owner_of_grad = [readers.get(k, [0])[0] for k in parts.grad_for_leaf]
+        self.out_stage = assign_outputs(parts, self.owner_of_grad, out_paths)
+        self._build_executables()
+
+    # ---- construction --------------------------------------------------
+    def _act_sharding(self, s: int, var: VarId) -> NamedSharding:
+        return _split_leading(self.meshes[s], self.parts.forward.avals[var].shape)
+
+    def _data_sharding(self, s: int, k: int) -> NamedSharding:
+        return _split_leading(self.meshes[s], self.parts.forward.avals[self.parts.forward.invars[k]].shape)
+
+    def _is_split(self, k: int) -> bool:
+        src = self.parts.operand_inputs[k]
+        return src is not None and self.split_inputs[src]
+
+    def _build_executables(self) -> None:
+        fwd = self.parts.forward
+        num_stages = len(self.programs)
+        scale = 1.0 / self.num_microbatches
+        self.fwd_fns, self.bwd_fns = [], []
+        for p in self.programs:
+            mesh = self.meshes[p.index]
+            rep = _replicated(mesh)
+            run = p.function(fwd)
+            ps = [rep] * len(p.param_leaves)
+            ds = [self._data_sharding(p.index, k) for k in p.data_leaves]
+            ins = [self._act_sharding(p.index, v) for v in p.in_acts]
+            last = p.index == num_stages - 1
+            outs = [rep] if last else [self._act_sharding(p.index, v) for v in p.out_acts]
+            self.fwd_fns.append(jax.jit(run, in_shardings=(ps, ds, ins), out_shardings=outs))
+
+            if last:
+                def bwd(params, data, acts, acc, loss_acc, run=run):
+                    (loss,), vjp = jax.vjp(lambda pr, ac: run(pr, data, ac), params, acts)
+                    dparams, dacts = vjp([jnp.asarray(scale, loss.dtype)])
+                    acc = [a + g for a, g in zip(acc, dparams)]
+                    return acc, dacts, loss_acc + loss * scale
+
+                self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, ps, rep),
+                                            out_shardings=(ps, ins, rep), donate_argnums=(3, 4)))
+            else:
+                def bwd(params, data, acts, cts, acc, run=run):
+                    _, vjp = jax.vjp(lambda pr, ac: run(pr, data, ac), params, acts)
+                    dparams, dacts = vjp(cts)
+                    return [a + g for a, g in zip(acc, dparams)], dacts
+
+                self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, outs, ps),
+                                            out_shardings=(ps, ins), donate_argnums=(4,)))
+        self._build_apply()
+
+    def _build_apply(self) -> None:
+        parts = self.parts
+        update = parts.update
+        self.apply_fns: list[tuple[Callable[..., Any], tuple[int, ...], tuple[int, ...]] | None] = []
+        for s in range(len(self.programs)):
+            outs = tuple(k for k, st in enumerate(self.out_stage) if st == s)
+            if not outs:
+                self.apply_fns.append(None)
+                continue
+            jx = pe.dce_jaxpr(update, [k in outs for k in range(len(update.outvars))], instantiate=True)
+            sub, used = jx
+            used_idx = tuple(i for i, u in enumerate(used) if u)
+            closed = jcore.ClosedJaxpr(sub, [])
+            fn = jax.jit(jcore.jaxpr_as_fun(closed),
+                         out_shardings=_replicated(self.meshes[s]))
+            self.apply_fns.append((fn, used_idx, outs))
+
+    # ---- running ---------------------------------------------------------
+    def flatten_args(self, args: Sequence[Any]) -> list[Any]:
+        leaves, tree = jax.tree_util.tree_flatten(tuple(args))
+        if tree != self.in_tree:
+            raise ValueError(f"arguments do not match the planned signature:\n  planned {self.in_tree}\n  got     {tree}")
+        return leaves
+
+    def __call__(self, *args: Any) -> Any:
+        return jax.tree_util.tree_unflatten(self.out_tree, self.run_flat(self.flatten_args(args)))
+
+    def _leaf_value(self, flat: Sequence[Any], k: int) -> Any:
+        src = self.parts.operand_inputs[k]
+        return flat[src] if src is not None else self.parts.operand_consts[k]
+
+    def run_flat(self, flat: Sequence[Any]) -> list[Any]:
+        parts, fwd = self.parts, self.parts.forward
+        num_stages, num_mb = len(self.programs), self.num_microbatches
+        params = [[jax.device_put(self._leaf_value(flat, k), _replicated(self.meshes[p.index]))
+                   for k in p.param_leaves] for p in self.programs]
+        data = []  # [stage][microbatch] -> leaves
+        for p in self.programs:
+            per_mb = []
+            for m in range(num_mb):
+                leaves = []
+                for k in p.data_leaves:
+                    x = self._leaf_value(flat, k)
+                    if self._is_split(k):
+                        size = x.shape[0] // num_mb
+                        x = x[m * size:(m + 1) * size]
+                    leaves.append(jax.device_put(x, self._data_sharding(p.index, k)))
+                per_mb.append(leaves)
+            data.append(per_mb)
+        acc = [[jnp.zeros(fwd.avals[fwd.invars[k]].shape, fwd.avals[fwd.invars[k]].dtype,
+                          device=_replicated(self.meshes[p.index])) for k in p.param_leaves] for p in self.programs]
+        loss_acc = jnp.zeros((), fwd.avals[fwd.outvar].dtype, device=_replicated(self.meshes[-1]))
+        inbox: dict[tuple[int, int], list[Any]] = {(0, m): [] for m in range(num_mb)}
+        ctbox: dict[tuple[int, int], list[Any]] = {}
+        for kind, s, m in self.actions:
+            last = s == num_stages - 1
+            if kind == "F":
+                if last:
+                    continue  # fused into the last stage's backward
+                out = self.fwd_fns[s](params[s], data[s][m], inbox[(s, m)])
+                inbox[(s + 1, m)] = [jax.device_put(x, self._act_sharding(s + 1, v))
+                                     for x, v in zip(out, self.programs[s].out_acts)]
+                continue
+            acts = inbox.pop((s, m))
+            if last:
+                acc[s], dacts, loss_acc = self.bwd_fns[s](params[s], data[s][m], acts, acc[s], loss_acc)
+            else:
+                acc[s], dacts = self.bwd_fns[s](params[s], data[s][m], acts, ctbox.pop((s, m)), acc[s])
+            if s > 0:
+                ctbox[(s - 1, m)] = [jax.device_put(x, self._act_sharding(s - 1, v))
+                                     for x, v in zip(dacts, self.programs[s - 1].out_acts)]
+        return self._apply(flat, acc, loss_acc)
+
+    def _apply(self, flat: Sequence[Any], acc: list[list[Any]], loss: Any) -> list[Any]:
+        parts, fwd = self.parts, self.parts.forward
+        grads: list[Any] = []
+        for g, k in enumerate(parts.grad_for_leaf):
+            owner = self.owner_of_grad[g]
+            where = _replicated(self.meshes[owner])
+            total = None
+            for s in self.readers.get(k, []):
+                part = jax.device_put(acc[s][self.programs[s].param_leaves.index(k)], where)
+                total = part if total is None else total + part
+            if total is None:
+                aval = fwd.avals[fwd.invars[k]]
+                total = jnp.zeros(aval.shape, aval.dtype, device=where)
+            grads.append(total)
+        consts = list(parts.closed.consts)
+        env = [*consts, *flat, loss, *grads]
+        outputs: list[Any] = [None] * len(parts.update.outvars)
+        for s, entry in enumerate(self.apply_fns):
+            if entry is None:
+                continue
+            fn, used, outs = entry
+            rep = _replicated(self.meshes[s])
+            vals = fn(*[jax.device_put(env[i], rep) for i in used])
+            for k, v in zip(outs, vals):
+                outputs[k] = v
+        return outputs
