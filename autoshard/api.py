@@ -5,7 +5,7 @@
 
     params, opt_state, loss = train_step(params, opt_state, batch)   # plans on first call
     train_step.lower(*shape_structs).compile()                       # plan from shapes alone
-    print(train_step.plan)
+    train_step.plan                     # the Plan; str() of it is a readable report
 
 Like ``jax.jit`` with donation, the state arguments (those the step returns
 updated) are donated: do not reuse the arrays you passed in.
