@@ -36,14 +36,8 @@ DP x TP       batch split over the first (outer) axis; Megatron        as Megatr
 Megatron's column/row kernels are found from the graph, or from conventional
 parameter names when the graph shows no pair (``passes/megatron.py``).
 
-Batch-size ceilings (``batch_ceiling``): for a fixed plan every value's
-per-device bytes are affine in the global batch (batch-dimension arrays grow
-with it, state does not), so each program point's live bytes are
-``a_t + s_t * batch``. The step is traced again at twice the batch, the plan's
-specs are applied to both graphs (same structure, same value ids), and the two
-memory profiles give ``a_t`` and ``s_t`` exactly; the ceiling is
-``min_t (budget - a_t) / s_t`` rounded down to a multiple of the batch's
-shard count. The batch dimension of every batch input is taken to be dim 0.
+Batch-size ceilings come from ``compiler/ceiling.py`` (affine memory in the
+batch, refined by tracing the step at the estimate).
 """
 from __future__ import annotations
 
@@ -59,6 +53,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from autoshard.compiler.ceiling import BatchProbe, batch_ceiling
 from autoshard.compiler.driver import MeshLike, PlannedStep, candidate_meshes, plan_graph
 from autoshard.compiler.explain import op_explanations
 from autoshard.compiler.graph import OpGraph, Role
@@ -68,7 +63,7 @@ from autoshard.compiler.trace import trace
 from autoshard.errors import InfeasibleMemoryError, PlanningError
 from autoshard.meshes.cluster import ClusterSpec, get_cluster
 from autoshard.meshes.logical import LogicalMesh
-from autoshard.passes.intra_op import IntraOpOptions, memory_profile
+from autoshard.passes.intra_op import IntraOpOptions
 from autoshard.passes.megatron import MegatronRoles, megatron_roles
 
 log = logging.getLogger(__name__)
@@ -253,75 +248,6 @@ def plan_baseline(graph: OpGraph, kind: Baseline, *, mesh: MeshLike, cluster: Cl
         return replace(planned, plan=replace(planned.plan, memory_budget_bytes=budget))
 
 
-# ----------------------------------------------------------------------------- batch ceilings
-
-
-def scaled_batch_args(graph: OpGraph, args: Sequence[Any], factor: int) -> tuple[Any, ...]:
-    """``args`` as ShapeDtypeStructs with every batch input's dim 0 multiplied by ``factor``."""
-    leaves = jax.tree_util.tree_leaves(tuple(args))
-    out = []
-    for vid, leaf in zip(graph.inputs, leaves):
-        value = graph.values[vid]
-        shape = tuple(value.shape)
-        if value.role == Role.BATCH and shape:
-            shape = (shape[0] * factor,) + shape[1:]
-        out.append(jax.ShapeDtypeStruct(shape, getattr(leaf, "dtype", value.dtype)))
-    return tuple(jax.tree_util.tree_unflatten(graph.in_tree, out))
-
-
-def batch_size_of(graph: OpGraph) -> int | None:
-    sizes = {graph.values[v].shape[0] for v in graph.inputs
-             if graph.values[v].role == Role.BATCH and graph.values[v].shape}
-    return min(sizes) if sizes else None
-
-
-@dataclass(frozen=True)
-class MemoryModel:
-    """Per-device live bytes at each program point as ``intercept + slope * global batch``."""
-
-    intercept: np.ndarray
-    slope: np.ndarray
-    batch_multiple: int  # the global batch must be a multiple of this (the batch's shard count)
-
-    def peak_bytes(self, batch: int) -> float:
-        return float((self.intercept + self.slope * batch).max())
-
-    def ceiling(self, budget_bytes: float) -> int | None:
-        """Largest global batch whose peak fits ``budget_bytes``; None if memory does not grow with it."""
-        growing = self.slope > 1e-9
-        if not growing.any():
-            return None
-        largest = float(((budget_bytes - self.intercept[growing]) / self.slope[growing]).min())
-        if largest < self.batch_multiple:
-            return 0
-        return int(largest // self.batch_multiple) * self.batch_multiple
-
-
-def same_structure(a: OpGraph, b: OpGraph) -> bool:
-    return len(a.ops) == len(b.ops) and all(x.primitive == y.primitive and x.inputs == y.inputs
-                                            and x.outputs == y.outputs for x, y in zip(a.ops, b.ops))
-
-
-def memory_model(planned: PlannedStep, scaled: OpGraph) -> MemoryModel | None:
-    """The affine memory model of ``planned``'s plan from its graph and the same step at another batch."""
-    graph, result = planned.graph, planned.result
-    b1, b2 = batch_size_of(graph), batch_size_of(scaled)
-    if b1 is None or b2 is None or b1 == b2 or not same_structure(graph, scaled):
-        return None
-    sizes = dict(zip(result.mesh.axis_names, result.mesh.shape))
-    ops = result.node_strategies[len(graph.inputs):]
-    p1, _ = memory_profile(graph, result.value_specs, sizes, result.reshards, op_strategies=ops)
-    p2, _ = memory_profile(scaled, result.value_specs, sizes, result.reshards, op_strategies=ops)
-    if p1.shape != p2.shape:  # the simulated schedule changed with the batch: no affine model
-        return None
-    slope = (p2 - p1) / (b2 - b1)
-    multiple = 1
-    for vid, spec in zip(graph.inputs, result.input_specs):
-        if graph.values[vid].role == Role.BATCH and spec.dims:
-            multiple = max(multiple, math.prod(sizes[a] for a in spec.dims[0]))
-    return MemoryModel(p1 - slope * b1, slope, multiple)
-
-
 # ----------------------------------------------------------------------------- comparison
 
 
@@ -401,18 +327,13 @@ def compare(fn: Callable[..., Any], args: Sequence[Any], mesh: MeshLike = None,
     options = options or IntraOpOptions()
     say("tracing")
     graph = trace(fn, *args)
+    probe = BatchProbe(fn, args, graph)
     if mesh is None:
         say("choosing the mesh")
         mesh = plan_graph(graph, cluster=cluster, memory_budget=memory_budget, options=options,
                           explain=False).logical_mesh.shape
     logical = _logical_mesh(mesh, cluster)
     budget = float(memory_budget if memory_budget is not None else logical.cluster.memory_per_device_bytes)
-    scaled: OpGraph | None = None
-    if batch_size_of(graph):
-        try:
-            scaled = trace(fn, *scaled_batch_args(graph, args, 2))
-        except Exception as err:  # a step that only runs at one batch size has no ceiling
-            log.warning("could not trace the step at twice the batch (%s); no batch ceilings", err)
     roles = megatron_roles(graph)
     planned: dict[Baseline, PlannedStep] = {}
     for kind in baselines:
@@ -443,15 +364,13 @@ def compare(fn: Callable[..., Any], args: Sequence[Any], mesh: MeshLike = None,
         auto = replace(auto, plan=replace(auto.plan, explanations=op_explanations(auto.result)))
 
     def candidate(name: str, step: PlannedStep) -> Candidate:
-        model = memory_model(step, scaled) if scaled is not None else None
-        ceiling = model.ceiling(budget) if model is not None else None
-        return Candidate(name, step.plan, ceiling, step)
+        return Candidate(name, step.plan, batch_ceiling(step.result, probe, budget), step)
 
     say("batch ceilings")
     result = Comparison(
         autoshard=candidate("autoshard", auto),
         baselines=tuple(candidate(kind.label, planned[kind]) for kind in baselines),
-        batch_size=batch_size_of(graph), memory_budget_bytes=budget, megatron=roles,
+        batch_size=probe.batch, memory_budget_bytes=budget, megatron=roles,
         seconds=time.perf_counter() - start,
     )
     return result

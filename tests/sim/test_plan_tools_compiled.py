@@ -22,16 +22,18 @@ import numpy as np
 import pytest
 
 from autoshard import cli
-from autoshard.baselines import Baseline
+from autoshard.baselines import Baseline, plan_baseline
+from autoshard.compiler.ceiling import BatchProbe, batch_ceiling, batch_multiple
 from autoshard.compiler.driver import plan_step
 from autoshard.compiler.planfile import load_plan
 from autoshard.passes.emit import make_jax_mesh
-from autoshard.passes.intra_op import IntraOpOptions
+from autoshard.compiler.trace import trace
+from autoshard.passes.intra_op import IntraOpOptions, memory_profile
 from autoshard.runtime.spmd import SpmdStep
 from examples import gpt
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-TIME_LIMIT_S = 4.0
+TIME_LIMIT_S = 1.0  # the local search before CP-SAT finds these plans; CP-SAT only polishes
 STRATEGIES = ("autoshard", *(b.label for b in Baseline))
 FIGURES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "all collective",
            "peak memory")
@@ -112,3 +114,20 @@ def test_compare_gpt_autoshard_no_slower_than_any_baseline_that_fits(cluster, tm
         if row["fits"]:
             assert auto <= row["step_s"] * (1 + 1e-9), f"autoshard {auto} s slower than {name} {row['step_s']} s"
     assert json.loads(out_path.read_text())["explanations"]  # autoshard's plan keeps its explanations
+
+
+def test_batch_ceiling_fits_and_the_next_batches_do_not():
+    work = gpt.workload("tiny", abstract=True)
+    graph = trace(work.step, *work.args)
+    budget = 4 * 2**20
+    planned = plan_baseline(graph, Baseline.FSDP, mesh=(2, 4), cluster="1x8-a100", memory_budget=budget,
+                            options=IntraOpOptions(time_limit_s=TIME_LIMIT_S), explain=False)
+    probe = BatchProbe(work.step, work.args, graph)
+    ceiling = batch_ceiling(planned.result, probe, budget)
+    m = batch_multiple(planned.result)
+    assert ceiling is not None and ceiling > 24 and ceiling % m == 0
+    peak = lambda b: float(memory_profile(  # noqa: E731  (the memory model, on the step traced at batch b)
+        probe.graph(b), planned.result.value_specs, dict(zip(("x", "y"), (2, 4))), planned.result.reshards,
+        op_strategies=planned.result.node_strategies[len(graph.inputs):])[0].max())
+    assert peak(ceiling) <= budget
+    assert peak(ceiling + 2 * m) > budget  # the largest up to one batch step (the secant's error)

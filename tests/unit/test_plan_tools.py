@@ -16,9 +16,8 @@ import pytest
 from plan_helpers import hand_plan
 
 from autoshard import cli
-from autoshard.baselines import (
-    Baseline, MemoryModel, baseline_pins, batch_spec, divisible_axes, largest_dim_spec, node_axes,
-)
+from autoshard.baselines import Baseline, baseline_pins, batch_spec, divisible_axes, largest_dim_spec, node_axes
+from autoshard.compiler.ceiling import MemoryModel
 from autoshard.compiler.export import flax_rules, flax_rules_python
 from autoshard.compiler.graph import Role
 from autoshard.compiler.planfile import PlanFileError, check_mesh, load_plan, plan_to_json
@@ -317,3 +316,4 @@ def test_explain_cli_tables_and_pictures(gpt_tiny, tmp_path, capsys):
     assert "op 3 has no recorded alternatives" in out
     assert "best classic: FSDP/ZeRO-3; fallback (best classic that fits): DP" in out
     assert png.read_bytes()[:4] == b"\x89PNG" and html.read_text().count("data:image/png;base64") == 2
+    assert "modeled step" in html.read_text() and "blocks.#.attn.q.kernel" in html.read_text()
