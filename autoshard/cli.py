@@ -285,8 +285,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         compiled = plan.apply(step, mesh).lower(*step_args).compile()
         compile_s = time.perf_counter() - start
         report = verify_compiled(plan, compiled)
-    _print(fidelity_table(report, f"plan '{plan.name}' predicted vs compiled on mesh "
-                                  f"{'x'.join(map(str, plan.mesh_shape))} (compiled in {compile_s:.1f}s)"))
+    _print(fidelity_table(report, f"plan '{plan.name}' predicted vs compiled",
+                          f"mesh {'x'.join(map(str, plan.mesh_shape))} of {plan.cluster.name}, XLA:CPU on simulated "
+                          f"devices, compiled in {compile_s:.1f}s"))
     flagged = [line.what for line in fidelity_lines(report) if line.flagged]
     if flagged:
         console.print(f"[bold red]{len(flagged)} figure(s) off by more than 10%[/bold red]: {', '.join(flagged)}")

@@ -278,8 +278,9 @@ def fidelity_lines(report: Any, tolerance: float = FLAG_TOLERANCE) -> list[Fidel
     return lines
 
 
-def fidelity_table(report: Any, title: str, tolerance: float = FLAG_TOLERANCE) -> Table:
-    table = Table(title=title, caption=f"per device; flagged: off by more than {tolerance:.0%}")
+def fidelity_table(report: Any, title: str, note: str = "", tolerance: float = FLAG_TOLERANCE) -> Table:
+    table = Table(title=title, caption=(note + "; " if note else "") + f"per device; flagged: off by more than "
+                                        f"{tolerance:.0%}")
     for col in ("figure", "predicted", "compiled (XLA)", "error", ""):
         table.add_column(col, justify="left" if col in ("figure", "") else "right")
     for line in fidelity_lines(report, tolerance):

@@ -7,12 +7,14 @@ the same tools on solved and compiled plans.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import re
 
 import jax
 import numpy as np
 import pytest
+from rich.console import Console
 from plan_helpers import hand_plan
 
 from autoshard import cli
@@ -317,3 +319,17 @@ def test_explain_cli_tables_and_pictures(gpt_tiny, tmp_path, capsys):
     assert "best classic: FSDP/ZeRO-3; fallback (best classic that fits): DP" in out
     assert png.read_bytes()[:4] == b"\x89PNG" and html.read_text().count("data:image/png;base64") == 2
     assert "modeled step" in html.read_text() and "blocks.#.attn.q.kernel" in html.read_text()
+
+
+def test_verify_flags_figures_off_by_more_than_ten_percent():
+    from autoshard.compiler.verify import FidelityReport, FidelityRow
+    from autoshard.report import fidelity_lines, fidelity_table
+
+    report = FidelityReport((FidelityRow("all-gather bytes", 115e3, 100e3, 0.10),
+                             FidelityRow("all-reduce bytes", 1500.0, 1000.0, 0.10),  # 50% but only 500 bytes
+                             FidelityRow("peak memory bytes", 1.09e6, 1e6, 0.15)), summary=None)
+    assert [line.flagged for line in fidelity_lines(report)] == [True, False, False]
+    console = Console(record=True, width=120, file=io.StringIO())
+    console.print(fidelity_table(report, "plan 'p' predicted vs compiled"))
+    text = console.export_text()
+    assert "all-gather" in text and "OFF" in text and "15.0%" in text
