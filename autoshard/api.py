@@ -22,10 +22,12 @@ import jax
 from jax.sharding import Mesh
 
 from autoshard.compiler.driver import PlannedStep, plan_step
+from autoshard.compiler.pipeline_driver import PipelinePlanned, plan_pipeline
 from autoshard.compiler.plan import Plan
 from autoshard.meshes.cluster import ClusterSpec
 from autoshard.passes.emit import make_jax_mesh
 from autoshard.passes.intra_op import IntraOpOptions
+from autoshard.runtime.pipeline import PipelineStep
 from autoshard.runtime.spmd import SpmdStep
 
 log = logging.getLogger(__name__)
@@ -36,9 +38,9 @@ class AutoshardConfig:
     mesh: Mesh | tuple[int, ...] | None = None  # None: all devices, logical shape searched
     cluster: ClusterSpec | str | None = None  # preset name, file, spec; None: describe the devices present
     memory_budget: float | None = None  # bytes per device; None: the cluster's device memory
-    num_stages: int | None = None  # pipeline stages (None: searched; SPMD until the pipeline planner lands)
-    num_microbatches: int | None = None
-    schedule: str = "1f1b"
+    num_stages: int | None = None  # pipeline stages (None: searched against SPMD; 1: SPMD only)
+    num_microbatches: int | None = None  # pipeline microbatches (None: searched)
+    schedule: str = "1f1b"  # pipeline schedule: "1f1b" or "gpipe"
     options: IntraOpOptions | None = None  # solver knobs
 
 
@@ -56,23 +58,31 @@ class AutoshardedFunction:
         self._cache: dict[tuple[Any, ...], tuple[PlannedStep, SpmdStep]] = {}
         self._last: tuple[PlannedStep, SpmdStep] | None = None
 
-    def _compiled(self, args: tuple[Any, ...]) -> tuple[PlannedStep, SpmdStep]:
+    def _compiled(self, args: tuple[Any, ...]) -> tuple[PlannedStep | PipelinePlanned, SpmdStep | PipelineStep]:
         key = _signature(args)
         if key not in self._cache:
             cfg = self.config
-            if cfg.num_stages not in (None, 1):
-                raise NotImplementedError("pipeline stages are not planned yet; use num_stages=None or 1")
             shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x)), args)
-            planned = plan_step(self.fn, shapes, mesh=cfg.mesh, cluster=cfg.cluster, memory_budget=cfg.memory_budget,
-                                options=cfg.options)
-            mesh = cfg.mesh if isinstance(cfg.mesh, Mesh) else make_jax_mesh(planned.logical_mesh)
-            self._cache[key] = (planned, SpmdStep(planned.graph, planned.annotations, mesh))
+            common = dict(mesh=cfg.mesh, cluster=cfg.cluster, memory_budget=cfg.memory_budget, options=cfg.options)
+            if cfg.num_stages == 1:
+                planned = plan_step(self.fn, shapes, **common)
+            else:
+                planned = plan_pipeline(self.fn, shapes, num_stages=cfg.num_stages,
+                                        num_microbatches=cfg.num_microbatches, schedule=cfg.schedule, **common)
+            if isinstance(planned, PipelinePlanned):
+                runner: SpmdStep | PipelineStep = planned.runtime()
+            else:
+                mesh = cfg.mesh if isinstance(cfg.mesh, Mesh) else make_jax_mesh(planned.logical_mesh)
+                runner = SpmdStep(planned.graph, planned.annotations, mesh)
+            self._cache[key] = (planned, runner)
             log.info("%s", planned.plan)
         self._last = self._cache[key]
         return self._last
 
     def __call__(self, *args: Any) -> Any:
         _planned, step = self._compiled(args)
+        if isinstance(step, PipelineStep):
+            return step(*args)
         flat = step.flatten_args(args)
         placed = [x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
                   for x, s in zip(flat, step.in_shardings)]
@@ -82,9 +92,12 @@ class AutoshardedFunction:
     def lower(self, *args: Any) -> Any:
         """Plan from arrays or ``jax.ShapeDtypeStruct``s; ``.compile()`` gives the XLA executable."""
         _planned, step = self._compiled(args)
+        if isinstance(step, PipelineStep):
+            raise NotImplementedError("a pipelined step has one executable per stage and action; call it, or "
+                                      "read .plan (num_stages=1 gives one lowerable SPMD executable)")
         return step.lower(*args)
 
-    def planned(self, *args: Any) -> PlannedStep:
+    def planned(self, *args: Any) -> PlannedStep | PipelinePlanned:
         return self._compiled(args)[0]
 
     @property
@@ -97,6 +110,14 @@ class AutoshardedFunction:
     def spmd_step(self) -> SpmdStep:
         if self._last is None:
             raise RuntimeError("no plan yet: call the step or .lower(*args) first")
+        if not isinstance(self._last[1], SpmdStep):
+            raise RuntimeError("the plan is a pipeline: see .pipeline_step")
+        return self._last[1]
+
+    @property
+    def pipeline_step(self) -> PipelineStep:
+        if self._last is None or not isinstance(self._last[1], PipelineStep):
+            raise RuntimeError("no pipeline plan: call the step first (num_stages=None may have chosen SPMD)")
         return self._last[1]
 
 
@@ -115,10 +136,15 @@ def plan(fn: Callable[..., Any], *args: Any, mesh: Mesh | tuple[int, ...] | None
          cluster: ClusterSpec | str | None = None, memory_budget: float | None = None,
          num_stages: int | None = None, num_microbatches: int | None = None, schedule: str = "1f1b",
          options: IntraOpOptions | None = None) -> Plan:
-    """Plan ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct``s) without running it."""
-    if num_stages not in (None, 1):
-        raise NotImplementedError("pipeline stages are not planned yet; use num_stages=None or 1")
-    return plan_step(fn, args, mesh=mesh, cluster=cluster, memory_budget=memory_budget, options=options).plan
+    """Plan ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct``s) without running it.
+
+    ``num_stages``: None searches pipelines against SPMD (a step using ``autoshard.value_and_grad``), 1 plans
+    SPMD only, an integer forces that many stages; ``num_microbatches`` likewise; ``schedule`` "1f1b"|"gpipe".
+    """
+    if num_stages == 1:
+        return plan_step(fn, args, mesh=mesh, cluster=cluster, memory_budget=memory_budget, options=options).plan
+    return plan_pipeline(fn, args, mesh=mesh, cluster=cluster, memory_budget=memory_budget, num_stages=num_stages,
+                         num_microbatches=num_microbatches, schedule=schedule, options=options).plan
 
 
 def load_plan(path: Any) -> Plan:

@@ -118,6 +118,7 @@ class Plan:
     explanations: Mapping[int, OpExplanation] = field(default_factory=dict)  # op index -> why its strategy
     origin: Mapping[str, str] = field(default_factory=dict)  # how to rebuild the step, e.g. {target, config}
     baselines: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # compared strategies -> figures
+    pipeline: Any = None  # compiler/stage_plan.PipelineSummary when stages is non-empty: B, latency, bubble, ...
 
     @property
     def step_s(self) -> float:
@@ -180,6 +181,9 @@ class Plan:
         if self.alternatives:
             lines.append("  meshes tried      " + ", ".join(f"{k}: {v * 1e3:.3f} ms" for k, v in self.alternatives.items()))
         lines += self._baseline_lines()
+        if self.stages:
+            lines += [f"  {self.pipeline}"] if self.pipeline is not None else []
+            lines += [f"    {stage}" for stage in self.stages]
         lines.append("  parameters:")
         for path, spec in self.param_specs().items():
             shape = self.input_shapes[path][0]

@@ -1,0 +1,229 @@
+"""The pipeline driver: trace, take the step apart, cluster layers, price, solve the stage DP, build the Plan.
+
+``plan_pipeline`` is what ``@autoshard`` and ``autoshard.plan`` call unless
+``num_stages == 1``. It returns a :class:`PipelinePlanned` when a pipeline
+is chosen, or the SPMD ``PlannedStep`` when
+
+- the step has no ``autoshard.value_and_grad`` / ``grad`` marker (plain
+  ``jax.grad``: one SPMD stage), or a mesh was forced with ``num_stages=None``;
+- ``num_stages=None`` and the best SPMD-only plan (the intra-op planner over
+  every logical mesh shape) is at least as fast, under the model, as the best
+  plan of two or more stages.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from autoshard.compiler.driver import MeshLike, PlannedStep, plan_graph
+from autoshard.compiler.graph import OpGraph, Role
+from autoshard.compiler.plan import Ledger, Plan, SolverInfo
+from autoshard.compiler.spec import Spec
+from autoshard.compiler.stage_plan import PipelineStage, PipelineSummary, StageMemory
+from autoshard.compiler.trace import trace
+from autoshard.errors import InfeasibleMemoryError, PlanningError
+from autoshard.meshes.cluster import ClusterSpec, get_cluster
+from autoshard.passes.inter_op import InterOpOptions, PricedProblem, place_stages, price_stages
+from autoshard.passes.intra_op import IntraOpOptions
+from autoshard.passes.layers import (Layer, StepParts, batch_inputs, cluster_layers, microbatch_shapes,
+                                     same_structure, split_step)
+from autoshard.passes.stages import StageInfeasibleError, StagePlan, solve_stages
+from autoshard.runtime.pipeline import PipelineError, PipelineStep, StageLayout
+
+log = logging.getLogger(__name__)
+
+COST_MODEL = "dp: roofline compute (forward recomputed in backward), gradient all-reduce + optimizer once per step"
+INTRA_STAGE = "data parallel: parameters replicated, batch and activations split on their leading dim"
+
+
+@dataclass(frozen=True, eq=False)
+class PipelinePlanned:
+    """A chosen pipeline plan and what the runtime needs to build it."""
+
+    plan: Plan
+    fn: Callable[..., Any]
+    arg_leaves: tuple[Any, ...]  # flat step inputs (ShapeDtypeStructs or arrays)
+    parts: StepParts  # traced at the full batch
+    layers: tuple[Layer, ...]
+    stage_plan: StagePlan
+    layouts: tuple[StageLayout, ...]
+    split_inputs: tuple[bool, ...]
+    in_tree: Any
+    out_tree: Any
+    out_paths: tuple[str, ...]
+    priced: PricedProblem
+
+    def runtime(self, devices: Sequence[jax.Device] | None = None) -> PipelineStep:
+        """Trace the step at one microbatch and build the stage executables."""
+        big_b = self.stage_plan.num_microbatches
+        shapes = microbatch_shapes(self.arg_leaves, self.split_inputs, big_b)
+        fn, in_tree = self.fn, self.in_tree
+        closed = jax.make_jaxpr(lambda *flat: fn(*jax.tree_util.tree_unflatten(in_tree, flat)))(*shapes)
+        parts = split_step(closed)
+        if parts is None or not same_structure(self.parts.forward, parts.forward):
+            raise PipelineError(f"the loss traces to different equations at the microbatch size "
+                                f"(batch / {big_b}); a pipeline needs shape-independent loss code")
+        return PipelineStep(parts, self.layers, self.layouts, big_b, self.stage_plan.schedule,
+                            split_inputs=self.split_inputs, in_tree=self.in_tree, out_tree=self.out_tree,
+                            out_paths=self.out_paths, devices=devices)
+
+
+def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike = None,
+                  cluster: ClusterSpec | str | None = None, memory_budget: float | None = None,
+                  num_stages: int | None = None, num_microbatches: int | None = None, schedule: str = "1f1b",
+                  options: IntraOpOptions | None = None, num_layers: int | None = None,
+                  name: str | None = None) -> PipelinePlanned | PlannedStep:
+    """Plan ``fn(*args)`` as a pipeline, or fall back to SPMD (module docstring)."""
+    name = name or getattr(fn, "__name__", "autoshard")
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    graph = trace(fn, *args)
+    closed = jax.make_jaxpr(fn)(*args)
+    parts = split_step(closed)
+    timings["trace"] = time.perf_counter() - start
+    spmd_kwargs = dict(mesh=mesh, cluster=cluster, memory_budget=memory_budget, options=options, name=name)
+    if parts is None:
+        if num_stages not in (None, 1):
+            raise PlanningError(f"num_stages={num_stages} needs the step to compute its gradients with "
+                                "autoshard.value_and_grad or autoshard.grad (plain jax.grad plans as one SPMD stage)")
+        return plan_graph(graph, timings=timings, **spmd_kwargs)
+    if num_stages is None and mesh is not None:
+        return plan_graph(graph, timings=timings, **spmd_kwargs)
+    if schedule not in ("1f1b", "gpipe"):
+        raise PlanningError(f"schedule must be '1f1b' or 'gpipe'; got {schedule!r}")
+    num_devices = mesh.devices.size if isinstance(mesh, Mesh) else (
+        int(np.prod(mesh)) if mesh is not None else len(jax.devices()))
+    spec = get_cluster(cluster, num_devices=num_devices)
+    budget = float(memory_budget if memory_budget is not None else spec.memory_per_device_bytes)
+
+    t0 = time.perf_counter()
+    layers = cluster_layers(parts.forward, num_layers)
+    global_batch, split = batch_inputs(parts)
+    timings["layers"] = time.perf_counter() - t0
+    fwd = parts.forward
+    leaf_bytes = [float(fwd.nbytes(v)) if d else 0.0 for v, d in zip(fwd.invars, fwd.diff)]
+    by_role = graph.bytes_by_role()
+    opt_ratio = by_role.get(Role.OPT_STATE, 0) / max(by_role.get(Role.PARAM, 0), 1)
+    inter = InterOpOptions(schedule=schedule, num_stages=num_stages, num_microbatches=num_microbatches,
+                           memory_budget_bytes=budget, min_stages=2 if num_stages is None else 1)
+    t0 = time.perf_counter()
+    priced = price_stages(layers, leaf_bytes, 0.0, spec, num_devices, global_batch, opt_ratio, inter)
+    timings["pricing"] = time.perf_counter() - t0
+
+    spmd: PlannedStep | None = None
+    if num_stages is None:
+        t0 = time.perf_counter()
+        try:
+            spmd = plan_graph(graph, timings=dict(timings), num_devices=num_devices, **spmd_kwargs)
+        except InfeasibleMemoryError as err:
+            log.info("no SPMD plan fits (%s); pipelines only", err)
+        timings["spmd"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    try:
+        stage_plan = solve_stages(priced.problem)
+    except StageInfeasibleError:
+        if spmd is not None:
+            return spmd
+        raise
+    timings["stage-dp"] = time.perf_counter() - t0
+    if spmd is not None and spmd.plan.step_s <= stage_plan.step_time_s:
+        log.info("SPMD %.4gs beats the best pipeline %s", spmd.plan.step_s, stage_plan)
+        return spmd
+    placed = place_stages(stage_plan, spec, num_devices)
+    if isinstance(mesh, Mesh):
+        index = {d.id: i for i, d in enumerate(jax.devices())}
+        pool = [index[d.id] for d in mesh.devices.flat]
+        placed = [tuple(pool[i] for i in devs) for devs in placed]
+    layouts = tuple(StageLayout(st.first_layer, st.last_layer, devs) for st, devs in zip(stage_plan.stages, placed))
+    plan = _build_plan(graph, parts, layers, stage_plan, layouts, priced, spec, budget, timings, name, spmd,
+                       split, len(jax.tree_util.tree_leaves(args)))
+    in_leaves, in_tree = jax.tree_util.tree_flatten(tuple(args))
+    out_shape = jax.eval_shape(fn, *args)
+    out_with_path, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
+    log.info("%s", plan)
+    return PipelinePlanned(plan, fn, tuple(in_leaves), parts, layers, stage_plan, layouts, split, in_tree, out_tree,
+                           tuple(jax.tree_util.keystr(p) for p, _ in out_with_path), priced)
+
+
+def _build_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer], sp: StagePlan,
+                layouts: Sequence[StageLayout], priced: PricedProblem, cluster: ClusterSpec, budget: float,
+                timings: dict[str, float], name: str, spmd: PlannedStep | None, split: Sequence[bool],
+                num_inputs: int) -> Plan:
+    values = graph.values
+    paths = [values[v].path or f"[{i}]" for i, v in enumerate(graph.inputs)]
+    shapes = {p: (values[v].shape, values[v].dtype) for p, v in zip(paths, graph.inputs)}
+    fwd = parts.forward
+    problem = priced.problem
+    b = problem.microbatch_options.index(sp.num_microbatches)
+    stages = []
+    for s, (choice, layout) in enumerate(zip(sp.stages, layouts)):
+        i, j, k = choice.first_layer, choice.last_layer, choice.submesh_index
+        leaves = sorted({leaf for layer in layers[i:j + 1] for leaf in layer.param_leaves})
+        pspecs = {paths[parts.operand_inputs[leaf]]: Spec.replicated(len(fwd.avals[fwd.invars[leaf]].shape))
+                  for leaf in leaves if parts.operand_inputs[leaf] is not None}
+        n = len(layout.device_indices)
+        bspecs = {}
+        for idx, is_batch in enumerate(split):
+            if is_batch:
+                rank = len(shapes[paths[idx]][0])
+                mb = shapes[paths[idx]][0][0] // sp.num_microbatches
+                bspecs[paths[idx]] = (Spec.from_partition_spec(("dp",) + (None,) * (rank - 1), rank)
+                                      if n > 1 and mb % n == 0 else Spec.replicated(rank))
+        p = float(priced.param_bytes[i, j])
+        act = float(problem.stage_act_bytes[i, j, k, b])
+        memory = StageMemory(p, p, p * priced.opt_ratio, sp.in_flight[s] * act, sp.in_flight[s])
+        stages.append(PipelineStage(
+            index=s, first_layer=i, last_layer=j, submesh=choice.submesh, device_indices=layout.device_indices,
+            mesh_shape=(n,), axis_names=("dp",), param_specs=pspecs, batch_specs=bspecs,
+            time_s=sp.stage_times_s[s], compute_s=float(priced.compute_s[i, j, k, b]),
+            sync_s=float(priced.sync_s[i, j, k]),
+            transfer_out_s=sp.transfer_times_s[s] if s < len(sp.transfer_times_s) else 0.0,
+            memory=memory, num_params=len(pspecs)))
+    # ledger: B x bottleneck split into compute and communication as in the bottleneck; the rest is bubble
+    times = list(sp.stage_times_s) + list(sp.transfer_times_s)
+    worst = int(np.argmax(times))
+    busy = sp.num_microbatches * sp.bottleneck_s
+    if worst < len(stages):
+        st = stages[worst]
+        frac = st.compute_s / st.time_s if st.time_s > 0 else 1.0
+    else:
+        frac = 0.0
+    peak_stage = max(stages, key=lambda st: st.memory.peak_bytes)
+    mem = peak_stage.memory
+    total_flops = sum(layer.flops for layer in layers)
+    dtype = next((fwd.avals[v].dtype.name for v, d in zip(fwd.invars, fwd.diff) if d), "float32")
+    ledger = Ledger(
+        compute_s=busy * frac, comm_s=busy * (1 - frac), reshard_s=0.0, bubble_s=sp.step_time_s - busy,
+        peak_memory_bytes=mem.peak_bytes,
+        memory_by_kind={"param": mem.params_bytes, "grad": mem.grads_bytes, "opt_state": mem.opt_state_bytes,
+                        "activation": mem.activations_bytes},
+        collective_bytes={}, compute_lower_bound_s=3 * total_flops / (cluster.num_devices * cluster.peak_flops(dtype)))
+    summary = PipelineSummary(
+        num_microbatches=sp.num_microbatches, schedule=sp.schedule, step_s=sp.step_time_s,
+        first_microbatch_latency_s=sp.first_microbatch_latency_s, bottleneck_s=sp.bottleneck_s,
+        bubble_fraction=sp.bubble_fraction, layers=len(layers), cost_model=COST_MODEL, intra_stage=INTRA_STAGE,
+        spmd_step_s=spmd.plan.step_s if spmd is not None else None,
+        spmd_mesh="x".join(map(str, spmd.plan.mesh_shape)) if spmd is not None else "")
+    num_devices = problem.num_devices
+    plan = Plan(
+        mesh_shape=(num_devices,), axis_names=("devices",), cluster=cluster,
+        input_specs={p: Spec.replicated(len(shapes[p][0])) for p in paths},
+        output_specs={}, input_roles={p: values[v].role.value for p, v in zip(paths, graph.inputs)},
+        input_shapes=shapes, op_out_specs={}, op_in_reshards={}, ledger=ledger,
+        solver=SolverInfo("stage-dp", 0.0, timings.get("stage-dp", 0.0), len(layers), len(problem.submeshes),
+                          int(np.prod(problem.stage_time_s.shape)), 0, 0),
+        planning_s=dict(timings), memory_budget_bytes=budget, num_ops=len(graph.ops), name=name,
+        stages=tuple(stages), num_microbatches=sp.num_microbatches, schedule=sp.schedule,
+        output_shapes={p: (values[v].shape, values[v].dtype)
+                       for p, v in zip(graph.output_paths or [f"out[{k}]" for k in range(len(graph.outputs))],
+                                       graph.outputs)},
+        in_tree=str(graph.in_tree) if graph.in_tree is not None else "", pipeline=summary,
+    )
+    return plan

@@ -1,0 +1,113 @@
+"""The pipeline part of a Plan: one ``PipelineStage`` per stage, and a ``PipelineSummary``.
+
+``Plan.stages`` holds the stages (layer range, sub-mesh and its devices, the
+spec of every parameter on that sub-mesh, modeled time and a memory ledger);
+``Plan.pipeline`` the summary (B, schedule, step time, first-microbatch
+latency, bottleneck, bubble fraction, the SPMD plan it was compared with).
+All plain frozen data with readable ``__str__`` and ``to_dict``.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autoshard.compiler.spec import Spec
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def _fmt_s(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.3g} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} µs"
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Per-device bytes of one stage at its peak."""
+
+    params_bytes: float
+    grads_bytes: float  # gradient accumulators
+    opt_state_bytes: float
+    activations_bytes: float  # all microbatches in flight
+    in_flight: int  # microbatches whose activations the stage holds at its peak
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.opt_state_bytes + self.activations_bytes
+
+    def __str__(self) -> str:
+        return (f"peak {_fmt_bytes(self.peak_bytes)} = params {_fmt_bytes(self.params_bytes)} + grads "
+                f"{_fmt_bytes(self.grads_bytes)} + optimizer {_fmt_bytes(self.opt_state_bytes)} + activations "
+                f"{_fmt_bytes(self.activations_bytes)} ({self.in_flight} microbatch"
+                f"{'es' if self.in_flight != 1 else ''} in flight)")
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    index: int
+    first_layer: int
+    last_layer: int  # inclusive
+    submesh: tuple[int, int]  # (nodes, devices per node)
+    device_indices: tuple[int, ...]
+    mesh_shape: tuple[int, ...]  # the stage's jax mesh
+    axis_names: tuple[str, ...]
+    param_specs: Mapping[str, Spec]  # parameter path -> spec on the stage's mesh
+    batch_specs: Mapping[str, Spec]  # batch leaf path -> spec of one microbatch on the stage's mesh
+    time_s: float  # forward + backward per microbatch (once-per-step work spread over the microbatches)
+    compute_s: float  # per microbatch
+    sync_s: float  # once per step: gradient all-reduce + optimizer apply
+    transfer_out_s: float  # activation to the next stage and its gradient back, per microbatch (0 for the last)
+    memory: StageMemory
+    num_params: int = 0  # parameter leaves
+
+    def __str__(self) -> str:
+        devices = self.device_indices
+        span = f"{devices[0]}..{devices[-1]}" if devices == tuple(range(devices[0], devices[-1] + 1)) else \
+            ",".join(map(str, devices))
+        return (f"stage {self.index}: layers {self.first_layer}-{self.last_layer} on {self.submesh[0]}x"
+                f"{self.submesh[1]} (devices {span}), {self.num_params} parameter arrays "
+                f"{'replicated' if all(s.is_replicated for s in self.param_specs.values()) else 'sharded'}; "
+                f"{_fmt_s(self.time_s)}/microbatch (compute {_fmt_s(self.compute_s)}, sync+apply "
+                f"{_fmt_s(self.sync_s)}/step), send {_fmt_s(self.transfer_out_s)}; {self.memory}")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["param_specs"] = {k: str(v) for k, v in self.param_specs.items()}
+        data["batch_specs"] = {k: str(v) for k, v in self.batch_specs.items()}
+        return data
+
+
+@dataclass(frozen=True)
+class PipelineSummary:
+    num_microbatches: int
+    schedule: str
+    step_s: float  # modeled: sum t + sum x + (B - 1) * bottleneck
+    first_microbatch_latency_s: float  # sum t + sum x
+    bottleneck_s: float  # the slowest stage or transfer, per microbatch
+    bubble_fraction: float
+    layers: int  # L, the layers the DP grouped into stages
+    cost_model: str  # how stage times were priced
+    intra_stage: str  # how each stage is sharded inside its sub-mesh
+    spmd_step_s: float | None = None  # the best SPMD-only plan it was compared with (None: not compared)
+    spmd_mesh: str = ""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def __str__(self) -> str:
+        line = (f"pipeline          {self.schedule}, B={self.num_microbatches} microbatches over {self.layers} "
+                f"layers: step {_fmt_s(self.step_s)}, first microbatch {_fmt_s(self.first_microbatch_latency_s)}, "
+                f"bottleneck {_fmt_s(self.bottleneck_s)}/microbatch, bubble {self.bubble_fraction:.1%}")
+        if self.spmd_step_s is not None:
+            line += f"; best SPMD-only plan ({self.spmd_mesh}) {_fmt_s(self.spmd_step_s)}"
+        return line
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
