@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -44,6 +44,14 @@ class AutoshardConfig:
     options: IntraOpOptions | None = None  # solver knobs
 
 
+def with_classic_starts(options: IntraOpOptions | None) -> IntraOpOptions:
+    """Search options that also start from every classic strategy's layouts (see baselines)."""
+    from autoshard.baselines import classic_layouts
+
+    options = options or IntraOpOptions()
+    return options if options.start_layouts is not None else replace(options, start_layouts=classic_layouts)
+
+
 def _signature(args: tuple[Any, ...]) -> tuple[Any, ...]:
     leaves, tree = jax.tree_util.tree_flatten(args)
     return (tree, tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x)))) for x in leaves))
@@ -63,7 +71,8 @@ class AutoshardedFunction:
         if key not in self._cache:
             cfg = self.config
             shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x)), args)
-            common = dict(mesh=cfg.mesh, cluster=cfg.cluster, memory_budget=cfg.memory_budget, options=cfg.options)
+            common = dict(mesh=cfg.mesh, cluster=cfg.cluster, memory_budget=cfg.memory_budget,
+                          options=with_classic_starts(cfg.options))
             if cfg.num_stages == 1:
                 planned = plan_step(self.fn, shapes, **common)
             else:
@@ -142,7 +151,8 @@ def plan(fn: Callable[..., Any], *args: Any, mesh: Mesh | tuple[int, ...] | None
     SPMD only, an integer forces that many stages; ``num_microbatches`` likewise; ``schedule`` "1f1b"|"gpipe".
     """
     if num_stages == 1:
-        return plan_step(fn, args, mesh=mesh, cluster=cluster, memory_budget=memory_budget, options=options).plan
+        return plan_step(fn, args, mesh=mesh, cluster=cluster, memory_budget=memory_budget,
+                     options=with_classic_starts(options)).plan
     return plan_pipeline(fn, args, mesh=mesh, cluster=cluster, memory_budget=memory_budget, num_stages=num_stages,
                          num_microbatches=num_microbatches, schedule=schedule, options=options).plan
 

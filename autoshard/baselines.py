@@ -374,3 +374,15 @@ def compare(fn: Callable[..., Any], args: Sequence[Any], mesh: MeshLike = None,
         seconds=time.perf_counter() - start,
     )
     return result
+
+
+def classic_layouts(graph: OpGraph, mesh: LogicalMesh) -> list[dict[int, Spec]]:
+    """Every classic strategy's storage layouts: starting points for autoshard's own search
+    (``IntraOpOptions.start_layouts``), so it begins in each strategy's basin."""
+    layouts = []
+    for kind in ALL_BASELINES:
+        try:
+            layouts.append(baseline_pins(graph, mesh, kind))
+        except Exception as err:  # noqa: BLE001 — a start is optional; the search goes on without it
+            log.debug("no %s start layout: %s", kind.label, err)
+    return layouts

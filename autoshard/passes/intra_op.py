@@ -21,15 +21,16 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from autoshard.compiler.graph import OpGraph, Role, ValueId
+from autoshard.compiler.graph import OpGraph, Role, ValueId, dtype_itemsize
 from autoshard.compiler.spec import Collective, Spec
 from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes import ilp
+from autoshard.passes.ilp_search import local_search
 from autoshard.passes.liveness import liveness_intervals, materialized_values, simulate
 from autoshard.passes.resharding import reshard, reshard_cost_matrix, spec_options
 from autoshard.passes.simplify import NodeClasses, build_classes, op_token
@@ -51,6 +52,9 @@ class IntraOpOptions:
     # a previous plan's chosen strategy per node (IntraOpResult.node_strategies, e.g. the best baseline's):
     # the ILP hint starts from it instead of the greedy data-parallel plan where the specs match
     hint: Sequence[Strategy] | None = None
+    # extra starting points for the search: storage layouts (flat input index -> Spec) as functions of the
+    # graph and mesh, e.g. the classic strategies' (the API passes autoshard.baselines.baseline_pins)
+    start_layouts: Callable[[OpGraph, LogicalMesh], Sequence[Mapping[int, Spec]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -226,7 +230,7 @@ class _Problem:
         dsts = self.out_specs(c, 0) if pos < 0 else self.in_specs(c, pos)
         usrc, src_idx = _unique(srcs)
         udst, dst_idx = _unique(dsts)
-        itemsize = np.dtype(value.dtype).itemsize if value.dtype in np.sctypeDict else 4
+        itemsize = dtype_itemsize(value.dtype)
         mat = reshard_cost_matrix(value.shape, itemsize, tuple(usrc), tuple(udst), self.mesh)
         return mat[np.ix_(src_idx, dst_idx)]
 
@@ -267,7 +271,7 @@ def _build(pb: _Problem) -> tuple[ilp.IlpProblem, np.ndarray]:
     budget = pb.options.memory_budget_bytes
     if budget is None:
         budget = pb.mesh.cluster.memory_per_device_bytes
-    hint = _greedy_hint(pb, class_cost, edges, _hint_from(pb, pb.options.hint))
+    hint = _best_start(pb, class_cost, edges, points, _hint_from(pb, pb.options.hint))
     problem = ilp.IlpProblem(
         node_names=tuple(_class_name(pb, c) for c in range(n)),
         node_costs=tuple(class_cost),
@@ -336,11 +340,51 @@ def _hint_from(pb: _Problem, strategies: Sequence[Strategy] | None) -> np.ndarra
     return choice
 
 
+def _layout_start(pb: _Problem, layout: Mapping[int, Spec], start: np.ndarray | None) -> np.ndarray:
+    """A partial start with the input classes set to ``layout``'s specs (where the class offers them)."""
+    choice = np.full(pb.classes.num_classes, -1, dtype=np.int64) if start is None else start.copy()
+    for i, spec in layout.items():
+        c = int(pb.classes.node_class[i])
+        specs = pb.out_specs(i, 0)
+        if choice[c] < 0 and spec in specs:
+            choice[c] = specs.index(spec)
+    return choice
+
+
+def _best_start(pb: _Problem, class_cost: list[np.ndarray], edges: list[tuple[int, int, np.ndarray]],
+                points: tuple, start: np.ndarray | None) -> np.ndarray:
+    """The best of several greedy starts after ICM: batch over all axes / each axis / none, state
+    replicated or sharded, and the ``start_layouts`` (the classic strategies' layouts when the API
+    asks). One start only reaches one basin: on the GPT example the best plan differs
+    from the data-parallel start in most classes, which no local move finds."""
+    probe = ilp.IlpProblem(
+        node_names=tuple(str(c) for c in range(pb.classes.num_classes)), node_costs=tuple(class_cost),
+        edges=tuple((u, v) for u, v, _ in edges), edge_costs=tuple(m for _, _, m in edges),
+        memory_points=points, memory_budget_bytes=pb.options.memory_budget_bytes,
+    )
+    axes = [a for a in pb.mesh.axis_names if pb.sizes[a] > 1]
+    batch_choices: list[tuple[str, ...] | None] = [None, *[(a,) for a in axes], ()]
+    variants = [(start, batch_axes, shard_state) for batch_axes in batch_choices for shard_state in (False, True)]
+    if pb.options.start_layouts is not None:  # a layout start fixes its own batch and state layouts
+        variants += [(_layout_start(pb, layout, start), None, False)
+                     for layout in pb.options.start_layouts(pb.graph, pb.mesh)]
+    best, best_s = None, np.inf
+    for first, batch_axes, shard_state in variants:
+        candidate = local_search(probe, _greedy_hint(pb, class_cost, edges, first, batch_axes, shard_state),
+                                 iterations=0)
+        result = ilp.evaluate(probe, candidate)
+        if not result.violations and result.objective_s < best_s:
+            best, best_s = candidate, result.objective_s
+    return best if best is not None else _greedy_hint(pb, class_cost, edges, start)
+
+
 def _greedy_hint(pb: _Problem, class_cost: list[np.ndarray], edges: list[tuple[int, int, np.ndarray]],
-                 start: np.ndarray | None = None) -> np.ndarray:
-    """A data-parallel-like start: batch split on dim 0 over the most devices, state replicated,
-    then each op class in program order picks its cheapest strategy given the classes already fixed.
-    Classes already chosen in ``start`` (>= 0) keep their choice."""
+                 start: np.ndarray | None = None, batch_axes: tuple[str, ...] | None = None,
+                 shard_state: bool = False) -> np.ndarray:
+    """A greedy start: the batch split on dim 0 over ``batch_axes`` (None: the most devices), state
+    replicated (or, with ``shard_state``, split over the most devices), then each op class in program
+    order picks its cheapest strategy given the classes already fixed. Classes already chosen in
+    ``start`` (>= 0) keep their choice."""
     cls = pb.classes
     choice = np.full(cls.num_classes, -1, dtype=np.int64) if start is None else start.copy()
     for i, vid in enumerate(pb.graph.inputs):
@@ -350,7 +394,13 @@ def _greedy_hint(pb: _Problem, class_cost: list[np.ndarray], edges: list[tuple[i
         value = pb.graph.values[vid]
         specs = pb.out_specs(i, 0)
         if value.role == Role.BATCH:
-            score = [(s.num_shards(pb.sizes) if all(not d for d in s.dims[1:]) else 0) for s in specs]
+            if batch_axes is None:
+                score = [(s.num_shards(pb.sizes) if all(not d for d in s.dims[1:]) else 0) for s in specs]
+            else:
+                score = [2 if s.dims and s.dims[0] == batch_axes and all(not d for d in s.dims[1:])
+                         else int(s.is_replicated) for s in specs]
+        elif shard_state:
+            score = [s.num_shards(pb.sizes) for s in specs]
         else:
             score = [1 if s.is_replicated else 0 for s in specs]
         choice[c] = int(np.argmax(score))
@@ -406,7 +456,7 @@ def decode(pb: _Problem, choices: np.ndarray, stats: IlpStats) -> IntraOpResult:
         dst = chosen[c].out_specs[0] if pos < 0 else chosen[c].in_specs[pos]
         if src != dst:
             value = graph.values[vid]
-            r = reshard(value.shape, np.dtype(value.dtype).itemsize, src, dst, pb.mesh)
+            r = reshard(value.shape, dtype_itemsize(value.dtype), src, dst, pb.mesh)
             op_index = -1 if pos < 0 else c - pb.num_inputs
             reshards.append(ReshardSite(op_index, pos, vid, src, dst, r.seconds, tuple(r.collectives), tuple(r.path)))
     output_specs = []
