@@ -9,11 +9,14 @@ shift with the sizes). ``batch_ceiling``:
 1. traces the step at the batch B it was planned for and at 2B, applies the
    plan's specs to both graphs (same structure, same value ids), and solves
    ``max_t a_t + s_t b = budget`` for b (``MemoryModel.ceiling``);
-2. traces the step at that estimate and takes a secant step through the two
-   evaluated batches nearest the budget crossing, up to ``max_traces`` traces;
+2. evaluates the plan at that estimate (the graph at another batch is the
+   traced one with rescaled shapes: ``BatchProbe``) and refines it: secant steps upward while
+   the evaluated batches fit, then regula falsi inside the bracket (bisection
+   after a step that overshoots), until the bracket is within ``rel_tol`` or
+   ``max_steps`` evaluations are spent;
 3. returns the largest evaluated batch that fits, a multiple of the batch's
-   shard count. It fits by construction; it is the largest that fits up to the
-   last secant step's error (within a few percent on the examples).
+   shard count: it fits by construction, and is the largest that fits to
+   within the final bracket (2% unless ``max_steps`` ran out).
 
 The batch dimension of every batch input is taken to be dim 0. A step that
 cannot be traced at another batch size has no ceiling (None).
@@ -23,13 +26,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
 import numpy as np
 
-from autoshard.compiler.graph import OpGraph, Role
+from autoshard.compiler.graph import OpGraph, Role, ValueId
 from autoshard.compiler.trace import trace
 from autoshard.passes.intra_op import IntraOpResult, memory_profile
 
@@ -61,23 +64,66 @@ def same_structure(a: OpGraph, b: OpGraph) -> bool:
 
 
 class BatchProbe:
-    """The step traced at other global batch sizes (cached); None where it cannot be or its structure changes."""
+    """The step's graph at other global batch sizes (cached); None where it cannot be had or its structure changes.
+
+    The step is traced at B and 2B; when every array dimension is either the
+    same in both or proportional to the batch (``k * batch``), the graph at any
+    other batch is those two with its shapes rescaled, no trace needed (memory
+    simulation reads shapes, not the ops' shape parameters). Otherwise each
+    batch size is traced.
+    """
 
     def __init__(self, fn: Callable[..., Any], args: Sequence[Any], graph: OpGraph) -> None:
         self.fn, self.args, self.base = fn, tuple(args), graph
         self.batch = batch_size_of(graph)
         self._graphs: dict[int, OpGraph | None] = {self.batch: graph} if self.batch else {}
+        self._per_example: dict[ValueId, tuple[int | None, ...]] | None = None  # per dim: k of k*batch, or None
+
+    def _trace(self, batch: int) -> OpGraph | None:
+        try:
+            traced = trace(self.fn, *args_at_batch(self.base, self.args, batch))
+        except Exception as err:  # a step that only runs at some batch sizes has no ceiling there
+            log.warning("could not trace the step at global batch %d: %s", batch, err)
+            return None
+        return traced if same_structure(self.base, traced) else None
+
+    def _learn_scaling(self, doubled: OpGraph) -> None:
+        b = self.batch
+        per_example: dict[ValueId, tuple[int | None, ...]] = {}
+        for vid, value in self.base.values.items():
+            other = doubled.values[vid].shape
+            if len(other) != len(value.shape):
+                return
+            dims: list[int | None] = []
+            for d1, d2 in zip(value.shape, other):
+                if d1 == d2:
+                    dims.append(None)
+                elif d2 == 2 * d1 and d1 % b == 0:
+                    dims.append(d1 // b)
+                else:
+                    return
+            per_example[vid] = tuple(dims)
+        self._per_example = per_example
+
+    def _rescaled(self, batch: int) -> OpGraph:
+        assert self._per_example is not None
+        values = {vid: replace(value, shape=tuple(d if k is None else k * batch
+                                                  for d, k in zip(value.shape, self._per_example[vid])))
+                  if any(k is not None for k in self._per_example[vid]) else value
+                  for vid, value in self.base.values.items()}
+        return replace(self.base, values=values)
 
     def graph(self, batch: int) -> OpGraph | None:
         if self.batch is None:
             return None
         if batch not in self._graphs:
-            try:
-                traced = trace(self.fn, *args_at_batch(self.base, self.args, batch))
-            except Exception as err:  # a step that only runs at some batch sizes has no ceiling there
-                log.warning("could not trace the step at global batch %d: %s", batch, err)
-                traced = None
-            self._graphs[batch] = traced if traced is not None and same_structure(self.base, traced) else None
+            doubled = 2 * self.batch
+            if doubled not in self._graphs:
+                self._graphs[doubled] = self._trace(doubled)
+                if self._graphs[doubled] is not None:
+                    self._learn_scaling(self._graphs[doubled])
+            if batch not in self._graphs:
+                self._graphs[batch] = self._rescaled(batch) if self._per_example is not None else self._trace(batch)
         return self._graphs[batch]
 
 
@@ -134,7 +180,8 @@ def memory_model(result: IntraOpResult, scaled: OpGraph) -> MemoryModel | None:
     return MemoryModel(p1 - slope * b1, slope, batch_multiple(result))
 
 
-def batch_ceiling(result: IntraOpResult, probe: BatchProbe, budget_bytes: float, *, max_traces: int = 2) -> int | None:
+def batch_ceiling(result: IntraOpResult, probe: BatchProbe, budget_bytes: float, *, max_steps: int = 12,
+                  rel_tol: float = 0.02) -> int | None:
     """The largest global batch (a multiple of the batch's shard count) whose peak fits; see the module docstring.
 
     None when memory does not grow with the batch or the step cannot be traced at another batch size.
@@ -145,32 +192,36 @@ def batch_ceiling(result: IntraOpResult, probe: BatchProbe, budget_bytes: float,
     if model is None:
         return None
     m = model.batch_multiple
-    estimate = model.ceiling(budget_bytes)
-    if estimate is None:
+    guess = model.ceiling(budget_bytes)
+    if guess is None:
         return None
     known = {b1: float(result.memory_profile.max()), 2 * b1: float(_profile(result, g2).max())}
-    for _ in range(max_traces):
-        if estimate < m or estimate in known:
+    last_over = False
+    for _ in range(max_steps):
+        if guess < m or guess in known:
             break
-        graph = probe.graph(estimate)
+        graph = probe.graph(guess)
         if graph is None:
             break
-        known[estimate] = float(_profile(result, graph).max())
+        known[guess] = float(_profile(result, graph).max())
         fits = [b for b, p in known.items() if p <= budget_bytes]
         over = [b for b, p in known.items() if p > budget_bytes]
         lo, hi = max(fits, default=None), min(over, default=None)
-        if lo is not None and hi is not None and hi - lo <= m:
+        if lo is None:  # even the planned batch does not fit
             break
-        # secant through the two evaluated batches nearest the crossing (interpolating when it is bracketed)
-        near = sorted(known, key=lambda b: abs(known[b] - budget_bytes))[:2]
-        (x0, p0), (x1, p1) = sorted((b, known[b]) for b in near)
+        if hi is not None and hi - lo <= max(m, rel_tol * lo):
+            break
+        if hi is None:  # extrapolate up through the two largest fitting batches
+            (x0, p0), (x1, p1) = sorted((b, known[b]) for b in fits)[-2:]
+        else:  # regula falsi inside the bracket; bisect after a guess that overshot (a concave stretch)
+            (x0, p0), (x1, p1) = (lo, known[lo]), (hi, known[hi])
         if p1 <= p0:
             break
-        guess = x0 + (budget_bytes - p0) * (x1 - x0) / (p1 - p0)
-        if lo is not None:
-            guess = max(guess, lo + m)
-        if hi is not None:
-            guess = min(guess, hi - m)
-        estimate = int(guess // m) * m
+        point = x0 + (budget_bytes - p0) * (x1 - x0) / (p1 - p0)
+        if hi is not None and last_over:
+            point = (lo + hi) / 2
+        last_over = guess == hi
+        point = max(point, lo + m) if hi is None else min(max(point, lo + m), hi - m)
+        guess = int(point // m) * m
     fitting = [b for b, p in known.items() if p <= budget_bytes and b % m == 0]
     return max(fitting, default=0)

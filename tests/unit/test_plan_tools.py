@@ -19,7 +19,7 @@ from plan_helpers import hand_plan
 
 from autoshard import cli
 from autoshard.baselines import Baseline, baseline_pins, batch_spec, divisible_axes, largest_dim_spec, node_axes
-from autoshard.compiler.ceiling import MemoryModel
+from autoshard.compiler.ceiling import BatchProbe, MemoryModel, args_at_batch
 from autoshard.compiler.export import flax_rules, flax_rules_python
 from autoshard.compiler.graph import Role
 from autoshard.compiler.planfile import PlanFileError, check_mesh, load_plan, plan_to_json
@@ -206,6 +206,14 @@ def test_baseline_pins(gpt_tiny, kind):
         Baseline.DP_TP: ("S(x)R", "RS(y)", "RS(y)", "R"),
     }[kind]
     assert (str(tokens), str(q), str(q_mu), str(ln)) == expected
+
+
+def test_batch_probe_rescales_the_traced_graph_exactly(gpt_tiny):
+    work, graph = gpt_tiny
+    probe = BatchProbe(work.step, work.args, graph)
+    rescaled, traced = probe.graph(72), trace(work.step, *args_at_batch(graph, work.args, 72))
+    assert probe._per_example is not None  # learned from the traces at 24 and 48: no trace at 72
+    assert {v: x.shape for v, x in rescaled.values.items()} == {v: x.shape for v, x in traced.values.items()}
 
 
 def test_memory_model_ceiling():
