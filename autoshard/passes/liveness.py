@@ -1,60 +1,69 @@
-"""Which values XLA:CPU keeps in memory, in what order it runs the step, and the per-device peak.
+"""Which buffers XLA:CPU allocates for a step, in what order it runs it, and the per-device peak.
 
-``memory_analysis()`` of an XLA:CPU executable reports argument + output −
-alias + temp, where temp is the heap the buffer assigner packs every
-non-argument, non-output buffer into (its peak is the most bytes live at once
-in XLA's instruction order). This module reproduces that figure from an
-OpGraph and a plan. Each rule below models one XLA:CPU behaviour, checked
-against the buffer-assignment dumps (``--xla_dump_to``) of the example
-workloads:
+``compiled.memory_analysis()`` of an XLA:CPU executable reports argument +
+output − alias + temp. Temp is one heap holding every buffer that is neither
+an argument nor an output and did not fit into a dead donated argument; its
+size is the most such bytes live at once in XLA's instruction order (the
+heap simulator's fragmentation was under 4% on every example). ``simulate``
+reproduces that figure from an OpGraph and a plan. Each rule models one
+XLA:CPU behaviour, read off the buffer-assignment and live-range dumps
+(``--xla_dump_to``) of the mlp, gpt, moe and convnet examples:
 
-1. *Fusion* (``fusion_analysis``; XLA's ``CpuInstructionFusion``): elementwise,
-   broadcast, slicing, gather and layout ops are computed inside the fusion
-   of their consumers and never reach memory. A value is materialised when a
-   consumer cannot fuse it (dot, convolution, scatter, sort, control flow, a
-   collective), when it is a step output, or when it is expensive to recompute
-   (transcendentals, float division, gather: ``InstructionFusion::IsExpensive``)
-   and would otherwise be duplicated into more than one fusion. Reductions
-   absorb their elementwise producers but materialise their own result.
-2. *Views*: reshapes, squeezes and transposes read only by dots (XLA folds
-   them into the dot or turns them into bitcasts) share their input's buffer
-   and extend its lifetime instead of taking new bytes.
-3. *Breadth-first schedule* (``schedule``; XLA:CPU's default
+1. *Fusion* (``fusion_analysis``; ``CpuInstructionFusion``): elementwise,
+   broadcast, slicing, gather and transpose ops run inside the fusion of their
+   consumers and take no memory. A value is materialised when a consumer cannot
+   fuse it (dot, convolution, scatter, sort, control flow, a collective), when
+   it is a step output, or when it would have to be recomputed in several
+   fusions and may not be: it is expensive (transcendentals, float division,
+   gather: ``InstructionFusion::IsExpensive``), or it reads more than one large
+   operand and some consumer also reads a reduction of it (``x - mean(x)``;
+   ``ComputeGloballyUnfusible``). A cheap op materialised only for a dot is
+   still recomputed by its fusible readers, so they do not keep its buffer
+   alive. Reductions absorb their producers and materialise their result.
+2. *Views*: reshapes and squeezes (bitcasts), and transposes read only by dots
+   (``TransposeFolding``), share their operand's buffer and extend its life.
+3. *Breadth-first schedule* (``breadth_first``; XLA:CPU's default
    ``xla_cpu_enable_concurrency_optimized_scheduler``): instructions run in
-   order of their longest path from the arguments, not in program order. So a
-   parameter's all-gather, which needs nothing but the parameter, runs at the
-   start and its gathered copy stays live until its last reader: with FSDP
-   every gathered parameter is live at once. Fused ops take no level; every
-   materialised op, collective and reshard step takes one.
-4. *Collectives*: a strategy that reduces partial sums keeps the partial
-   result and the reduced result as two buffers (XLA:CPU's all-reduce is not
-   in place); a reduce-scatter is an all-reduce of the full partial result
-   followed by a dynamic-slice, so the full-size all-reduce output is a
-   temporary too. A reshard with collectives makes one new buffer per
-   (value, target layout), shared by all its readers (CSE).
+   order of their longest path from the arguments, not in program order. A
+   parameter's all-gather needs nothing but the parameter, so it runs at the
+   start and its gathered copy lives until its last reader: under FSDP every
+   gathered parameter is live at once. Fused ops take no level; a
+   materialised op, each collective step and each combined all-reduce do.
+4. *Collectives*: a partial-sum strategy keeps the partial result and the
+   reduced result as two buffers (all-reduce is not in place). A
+   reduce-scatter is an all-reduce of the full partial result and a
+   dynamic-slice; the slice fuses into fusible readers, which then keep the
+   full all-reduce buffer alive until the last of them. A reshard with
+   collectives makes one buffer per (value, target layout), shared by its
+   readers (CSE); a reshard without collectives is a slice fused into its reader.
 5. *All-reduce combining* (``CpuAllReduceCombiner``, no byte limit, 256
-   operands): walking the program in order, all-reduces with the same mesh
-   axes, reduction and dtype join one combined all-reduce until one depends on
-   an earlier member. The combined op waits for its last operand, so every
-   partial result (typically every gradient of a data-parallel step) stays
-   live until then, and all results appear together.
-6. *Donation*: carried state is written into its donated argument buffer, so
-   updated parameters and optimizer state cost nothing beyond the arguments.
-   ``CopyInsertion`` copies a donated argument when one of its readers is not
-   an ancestor of the value written over it (a backward dot reading a weight
-   that the update overwrites). The copy lives until its last reader; the
-   argument buffer it frees can hold another argument's copy of no larger
-   size until the update is written, so equal-sized copies cost one buffer.
-7. *Outputs*: step outputs that are not donated state are counted in the
-   output allocation (plus XLA's 8-byte-per-leaf tuple index table), never as
-   temporaries. Arguments count in full for the whole step, as
-   ``memory_analysis`` reports them even after XLA reuses a dead argument's
-   buffer.
+   operands): in program order, all-reduces over the same axes with the same
+   reduction and dtype join one group until one depends on a member. The
+   group runs after its last operand is ready, so every partial result (the
+   gradients of a data-parallel step) lives until then.
+6. *Donation* (``CopyInsertion``, ``BufferAssigner``): updated state is
+   written into its donated argument. An argument read by an op that is not an
+   ancestor of its update (a backward dot reading a weight) is copied at the
+   start. Temporaries, largest first, reuse a donated argument buffer that is
+   free for their whole life (after the argument's last read or copy, before
+   its update); the rest go to the temp heap.
+7. *Outputs and arguments*: outputs that are not donated state are in the
+   output allocation (plus an 8-byte pointer per leaf for the output tuple);
+   arguments count in full for the whole step, as ``memory_analysis`` reports.
+8. *Layout copies* (``DotDecomposer``, ``ConvCanonicalization``): a dot
+   operand not laid out as [batch, free, contracting] or [batch, contracting,
+   free], and a convolution input, kernel or output not in NHWC / HWIO / NHWC
+   order, is transposed into a copy. The copy is made as soon as the operand
+   exists (rule 3) and kept until its last such reader: a weight-gradient
+   convolution keeps a transposed copy of its forward activation.
+9. *Reshard transients*: an all-gather along a dimension that is not
+   major-most lands in a permuted layout and is copied into the default one;
+   an all-to-all is decomposed into sliced pieces and received pieces. Both
+   cost extra result-sized buffers for one step.
 
-The plan-independent parts (rules 1–3 without collectives) give
-``liveness_intervals`` and ``materialized_values``, which the intra-op ILP
-uses for its memory points; ``simulate`` adds the plan (specs, reshards and
-strategy collectives, rules 4–7) for the ledger's peak.
+``fusion_analysis``, ``breadth_first`` and the reader rules are shared by the
+ILP's memory points (``liveness_intervals``, ``materialized_values``, rules
+1-3 without a plan) and by the ledger's peak (``simulate``, rules 1-9).
 """
 from __future__ import annotations
 
@@ -101,7 +110,16 @@ EXPENSIVE = frozenset({
     "acos", "acosh", "asin", "asinh", "atan2", "atanh", "cosh", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1",
     "log", "log1p", "logistic", "pow", "rsqrt", "sqrt", "cbrt", "tanh", "lgamma", "digamma", "gather", "div", "rem",
 })
-FUSIBLE = ELEMENTWISE | VIEWS  # kept for callers that only ask "can this op fuse?"
+# Elementwise ops that follow their producer's layout (passes/simplify.py merges them into one ILP class).
+FUSIBLE = frozenset({
+    "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt", "ceil",
+    "clamp", "convert_element_type", "cos", "cosh", "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2",
+    "expm1", "floor", "ge", "gt", "imag", "integer_pow", "is_finite", "le", "lgamma", "digamma", "log", "log1p",
+    "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not", "or", "pow", "real", "rem", "round",
+    "rsqrt", "select_n", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient", "sub", "tan", "tanh", "xor",
+    "broadcast_in_dim", "copy", "copy_p", "reduce_precision", "shift_left", "shift_right_logical",
+    "shift_right_arithmetic", "population_count", "iota",
+})
 
 
 def op_kind(op: Op) -> OpKind:
@@ -120,6 +138,7 @@ class ReshardLike(Protocol):
     op_index: int  # -1: a carried output written back to its storage layout
     input_pos: int
     value: ValueId
+    src: Spec
     dst: Spec
     collectives: tuple[Collective, ...]
 
@@ -133,6 +152,11 @@ class Fusion:
     alias: Mapping[ValueId, ValueId]  # view output -> the value whose buffer it is
     roots: Mapping[OpIndex, frozenset[OpIndex]]  # op -> the materialised ops whose fusions compute it
     instruction: frozenset[OpIndex]  # ops that are instructions of their own (fusion roots, views, opaque)
+    duplicated: frozenset[OpIndex] = frozenset()  # materialised for a dot, recomputed by fusible readers
+
+    def recomputed_by(self, producer: OpIndex | None, reader: Op) -> bool:
+        """True when ``reader`` recomputes the value ``producer`` made instead of reading its buffer."""
+        return producer in self.duplicated and op_kind(reader) in (OpKind.ELEMENTWISE, OpKind.REDUCTION)
 
 
 def fusion_analysis(graph: OpGraph, forced: Iterable[ValueId] = ()) -> Fusion:
@@ -141,11 +165,12 @@ def fusion_analysis(graph: OpGraph, forced: Iterable[ValueId] = ()) -> Fusion:
     consumers = graph.consumers()
     kinds = [op_kind(op) for op in graph.ops]
     index = {id(op): t for t, op in enumerate(graph.ops)}
-    producer_prim = {v: op.primitive for op in graph.ops for v in op.outputs}
+    producer = {v: op for op in graph.ops for v in op.outputs}
     materialized: set[ValueId] = set()
     alias: dict[ValueId, ValueId] = {}
     roots: dict[OpIndex, frozenset[OpIndex]] = {}
     instruction: set[OpIndex] = set()
+    duplicated: set[OpIndex] = set()
     for t in range(len(graph.ops) - 1, -1, -1):
         op, kind = graph.ops[t], kinds[t]
         users = [index[id(c)] for v in op.outputs for c in consumers.get(v, ())]
@@ -157,17 +182,23 @@ def fusion_analysis(graph: OpGraph, forced: Iterable[ValueId] = ()) -> Fusion:
         if kind == OpKind.ELEMENTWISE and op.primitive == "transpose" and users and all(
                 graph.ops[u].primitive in ("dot_general", "transpose") for u in users):
             kind = OpKind.VIEW  # TransposeFolding: the dot reads the transpose's operand
-        need = any(v in forced_set for v in op.outputs)
-        need |= any(kinds[u] == OpKind.OPAQUE for u in users)
+        forced_here = any(v in forced_set for v in op.outputs)
+        for_opaque = any(kinds[u] == OpKind.OPAQUE for u in users)
         reach: set[OpIndex] = set()
         for u in users:
             reach |= roots[u]
-        need |= len(reach) > 1 and (op.primitive in EXPENSIVE or not _duplicable(graph, op, producer_prim))
-        if not need:
+        cheap = op.primitive not in EXPENSIVE and _duplicable(graph, op, producer, consumers)
+        if not (forced_here or for_opaque or (len(reach) > 1 and not cheap)):
             roots[t] = frozenset(reach)
             continue
         roots[t] = frozenset({t})
         instruction.add(t)
+        if kind == OpKind.ELEMENTWISE and for_opaque and cheap and not forced_here:
+            # materialised for the dot; its fusible readers recompute it from its operands
+            recompute = {r for u in users if kinds[u] in (OpKind.ELEMENTWISE, OpKind.REDUCTION) for r in roots[u]}
+            if recompute:
+                duplicated.add(t)
+                roots[t] = frozenset({t} | recompute)
         if kind == OpKind.VIEW and op.inputs:
             alias.update((v, op.inputs[0]) for v in op.outputs)
         else:
@@ -182,12 +213,15 @@ def fusion_analysis(graph: OpGraph, forced: Iterable[ValueId] = ()) -> Fusion:
         if root not in inputs and root not in materialized and root in producer:
             del alias[v]
             materialized.add(v)
-    return Fusion(frozenset(materialized), alias, roots, frozenset(instruction))
+    return Fusion(frozenset(materialized), alias, roots, frozenset(instruction), frozenset(duplicated))
 
 
-def _duplicable(graph: OpGraph, op: Op, producer_prim: Mapping[ValueId, str]) -> bool:
-    """``ComputeGloballyUnfusible``: an op may be recomputed in several fusions when it reads at most one
-    large operand (broadcasts, iotas and constants are not large) or no more elements than it writes."""
+def _duplicable(graph: OpGraph, op: Op, producer: Mapping[ValueId, Op],
+                consumers: Mapping[ValueId, Sequence[Op]]) -> bool:
+    """``ComputeGloballyUnfusible``: an op is recomputed in several fusions when it reads at most one
+    large operand (broadcasts, iotas and constants are not large), or no more elements than it writes,
+    or when it can fuse into every consumer along every path: not when a consumer also reads a
+    reduction of it (``x - mean(x)``: a reduction does not fuse into its elementwise consumer)."""
     def true_rank(shape: Sequence[int]) -> int:
         return sum(1 for d in shape if d != 1)
 
@@ -196,12 +230,25 @@ def _duplicable(graph: OpGraph, op: Op, producer_prim: Mapping[ValueId, str]) ->
     large = 0
     for vid in dict.fromkeys(op.inputs):
         value = graph.values[vid]
-        if value.role == Role.CONSTANT or producer_prim.get(vid) in ("broadcast_in_dim", "iota"):
+        src = producer.get(vid)
+        if value.role == Role.CONSTANT or (src is not None and src.primitive in ("broadcast_in_dim", "iota")):
             continue
         large += true_rank(value.shape) >= out_rank
-    if large <= 1:
+    if large <= 1 or sum(graph.values[v].size for v in dict.fromkeys(op.inputs)) <= sum(v.size for v in outs):
         return True
-    return sum(graph.values[v].size for v in dict.fromkeys(op.inputs)) <= sum(v.size for v in outs)
+    mine = set(op.outputs)
+
+    def via_reduction(vid: ValueId, reduced: bool, depth: int) -> bool:
+        if vid in mine:
+            return reduced
+        src = producer.get(vid)
+        if src is None or depth == 0 or op_kind(src) == OpKind.OPAQUE:
+            return False
+        reduced |= op_kind(src) == OpKind.REDUCTION
+        return any(via_reduction(v, reduced, depth - 1) for v in src.inputs)
+
+    return not any(via_reduction(other, False, 8) for v in op.outputs for c in consumers.get(v, ())
+                   for other in c.inputs if other not in mine)
 
 
 def buffer_root(fusion: Fusion, vid: ValueId) -> ValueId:
@@ -221,6 +268,7 @@ class Schedule:
     position: np.ndarray  # per node; fused ops take their first fusion root's position
     num_positions: int
     preds: tuple[tuple[NodeId, ...], ...]  # per node
+    topological: tuple[NodeId, ...]  # every node after its predecessors
 
 
 def breadth_first(preds: Sequence[Sequence[NodeId]], weight: Sequence[int], seq: Sequence[float]) -> Schedule:
@@ -234,34 +282,24 @@ def breadth_first(preds: Sequence[Sequence[NodeId]], weight: Sequence[int], seq:
             indeg[v] += 1
     level = np.zeros(n, dtype=np.int64)
     ready = [v for v in range(n) if indeg[v] == 0]
-    seen = 0
+    topological: list[NodeId] = []
     while ready:
         v = ready.pop()
-        seen += 1
+        topological.append(v)
         base = max((level[p] for p in preds[v]), default=0)
         level[v] = base + weight[v]
         for s in succs[v]:
             indeg[s] -= 1
             if indeg[s] == 0:
                 ready.append(s)
-    if seen != n:
+    if len(topological) != n:
         raise ValueError("the instruction graph has a cycle")
     real = [v for v in range(n) if weight[v] > 0]
     real.sort(key=lambda v: (level[v], seq[v]))
     position = np.full(n, -1, dtype=np.int64)
     for k, v in enumerate(real):
         position[v] = k
-    return Schedule(level, position, len(real), tuple(tuple(p) for p in preds))
-
-
-def schedule(graph: OpGraph, fusion: Fusion | None = None) -> Schedule:
-    """Rule 3 without a plan: one node per op."""
-    fusion = fusion or fusion_analysis(graph)
-    producer = {v: t for t, op in enumerate(graph.ops) for v in op.outputs}
-    preds = [tuple(producer[v] for v in op.inputs if v in producer) for op in graph.ops]
-    weight = [1 if t in fusion.instruction else 0 for t in range(len(graph.ops))]
-    sched = breadth_first(preds, weight, list(range(len(graph.ops))))
-    return _place_fused(sched, fusion, range(len(graph.ops)))
+    return Schedule(level, position, len(real), tuple(tuple(p) for p in preds), tuple(topological))
 
 
 def _place_fused(sched: Schedule, fusion: Fusion, ops: Iterable[OpIndex]) -> Schedule:
@@ -269,11 +307,11 @@ def _place_fused(sched: Schedule, fusion: Fusion, ops: Iterable[OpIndex]) -> Sch
     for t in ops:
         if position[t] < 0 and fusion.roots.get(t):
             position[t] = min(position[r] for r in fusion.roots[t])
-    return Schedule(sched.level, position, sched.num_positions, sched.preds)
+    return dataclasses.replace(sched, position=position)
 
 
 def _reader_positions(sched: Schedule, fusion: Fusion, t: OpIndex) -> list[int]:
-    if t in fusion.instruction:
+    if t in fusion.instruction and t not in fusion.duplicated:
         return [int(sched.position[t])]
     return [int(sched.position[r]) for r in fusion.roots.get(t, ())]
 
@@ -282,35 +320,27 @@ def _reader_positions(sched: Schedule, fusion: Fusion, t: OpIndex) -> list[int]:
 
 
 def liveness_intervals(graph: OpGraph) -> dict[ValueId, tuple[int, int]]:
-    """Buffer -> (first position, last position) inclusive, in XLA:CPU's breadth-first order.
+    """Buffer -> (first position, last position) inclusive, in XLA:CPU's breadth-first order, before any
+    plan is chosen (rules 1-3 and the reader rules of ``simulate``).
 
     Arguments live throughout; donated state written back (carried outputs)
     lives in its argument's buffer and is left out; other outputs live from
     their definition to the end; a view's readers extend its buffer's life.
-    Keys are the values of ``materialized_values`` plus the inputs.
+    Keys are the inputs and the values of ``materialized_values`` that own a buffer.
     """
-    fusion = fusion_analysis(graph)
-    sched = schedule(graph, fusion)
-    end = max(sched.num_positions - 1, 0)
-    live: dict[ValueId, tuple[int, int]] = {v: (0, end) for v in graph.inputs}
-    producer = {v: t for t, op in enumerate(graph.ops) for v in op.outputs}
-    for vid in fusion.materialized:
-        t = producer[vid]
-        start = int(sched.position[t])
-        live[vid] = (start, start)
-    for t, op in enumerate(graph.ops):
-        for vid in op.inputs:
-            root = buffer_root(fusion, vid)
-            if root in live and root not in graph.inputs:
-                start, stop = live[root]
-                live[root] = (start, max([stop, *_reader_positions(sched, fusion, t)]))
+    sim = _Simulation(graph, {}, {}, (), {}, {})
+    reads = sim.reads(sim.layout_groups())
+    live: dict[ValueId, tuple[int, int]] = {v: (0, sim.end) for v in graph.inputs}
+    for vid in sim.fusion.materialized:
+        start = sim.at(sim.provider(vid))
+        live[vid] = (start, max(start, reads.last_read[vid]))
     carried = {graph.outputs[k] for k, i in enumerate(graph.carried or ()) if i is not None}
     for vid in graph.outputs:
         if vid in live and vid not in graph.inputs:
             if vid in carried:
                 live.pop(vid)
             else:
-                live[vid] = (live[vid][0], end)
+                live[vid] = (live[vid][0], sim.end)
     return live
 
 
@@ -370,156 +400,258 @@ def simulate(graph: OpGraph, value_specs: Mapping[ValueId, Spec], sizes: Mapping
              reshards: Sequence[ReshardLike] = (),
              op_collectives: Mapping[OpIndex, Sequence[Collective]] | None = None,
              op_reductions: Mapping[OpIndex, str | None] | None = None) -> MemorySimulation:
-    """Per-device buffers of ``graph`` run with these specs, as XLA:CPU lays them out (rules 1-7).
+    """Per-device buffers of ``graph`` run with these specs, as XLA:CPU lays them out (rules 1-9).
 
     ``op_collectives`` are each op's strategy collectives (partial-sum
     all-reduces and reduce-scatters); ``op_reductions`` their reduction kind.
     """
-    op_collectives = op_collectives or {}
-    op_reductions = op_reductions or {}
-    n_ops = len(graph.ops)
-    values = graph.values
-    producer = {v: t for t, op in enumerate(graph.ops) for v in op.outputs}
-    inputs = set(graph.inputs)
+    return _Simulation(graph, value_specs, sizes, reshards, op_collectives or {}, op_reductions or {}).run()
 
-    def nbytes(vid: ValueId, spec: Spec | None) -> float:
-        value = values[vid]
+
+@dataclass
+class _LayoutGroup:
+    """Operand reads that share one transposed copy (rule 8)."""
+
+    source: NodeId | None  # node that provides the operand (None: an argument)
+    root: ValueId | None  # the buffer copied (None: a resharded copy)
+    nbytes: float
+    reads: list[tuple[OpIndex, int]] = dataclasses.field(default_factory=list)
+
+
+@dataclass
+class _Reads:
+    last_read: dict[ValueId, int]  # buffer -> last position that reads it
+    readers_of: dict[ValueId, list[NodeId]]  # buffer -> reading nodes (for donation, rule 6)
+    opaque_read: set[ValueId]  # buffers read by a dot, convolution or other unfusible op
+    copy_last_read: dict[NodeId, int]  # reshard node -> last position that reads its copy
+
+
+class _Simulation:
+    """One pass over the graph and plan: instruction nodes, their breadth-first order, buffer spans."""
+
+    def __init__(self, graph: OpGraph, value_specs: Mapping[ValueId, Spec], sizes: Mapping[str, int],
+                 reshards: Sequence[ReshardLike], op_collectives: Mapping[OpIndex, Sequence[Collective]],
+                 op_reductions: Mapping[OpIndex, str | None]) -> None:
+        self.graph, self.value_specs, self.sizes = graph, value_specs, sizes
+        self.op_collectives = {t: tuple(cs) for t, cs in op_collectives.items() if cs}
+        self.n_ops = n_ops = len(graph.ops)
+        self.producer = {v: t for t, op in enumerate(graph.ops) for v in op.outputs}
+        # reshard nodes: one per (value, target layout, written back); collective-free reshards are local
+        # slices that fuse into their reader
+        self.rs_key: list[tuple[ValueId, Spec, bool]] = []
+        self.rs_steps: list[int] = []
+        self.rs_transient: list[float] = []  # rule 9: bytes of the reshard's short-lived extra buffers
+        self.reads_through: dict[tuple[OpIndex, int], NodeId] = {}
+        node_of: dict[tuple[ValueId, Spec, bool], NodeId] = {}
+        self.read_spec: dict[tuple[OpIndex, int], Spec] = {}  # the layout an op reads an input in
+        for r in reshards:
+            if r.op_index >= 0:
+                self.read_spec[(r.op_index, r.input_pos)] = r.dst
+            if not r.collectives:
+                continue
+            key = (r.value, r.dst, r.op_index < 0)
+            if key not in node_of:
+                node_of[key] = n_ops + len(self.rs_key)
+                self.rs_key.append(key)
+                self.rs_steps.append(len(r.collectives))
+                self.rs_transient.append(self._transient_bytes(r))
+            if r.op_index >= 0:
+                self.reads_through[(r.op_index, r.input_pos)] = node_of[key]
+        self.written_back = {v: node for (v, _, back), node in node_of.items() if back}
+        forced = {key[0] for key in self.rs_key}
+        forced |= {v for t in self.op_collectives for v in graph.ops[t].outputs}
+        self.fusion = fusion_analysis(graph, forced)
+        # rule 5: strategy all-reduces (and the all-reduce of a reduce-scatter) combined into groups
+        self.groups = _combine_all_reduces(graph, sorted(self.op_collectives), self.op_collectives, op_reductions)
+        first_group = n_ops + len(self.rs_key)
+        self.ar_node = {t: first_group + g for g, members in enumerate(self.groups) for t in members}
+        self.sched = self._schedule()
+        self.pos = self.sched.position
+        self.end = max(self.sched.num_positions - 1, 0)
+
+    # ---- helpers
+    def nbytes(self, vid: ValueId, spec: Spec | None = None) -> float:
+        value = self.graph.values[vid]
+        spec = spec if spec is not None else self.value_specs.get(vid)
         if spec is None:
             return float(value.nbytes)
-        shard = spec.shard_shape(value.shape, sizes)
+        shard = spec.shard_shape(value.shape, self.sizes)
         return float(np.prod(shard, dtype=np.float64) * dtype_itemsize(value.dtype))
 
-    # reshards that move data (collective-free ones are local slices that fuse into the reader)
-    moving = [r for r in reshards if r.collectives]
-    reads_through: dict[tuple[OpIndex, int], int] = {}  # (op, input pos) -> reshard node
-    rs_nodes: dict[tuple[ValueId, Spec, bool], int] = {}  # (value, dst, written back) -> node
-    rs_steps: list[int] = []
-    rs_value: list[ValueId] = []
-    rs_dst: list[Spec] = []
-    rs_out: list[bool] = []
-    for r in moving:
-        key = (r.value, r.dst, r.op_index < 0)
-        if key not in rs_nodes:
-            rs_nodes[key] = n_ops + len(rs_steps)
-            rs_steps.append(len(r.collectives))
-            rs_value.append(r.value)
-            rs_dst.append(r.dst)
-            rs_out.append(r.op_index < 0)
-        if r.op_index >= 0:
-            reads_through[(r.op_index, r.input_pos)] = rs_nodes[key]
-    forced = {r.value for r in moving}
-    forced |= {v for t, cs in op_collectives.items() if cs for v in graph.ops[t].outputs}
-    fusion = fusion_analysis(graph, forced)
+    def _transient_bytes(self, r: ReshardLike) -> float:
+        """Rule 9: XLA:CPU gathers along the major-most dimension, so a gather along an inner dimension
+        lands in a permuted layout and is copied into the default one; an all-to-all is decomposed into
+        slices of its operand and separate received pieces before they are concatenated."""
+        value = self.graph.values[r.value]
+        extra = sum(2 * c.nbytes for c in r.collectives if c.kind == "all-to-all")
+        shard = r.dst.shard_shape(value.shape, self.sizes)
+        gathered = [d for d, (a, b) in enumerate(zip(r.src.dims, r.dst.dims)) if set(a) - set(b)]
+        if any(c.kind == "all-gather" for c in r.collectives) and any(
+                any(n > 1 for n in shard[:d]) for d in gathered):
+            extra += self.nbytes(r.value, r.dst)
+        return extra
 
-    # rule 5: combine strategy all-reduces (and the all-reduce inside a reduce-scatter)
-    reducing = [t for t in range(n_ops) if op_collectives.get(t)]
-    groups = _combine_all_reduces(graph, reducing, op_collectives, op_reductions)
-    n_rs = len(rs_steps)
-    ar_node = {t: n_ops + n_rs + g for g, members in enumerate(groups) for t in members}
-    n_nodes = n_ops + n_rs + len(groups)
+    def provider(self, vid: ValueId) -> NodeId | None:
+        """The node after which ``vid`` is available (its op, or the all-reduce that completes it)."""
+        t = self.producer.get(vid)
+        return None if t is None else self.ar_node.get(t, t)
 
-    def provider(vid: ValueId) -> NodeId | None:
-        t = producer.get(vid)
-        if t is None:
-            return None
-        return ar_node.get(t, t)
+    def at(self, node: NodeId | None) -> int:
+        return 0 if node is None else int(self.pos[node])
 
-    preds: list[list[NodeId]] = [[] for _ in range(n_nodes)]
-    for t, op in enumerate(graph.ops):
-        for pos, vid in enumerate(op.inputs):
-            node = reads_through.get((t, pos))
-            if node is None:
-                node = provider(vid)
-            if node is not None:
-                preds[t].append(node)
-    for k in range(n_rs):
-        p = provider(rs_value[k])
-        if p is not None:
-            preds[n_ops + k].append(p)
-    for g, members in enumerate(groups):
-        preds[n_ops + n_rs + g].extend(members)
-    weight = [1 if t in fusion.instruction else 0 for t in range(n_ops)]
-    weight += rs_steps + [2 if any(c.kind == "reduce-scatter" for t in m for c in op_collectives[t]) else 1
-                          for m in groups]
-    seq = list(range(n_ops)) + [float(producer.get(v, -1)) + 0.5 for v in rs_value]
-    seq += [float(max(m)) + 0.5 for m in groups]
-    sched = _place_fused(breadth_first(preds, weight, seq), fusion, range(n_ops))
-    pos = sched.position
-    end = max(sched.num_positions - 1, 0)
+    def _schedule(self) -> Schedule:
+        graph, n_ops = self.graph, self.n_ops
+        n_nodes = n_ops + len(self.rs_key) + len(self.groups)
+        preds: list[list[NodeId]] = [[] for _ in range(n_nodes)]
+        for t, op in enumerate(graph.ops):
+            for p, vid in enumerate(op.inputs):
+                node = self.reads_through.get((t, p), self.provider(vid))
+                if node is not None:
+                    preds[t].append(node)
+        for k, (vid, _, _) in enumerate(self.rs_key):
+            if (node := self.provider(vid)) is not None:
+                preds[n_ops + k].append(node)
+        for g, members in enumerate(self.groups):
+            preds[n_ops + len(self.rs_key) + g].extend(members)
+        weight = [1 if t in self.fusion.instruction else 0 for t in range(n_ops)] + list(self.rs_steps)
+        weight += [2 if any(c.kind == "reduce-scatter" for t in m for c in self.op_collectives[t]) else 1
+                   for m in self.groups]
+        seq = [float(t) for t in range(n_ops)] + [self.producer.get(v, -1) + 0.5 for v, _, _ in self.rs_key]
+        seq += [max(m) + 0.5 for m in self.groups]
+        return _place_fused(breadth_first(preds, weight, seq), self.fusion, range(n_ops))
 
-    # readers of every buffer, as positions
-    last_read: dict[ValueId, int] = defaultdict(lambda: -1)
-    readers_of: dict[ValueId, list[NodeId]] = defaultdict(list)  # for donation (rule 6)
-    opaque_read: set[ValueId] = set()  # buffers a dot, convolution or other unfusible op reads
-    for t, op in enumerate(graph.ops):
-        for p_, vid in enumerate(op.inputs):
-            node = reads_through.get((t, p_))
-            if node is not None:
-                continue  # the reshard node reads vid; t reads the copy
+    def layout_groups(self) -> list[_LayoutGroup]:
+        """Rule 8: transposed operand copies, shared per (source, layout). A fusion that only feeds such
+        reads writes the transposed layout itself, so its value needs no second copy."""
+        graph, fusion = self.graph, self.fusion
+        groups: dict[tuple, _LayoutGroup] = {}
+        for t, op in enumerate(graph.ops):
+            if op.primitive not in ("dot_general", "conv_general_dilated"):
+                continue
+            operands, _ = transposed_operands(op, [graph.values[v].rank for v in op.inputs])
+            for p in operands:
+                vid, layout = op.inputs[p], (op.primitive, p, repr(op.params.get("dimension_numbers")))
+                node = self.reads_through.get((t, p))
+                if node is not None:
+                    size = self.nbytes(vid, self.rs_key[node - self.n_ops][1])
+                    group = groups.setdefault(("copy", node, layout), _LayoutGroup(node, None, size))
+                else:
+                    root = buffer_root(fusion, vid)
+                    key = ("value", root, layout)
+                    group = groups.setdefault(key, _LayoutGroup(self.provider(root), root,
+                                                                self.nbytes(vid, self.read_spec.get((t, p)))))
+                group.reads.append((t, p))
+        readers: dict[ValueId, set[tuple[OpIndex, int]]] = defaultdict(set)
+        for t, op in enumerate(graph.ops):
+            for p, vid in enumerate(op.inputs):
+                if (t, p) not in self.reads_through:
+                    readers[buffer_root(fusion, vid)].add((t, p))
+        resharded = {v for v, _, _ in self.rs_key}
+        kept = []
+        for group in groups.values():
+            t = self.producer.get(group.root) if group.root is not None else None
+            if (t is not None and op_kind(graph.ops[t]) == OpKind.ELEMENTWISE and group.root not in resharded
+                    and readers[group.root] <= set(group.reads)):
+                continue
+            kept.append(group)
+        return kept
+
+    # ---- the pass
+    def reads(self, layout: Sequence[_LayoutGroup]) -> _Reads:
+        """When each buffer is last read, by which nodes, and which buffers an unfusible op reads."""
+        graph, fusion = self.graph, self.fusion
+        via_copy = {read for g in layout for read in g.reads}
+        out = _Reads(defaultdict(lambda: -1), defaultdict(list), set(), defaultdict(lambda: -1))
+
+        def read(root: ValueId, position: int, nodes: Iterable[NodeId]) -> None:
+            out.last_read[root] = max(out.last_read[root], position)
+            out.readers_of[root].extend(nodes)
+
+        for t, op in enumerate(graph.ops):
+            positions = _reader_positions(self.sched, fusion, t)
+            nodes = [t] if t in fusion.instruction and t not in fusion.duplicated else list(fusion.roots.get(t, ()))
+            for p, vid in enumerate(op.inputs):
+                node = self.reads_through.get((t, p))
+                if node is not None:
+                    if (t, p) not in via_copy:
+                        out.copy_last_read[node] = max([out.copy_last_read[node], *positions])
+                    continue
+                if (t, p) in via_copy or fusion.recomputed_by(self.producer.get(vid), op):
+                    continue  # reads the transposed copy, or recomputes the value
+                root = buffer_root(fusion, vid)
+                read(root, max(positions, default=-1), nodes)
+                if op_kind(op) == OpKind.OPAQUE:
+                    out.opaque_read.add(root)
+        for g in layout:  # each transposed copy reads its source once, right away
+            if g.root is not None:
+                read(g.root, self.at(g.source), [] if g.source is None else [g.source])
+            else:
+                out.copy_last_read[g.source] = max(out.copy_last_read[g.source], self.at(g.source))
+        for k, (vid, _, _) in enumerate(self.rs_key):
             root = buffer_root(fusion, vid)
-            for q in _reader_positions(sched, fusion, t):
-                last_read[root] = max(last_read[root], q)
-            readers_of[root].extend([t] if t in fusion.instruction else fusion.roots.get(t, ()))
-            if op_kind(op) == OpKind.OPAQUE:
-                opaque_read.add(root)
-    copy_last_read: dict[int, int] = defaultdict(lambda: -1)
-    for (t, p_), node in reads_through.items():
-        for q in _reader_positions(sched, fusion, t):
-            copy_last_read[node] = max(copy_last_read[node], q)
-    for k in range(n_rs):
-        root = buffer_root(fusion, rs_value[k])
-        last_read[root] = max(last_read[root], int(pos[n_ops + k]))
-        readers_of[root].append(n_ops + k)
-        opaque_read.add(root)
-    # rule 4: a reduce-scatter's dynamic-slice fuses into fusible readers, keeping the full all-reduce alive
-    sliced_late = {v: t for t in ar_node if any(c.kind == "reduce-scatter" for c in op_collectives[t])
-                   for v in graph.ops[t].outputs if v not in opaque_read and v not in graph.outputs}
+            read(root, self.at(self.n_ops + k), [self.n_ops + k])
+            out.opaque_read.add(root)
+        return out
 
-    carried_out = {graph.outputs[k]: i for k, i in enumerate(graph.carried or ()) if i is not None}
-    written_back = {rs_value[k] for k in range(n_rs) if rs_out[k]}
-    spans: list[Span] = []
-    for vid in fusion.materialized:
-        if vid in inputs:
-            continue
-        if vid in graph.outputs and vid not in written_back:
-            continue  # lives in the output allocation (or the donated argument)
-        if vid in sliced_late:
-            continue  # read straight from the all-reduce buffer
-        t = producer[vid]
-        start = int(pos[ar_node.get(t, t)])
-        stop = max(start, last_read[vid])
-        kind = "written back" if vid in written_back else "activation"
-        spans.append(Span(start, stop, nbytes(vid, value_specs.get(vid)), kind, vid))
-    for t, g_node in ar_node.items():  # rule 4: partial results (and a reduce-scatter's full all-reduce)
-        for c in op_collectives[t]:
-            spans.append(Span(int(pos[t]), int(pos[g_node]), float(c.nbytes), "partial sum", graph.ops[t].outputs[0]))
-            if c.kind == "reduce-scatter":
-                late = max((last_read[v] for v in graph.ops[t].outputs if v in sliced_late), default=-1)
-                spans.append(Span(int(pos[g_node]), max(int(pos[g_node]), late), float(c.nbytes), "partial sum",
-                                  graph.ops[t].outputs[0]))
-    for k in range(n_rs):
-        if rs_out[k]:
-            continue
-        node = n_ops + k
-        spans.append(Span(int(pos[node]), max(int(pos[node]), copy_last_read[node]),
-                          nbytes(rs_value[k], rs_dst[k]), "resharded", rs_value[k]))
+    def run(self) -> MemorySimulation:
+        graph = self.graph
+        layout = self.layout_groups()
+        reads = self.reads(layout)
+        spans = self._value_spans(reads.last_read, reads.opaque_read)
+        for k, (vid, dst, back) in enumerate(self.rs_key):
+            node = self.n_ops + k
+            if not back:
+                stop = max(self.at(node), reads.copy_last_read[node])
+                spans.append(Span(self.at(node), stop, self.nbytes(vid, dst), "resharded", vid))
+            if self.rs_transient[k]:
+                spans.append(Span(self.at(node), self.at(node), self.rs_transient[k], "reshard transient", vid))
+        for g in layout:
+            stop = max(self.at(t) for t, _ in g.reads)
+            spans.append(Span(self.at(g.source), max(stop, self.at(g.source)), g.nbytes, "layout copy", g.root))
+        for t, op in enumerate(graph.ops):
+            if op.primitive in ("dot_general", "conv_general_dilated"):
+                if transposed_operands(op, [graph.values[v].rank for v in op.inputs])[1]:
+                    spans += [Span(self.at(t), self.at(t), self.nbytes(v), "layout copy", v) for v in op.outputs]
 
-    spans += _layout_copies(graph, fusion, pos, reads_through, provider, value_specs, nbytes,
-                            {n_ops + k: rs_dst[k] for k in range(n_rs)})
+        carried = {graph.outputs[k]: i for k, i in enumerate(graph.carried or ()) if i is not None}
+        copies, pools = _donation(graph, self.sched, reads.readers_of, self.provider, self.written_back, carried,
+                                  lambda i: self.nbytes(graph.inputs[i]), self.end)
+        spans = _assign_to_donated(spans + copies, pools)
+        spans = [s if s.stop <= self.end else dataclasses.replace(s, stop=self.end) for s in spans]
 
-    copies, pools = _donation(graph, sched, readers_of, provider, rs_nodes, carried_out,
-                              lambda i: nbytes(graph.inputs[i], value_specs.get(graph.inputs[i])), end)
-    spans = _assign_to_donated(spans + copies, pools)
+        arguments: dict[str, float] = defaultdict(float)
+        for vid in dict.fromkeys(graph.inputs):
+            arguments[graph.values[vid].role.value] += self.nbytes(vid)
+        outs = [v for k, v in enumerate(graph.outputs) if not (graph.carried and graph.carried[k] is not None)]
+        out_bytes = sum(self.nbytes(v) for v in outs if graph.values[v].role != Role.CONSTANT)
+        if len(graph.outputs) > 1:
+            out_bytes += TUPLE_INDEX_BYTES * len(graph.outputs)
+        return MemorySimulation(dict(arguments), float(out_bytes), tuple(spans), self.sched.num_positions)
 
-    arguments: dict[str, float] = defaultdict(float)
-    for vid in dict.fromkeys(graph.inputs):
-        arguments[values[vid].role.value] += nbytes(vid, value_specs.get(vid))
-    outs = [v for k, v in enumerate(graph.outputs) if not (graph.carried and graph.carried[k] is not None)]
-    out_bytes = sum(nbytes(v, value_specs.get(v)) for v in outs if values[v].role != Role.CONSTANT)
-    if len(graph.outputs) > 1:
-        out_bytes += TUPLE_INDEX_BYTES * len(graph.outputs)
-    spans = [s if s.stop <= end else dataclasses.replace(s, stop=end) for s in spans]
-    return MemorySimulation(dict(arguments), float(out_bytes), tuple(spans), sched.num_positions)
+    def _value_spans(self, last_read: Mapping[ValueId, int], opaque_read: set[ValueId]) -> list[Span]:
+        """Op results (rules 1-2), partial sums and all-reduce results (rule 4)."""
+        graph = self.graph
+        # a reduce-scatter's dynamic-slice fuses into fusible readers: they read the full all-reduce buffer
+        sliced_late = {v for t in self.ar_node if any(c.kind == "reduce-scatter" for c in self.op_collectives[t])
+                       for v in graph.ops[t].outputs if v not in opaque_read and v not in graph.outputs}
+        spans: list[Span] = []
+        inputs = set(graph.inputs)
+        for vid in self.fusion.materialized:
+            if vid in inputs or vid in sliced_late:
+                continue
+            if vid in graph.outputs and vid not in self.written_back:
+                continue  # lives in the output allocation (or the donated argument)
+            start = self.at(self.provider(vid))
+            kind = "written back" if vid in self.written_back else "activation"
+            spans.append(Span(start, max(start, last_read[vid]), self.nbytes(vid), kind, vid))
+        for t, node in self.ar_node.items():
+            out = graph.ops[t].outputs[0]
+            for c in self.op_collectives[t]:
+                spans.append(Span(self.at(t), self.at(node), float(c.nbytes), "partial sum", out))
+                if c.kind == "reduce-scatter":
+                    late = max((last_read[v] for v in graph.ops[t].outputs if v in sliced_late), default=-1)
+                    spans.append(Span(self.at(node), max(self.at(node), late), float(c.nbytes), "partial sum", out))
+        return spans
 
 
 def transposed_operands(op: Op, ranks: Sequence[int]) -> tuple[tuple[int, ...], bool]:
@@ -534,9 +666,8 @@ def transposed_operands(op: Op, ranks: Sequence[int]) -> tuple[tuple[int, ...], 
         (lc, rc), (lb, rb) = dims
         out = []
         for pos, (contract, batch) in enumerate(((tuple(lc), tuple(lb)), (tuple(rc), tuple(rb)))):
-            rank = ranks[pos]
-            free = tuple(d for d in range(rank) if d not in contract and d not in batch)
-            if tuple(range(rank)) not in (batch + free + contract, batch + contract + free):
+            free = tuple(d for d in range(ranks[pos]) if d not in contract and d not in batch)
+            if tuple(range(ranks[pos])) not in (batch + free + contract, batch + contract + free):
                 out.append(pos)
         return tuple(out), False
     if op.primitive == "conv_general_dilated" and hasattr(dims, "lhs_spec"):
@@ -547,42 +678,6 @@ def transposed_operands(op: Op, ranks: Sequence[int]) -> tuple[tuple[int, ...], 
         out_ok = tuple(dims.out_spec) == (0, n - 1) + spatial
         return tuple(p for p, ok in ((0, lhs_ok), (1, rhs_ok)) if not ok), not out_ok
     return (), False
-
-
-def _layout_copies(graph: OpGraph, fusion: Fusion, pos: np.ndarray, reads_through: Mapping[tuple[int, int], int],
-                   provider: Callable[[ValueId], NodeId | None], value_specs: Mapping[ValueId, Spec],
-                   nbytes: Callable[[ValueId, Spec | None], float], dst_of: Mapping[int, Spec]) -> list[Span]:
-    """Rule 8: one transposed copy per (operand buffer, layout), made as soon as the operand is ready
-    (breadth-first) and kept until its last dot or convolution; a transposed result is transient."""
-    groups: dict[tuple, list[OpIndex]] = defaultdict(list)
-    sizes: dict[tuple, float] = {}
-    starts: dict[tuple, int] = {}
-    spans: list[Span] = []
-    for t, op in enumerate(graph.ops):
-        if op.primitive not in ("dot_general", "conv_general_dilated"):
-            continue
-        ranks = [graph.values[v].rank for v in op.inputs]
-        operands, transposed_out = transposed_operands(op, ranks)
-        for p in operands:
-            vid = op.inputs[p]
-            node = reads_through.get((t, p))
-            if node is not None:
-                key = ("copy", node, op.primitive, p, repr(op.params.get("dimension_numbers")))
-                sizes[key], starts[key] = nbytes(vid, dst_of[node]), int(pos[node])
-            else:
-                root = buffer_root(fusion, vid)
-                src = provider(root)
-                key = ("value", root, op.primitive, p, repr(op.params.get("dimension_numbers")))
-                sizes[key] = nbytes(vid, value_specs.get(vid))
-                starts[key] = int(pos[src]) if src is not None else 0
-            groups[key].append(t)
-        if transposed_out:
-            for v in op.outputs:
-                spans.append(Span(int(pos[t]), int(pos[t]), nbytes(v, value_specs.get(v)), "layout copy", v))
-    for key, readers in groups.items():
-        stop = max(int(pos[t]) for t in readers)
-        spans.append(Span(starts[key], max(stop, starts[key]), sizes[key], "layout copy", key[1] if key[0] == "value" else None))
-    return spans
 
 
 def _combine_all_reduces(graph: OpGraph, reducing: Sequence[OpIndex],
@@ -603,10 +698,8 @@ def _combine_all_reduces(graph: OpGraph, reducing: Sequence[OpIndex],
         upstream[t] = mask
 
     def key(t: OpIndex) -> tuple:
-        cs = op_collectives[t]
-        axes = tuple(sorted({a for c in cs for a in c.axes}))
-        dtype = graph.values[graph.ops[t].outputs[0]].dtype
-        return axes, op_reductions.get(t), dtype
+        axes = tuple(sorted({a for c in op_collectives[t] for a in c.axes}))
+        return axes, op_reductions.get(t), graph.values[graph.ops[t].outputs[0]].dtype
 
     remaining = list(reducing)
     groups: list[list[OpIndex]] = []
@@ -628,14 +721,12 @@ def _combine_all_reduces(graph: OpGraph, reducing: Sequence[OpIndex],
 
 
 def _donation(graph: OpGraph, sched: Schedule, readers_of: Mapping[ValueId, list[NodeId]],
-              provider: Callable[[ValueId], NodeId | None], rs_nodes: Mapping[tuple, int],
+              provider: Callable[[ValueId], NodeId | None], written_back: Mapping[ValueId, NodeId],
               carried_out: Mapping[ValueId, int], arg_bytes: Callable[[int], float],
               end: int) -> tuple[list[Span], list[tuple[float, list[tuple[int, int]]]]]:
     """Rule 6: the copies CopyInsertion adds for donated arguments, and each donated buffer's busy intervals."""
-    n = len(sched.preds)
-    order = np.argsort(sched.level, kind="stable")
-    ancestors: list[int] = [0] * n
-    for v in order:
+    ancestors: list[int] = [0] * len(sched.preds)
+    for v in sched.topological:
         mask = 0
         for p in sched.preds[v]:
             mask |= ancestors[p] | (1 << p)
@@ -644,18 +735,14 @@ def _donation(graph: OpGraph, sched: Schedule, readers_of: Mapping[ValueId, list
     pools: list[tuple[float, list[tuple[int, int]]]] = []
     for out_vid, i in carried_out.items():
         arg = graph.inputs[i]
-        if out_vid == arg:
-            continue
-        writer = next((node for (v, _, back), node in rs_nodes.items() if back and v == out_vid), None)
-        if writer is None:
-            writer = provider(out_vid)
-        if writer is None:
+        writer = written_back.get(out_vid, provider(out_vid))
+        if out_vid == arg or writer is None:
             continue
         size = arg_bytes(i)
-        readers = [r for r in readers_of.get(arg, ()) if r != writer]
+        others = [r for r in readers_of.get(arg, ()) if r != writer]
         last = max((int(sched.position[r]) for r in readers_of.get(arg, ())), default=0)
         write = int(sched.position[writer])
-        if readers and not all(ancestors[writer] >> r & 1 for r in readers):
+        if others and not all(ancestors[writer] >> r & 1 for r in others):
             # the copies run one after another at the start: each frees its argument for later copies
             k = len(copies)
             copies.append(Span(k + 1, max(last, k + 1), size, "donation copy", arg))
