@@ -39,7 +39,8 @@ from autoshard.runtime.pipeline import PipelineError, PipelineStep, StageLayout
 
 log = logging.getLogger(__name__)
 
-COST_MODEL = "dp: roofline compute (forward recomputed in backward), gradient all-reduce + optimizer once per step"
+COST_MODEL = ("dp: per-op roofline of the forward x 3 (backward = 2 forwards, residuals kept), gradient "
+              "all-reduce + optimizer once per step, activation transfers both ways")
 INTRA_STAGE = "data parallel: parameters replicated, batch and activations split on their leading dim"
 
 
@@ -79,8 +80,16 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
                   cluster: ClusterSpec | str | None = None, memory_budget: float | None = None,
                   num_stages: int | None = None, num_microbatches: int | None = None, schedule: str = "1f1b",
                   options: IntraOpOptions | None = None, num_layers: int | None = None,
-                  name: str | None = None) -> PipelinePlanned | PlannedStep:
-    """Plan ``fn(*args)`` as a pipeline, or fall back to SPMD (module docstring)."""
+                  num_devices: int | None = None, name: str | None = None,
+                  keep_both: bool = False) -> PipelinePlanned | PlannedStep | Any:
+    """Plan ``fn(*args)`` as a pipeline, or fall back to SPMD (module docstring).
+
+    ``keep_both`` (with ``num_stages=None``): return ``(best pipeline of >= 2 stages, best SPMD plan)``
+    whichever wins, for comparisons (``benchmarks/pipeline_vs_spmd.py``).
+
+    ``num_devices`` plans for that many devices instead of those present (planning only: the
+    result's runtime needs them); ``num_layers`` overrides the layer count L of the clustering.
+    """
     name = name or getattr(fn, "__name__", "autoshard")
     timings: dict[str, float] = {}
     start = time.perf_counter()
@@ -88,7 +97,8 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
     closed = jax.make_jaxpr(fn)(*args)
     parts = split_step(closed)
     timings["trace"] = time.perf_counter() - start
-    spmd_kwargs = dict(mesh=mesh, cluster=cluster, memory_budget=memory_budget, options=options, name=name)
+    spmd_kwargs = dict(mesh=mesh, cluster=cluster, memory_budget=memory_budget, options=options, name=name,
+                       num_devices=num_devices)
     if parts is None:
         if num_stages not in (None, 1):
             raise PlanningError(f"num_stages={num_stages} needs the step to compute its gradients with "
@@ -99,7 +109,7 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
     if schedule not in ("1f1b", "gpipe"):
         raise PlanningError(f"schedule must be '1f1b' or 'gpipe'; got {schedule!r}")
     num_devices = mesh.devices.size if isinstance(mesh, Mesh) else (
-        int(np.prod(mesh)) if mesh is not None else len(jax.devices()))
+        int(np.prod(mesh)) if mesh is not None else num_devices or len(jax.devices()))
     spec = get_cluster(cluster, num_devices=num_devices)
     budget = float(memory_budget if memory_budget is not None else spec.memory_per_device_bytes)
 
@@ -121,7 +131,7 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
     if num_stages is None:
         t0 = time.perf_counter()
         try:
-            spmd = plan_graph(graph, timings=dict(timings), num_devices=num_devices, **spmd_kwargs)
+            spmd = plan_graph(graph, timings=dict(timings), **{**spmd_kwargs, "num_devices": num_devices})
         except InfeasibleMemoryError as err:
             log.info("no SPMD plan fits (%s); pipelines only", err)
         timings["spmd"] = time.perf_counter() - t0
@@ -135,7 +145,8 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
     timings["stage-dp"] = time.perf_counter() - t0
     if spmd is not None and spmd.plan.step_s <= stage_plan.step_time_s:
         log.info("SPMD %.4gs beats the best pipeline %s", spmd.plan.step_s, stage_plan)
-        return spmd
+        if not keep_both:
+            return spmd
     placed = place_stages(stage_plan, spec, num_devices)
     if isinstance(mesh, Mesh):
         index = {d.id: i for i, d in enumerate(jax.devices())}
@@ -148,8 +159,9 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
     out_shape = jax.eval_shape(fn, *args)
     out_with_path, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     log.info("%s", plan)
-    return PipelinePlanned(plan, fn, tuple(in_leaves), parts, layers, stage_plan, layouts, split, in_tree, out_tree,
-                           tuple(jax.tree_util.keystr(p) for p, _ in out_with_path), priced)
+    piped = PipelinePlanned(plan, fn, tuple(in_leaves), parts, layers, stage_plan, layouts, split, in_tree, out_tree,
+                            tuple(jax.tree_util.keystr(p) for p, _ in out_with_path), priced)
+    return (piped, spmd) if keep_both else piped
 
 
 def _build_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer], sp: StagePlan,

@@ -5,13 +5,15 @@ d = 1..devices_per_node and ``(m, devices_per_node)`` for m = 2..num_nodes.
 Stages are placed on devices in stage order, first fit (:func:`place_stages`).
 
 Cost model (the ``"dp"`` model: what ``runtime/pipeline.py`` runs — data
-parallel inside a stage, forward recomputed in the backward). For layers
-i..j with forward FLOPs F, parameter bytes P and activation bytes A (all at
-the full batch), on a sub-mesh of n devices with B microbatches of size
+parallel inside a stage, forward residuals kept for the backward, or the
+forward recomputed with ``recompute=True``). For layers
+i..j with forward time R (the sum of per-op rooflines max(flops / peak,
+bytes / HBM bandwidth), the intra-op planner's compute model), parameter
+bytes P and activation bytes A (all at the full batch, one device), on a sub-mesh of n devices with B microbatches of size
 m = batch / B (n' = n when n divides m, else 1: the runtime then replicates
 the microbatch)::
 
-    compute  = roofline(c * F / (B n'), 3 * A / (B n'))        c = 4 with recompute, 3 without
+    compute  = c * R / (B n')       c = 4 with recompute, 3 without (backward = 2 forwards)
     sync     = all-reduce of P over the sub-mesh                once per step
     apply    = (3 + 2 r) * P / HBM bandwidth                    once per step, r = optimizer bytes / P
     t        = compute + (sync + apply) / B                     per microbatch
@@ -22,8 +24,9 @@ sums t over the stages and charges the bottleneck B - 1 more times).
 
 Memory per device: ``P (2 + r)`` (parameters, gradient accumulators,
 optimizer state, replicated) plus, per microbatch in flight,
-``(A_in + A) / (B n')``: the stage's stored input and, conservatively, the
-working set of a recompute counted once per microbatch.
+``(A_in + A) / (B n')``: the stage's input and the forward's outputs (the
+residuals a backward reads; with recompute, conservatively, the working set
+of one recompute counted once per microbatch).
 
 Transfers after layer j, from sub-mesh k1 to k2, per microbatch: the
 activation forward and its gradient back, each :func:`cross_mesh_send_s` of
@@ -53,7 +56,7 @@ class InterOpOptions:
     max_microbatches: int = 64  # largest B searched
     memory_budget_bytes: float = math.inf  # per device
     submeshes: tuple[SubmeshShape, ...] | None = None  # None: submesh_candidates(cluster)
-    recompute: bool = True  # the backward recomputes the forward (the runtime does)
+    recompute: bool = False  # the backward recomputes the forward (PipelineStep(recompute=True)); default: keeps residuals
     min_stages: int = 1  # 2: exclude the one-stage plan (compared with the SPMD planner instead)
     dtype: str = "float32"  # compute dtype for the roofline
 
@@ -105,7 +108,8 @@ def price_stages(layers: Sequence[Layer], param_leaf_bytes: Sequence[float], inp
     bs = microbatch_choices(global_batch, options.max_microbatches)
     if options.num_microbatches is not None and options.num_microbatches not in bs:
         bs = tuple(sorted({*bs, options.num_microbatches}))
-    flops = np.array([layer.flops for layer in layers])
+    peak = cluster.peak_flops(options.dtype)
+    flops = np.array([layer.roofline_s(peak, cluster.memory_bandwidth_bytes_per_s) for layer in layers])
     acts = np.array([layer.act_bytes for layer in layers])
     cum_f, cum_a = np.concatenate([[0], np.cumsum(flops)]), np.concatenate([[0], np.cumsum(acts)])
     in_bytes = [input_bytes] + [layer.out_bytes for layer in layers[:-1]]
@@ -120,7 +124,6 @@ def price_stages(layers: Sequence[Layer], param_leaf_bytes: Sequence[float], inp
     act = np.zeros(shape4)
     sync = np.full(shape4[:3], np.inf)
     mult = 4.0 if options.recompute else 3.0
-    peak = cluster.peak_flops(options.dtype)
     for k, (nodes, per) in enumerate(subs):
         n = nodes * per
         mesh = make_logical_mesh(cluster, (n,), device_indices=tuple(range(n))) if nodes == 1 else \
@@ -133,8 +136,7 @@ def price_stages(layers: Sequence[Layer], param_leaf_bytes: Sequence[float], inp
                 f, a = cum_f[j + 1] - cum_f[i], cum_a[j + 1] - cum_a[i]
                 for b, big_b in enumerate(bs):
                     split = n if (global_batch // big_b) % n == 0 else 1
-                    comp[i, j, k, b] = max(mult * f / (big_b * split) / peak,
-                                           3 * a / (big_b * split) / cluster.memory_bandwidth_bytes_per_s)
+                    comp[i, j, k, b] = mult * f / (big_b * split)
                     act[i, j, k, b] = (in_bytes[i] + a) / (big_b * split)
     time = comp + sync[..., None] / np.array(bs, dtype=float)
     pbytes = np.broadcast_to((params * (2 + opt_ratio))[:, :, None], shape4[:3]).copy()

@@ -54,6 +54,7 @@ class FlatEqn:
     ins: tuple[Any, ...]
     outs: tuple[VarId, ...]
     flops: float
+    nbytes: float  # bytes read and written (operands + results), for the roofline
     marker: bool  # a layer_boundary copy
 
     def bind(self, values: Sequence[Any]) -> list[Any]:
@@ -230,6 +231,15 @@ def _eqn_flops(eqn: Any) -> float:
     return float(sum(size(a) for a in outs))
 
 
+def _aval_bytes(aval: Any) -> int:
+    if aval is None or not hasattr(aval, "shape"):
+        return 0
+    try:
+        return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    except TypeError:  # extended dtypes (PRNG keys)
+        return 0
+
+
 def _flatten_forward(inner: Any, diff: tuple[bool, ...]) -> Forward:
     jaxpr, consts = inner.jaxpr, inner.consts
     dced, _used = pe.dce_jaxpr(jaxpr, [True] + [False] * (len(jaxpr.outvars) - 1), instantiate=True)
@@ -273,7 +283,8 @@ def _flatten_forward(inner: Any, diff: tuple[bool, ...]) -> Forward:
                 local[var] = vid
             marker = e.primitive.name == "copy" and any(
                 getattr(s, "name", None) == LAYER_SCOPE for s in e.source_info.name_stack.stack)
-            eqns.append(FlatEqn(e, tuple(args), outs, _eqn_flops(e), marker))
+            nbytes = float(sum(_aval_bytes(getattr(v, "aval", None)) for v in (*e.invars, *e.outvars)))
+            eqns.append(FlatEqn(e, tuple(args), outs, _eqn_flops(e), nbytes, marker))
         return [read(a) for a in jx.outvars]
 
     (out,) = walk(dced, consts, [env[v] for v in dced.invars], False)
@@ -305,6 +316,11 @@ class Layer:
     act_bytes: float  # bytes of everything it produces (what a forward keeps for backward, at full batch)
     out_bytes: float  # bytes crossing the cut after it (0 for the last layer)
     structure: str  # hash of its equations and shapes: equal layers are priced once
+    op_costs: tuple[tuple[float, float], ...] = ()  # (flops, bytes accessed) per equation, for rooflines
+
+    def roofline_s(self, peak_flops: float, memory_bandwidth: float) -> float:
+        """Forward seconds at the full batch on one device: the sum of per-op rooflines."""
+        return float(sum(max(f / peak_flops, b / memory_bandwidth) for f, b in self.op_costs))
 
 
 def crossing_bytes(forward: Forward, order: Sequence[int]) -> np.ndarray:
@@ -425,7 +441,8 @@ def _make_layer(forward: Forward, index: int, members: tuple[int, ...], out_byte
         params_str = {k: v for k, v in e.eqn.params.items() if not isinstance(v, (jcore.ClosedJaxpr, jcore.Jaxpr))}
         digest.update(f"{e.eqn.primitive.name}{ins}{params_str}".encode())
     return Layer(index, members, float(sum(forward.eqns[i].flops for i in members)), tuple(sorted(params)),
-                 act, out_bytes, digest.hexdigest()[:16])
+                 act, out_bytes, digest.hexdigest()[:16],
+                 tuple((forward.eqns[i].flops, forward.eqns[i].nbytes) for i in members))
 
 
 # ---------------------------------------------------------------------------

@@ -7,11 +7,14 @@ Built from a step taken apart by ``passes/layers.py`` and a list of stages
 - ``forward``: the stage's equations (its layers, plus the batch-only *free*
   equations it reads, recomputed) from its parameters, its microbatch slice of
   the batch and the activations entering it, to the activations leaving it;
-- ``backward``: ``jax.vjp`` of the same function, **recomputing** the forward
-  (only the stage's input activations are kept per microbatch in flight),
-  adding the parameter gradients into an accumulator (donated) and returning
-  the gradient of the entering activations. The last stage fuses its forward
-  into its backward and also accumulates the loss;
+- ``backward``: the pullback of ``jax.vjp`` of the same function, adding the
+  parameter gradients into an accumulator (donated) and returning the
+  gradient of the entering activations. By default the forward returns its
+  ``jax.vjp`` pullback (a ``jax.tree_util.Partial`` whose leaves are the
+  residuals) and the backward applies it: the residuals of every microbatch
+  in flight are kept. With ``recompute=True`` only the stage's input
+  activations are kept and the backward re-runs the forward. The last stage
+  fuses its forward into its backward and also accumulates the loss;
 - ``apply``: the optimizer update restricted to the step outputs this stage
   owns (the update jaxpr cut down by DCE), fed with the stage's accumulated
   gradients.
@@ -283,7 +286,8 @@ class PipelineStep:
 
     def __init__(self, parts: StepParts, layers: Sequence[Layer], stages: Sequence[StageLayout],
                  num_microbatches: int, schedule: Schedule, *, split_inputs: Sequence[bool], in_tree: Any,
-                 out_tree: Any, out_paths: Sequence[str] = (), devices: Sequence[jax.Device] | None = None) -> None:
+                 out_tree: Any, out_paths: Sequence[str] = (), devices: Sequence[jax.Device] | None = None,
+                 recompute: bool = False) -> None:
         """``parts`` is the step traced at one microbatch (batch leaves cut to 1/B, see
         ``layers.microbatch_shapes``); ``layers`` index its forward equations; ``split_inputs`` marks the
         flat step inputs that are batch leaves, split into ``num_microbatches`` slices."""
@@ -297,6 +301,7 @@ class PipelineStep:
         self.programs = stage_programs(fwd, layers, [(st.first_layer, st.last_layer) for st in stages])
         self.actions = schedule_actions(schedule, len(stages), self.num_microbatches)
         self.split_inputs = tuple(bool(x) for x in split_inputs)
+        self.recompute = recompute
         # gradient owners: the first stage that reads each differentiated leaf (stage 0 if none does)
         readers: dict[int, list[int]] = {}
         for p in self.programs:
@@ -332,7 +337,14 @@ class PipelineStep:
             ins = [self._act_sharding(p.index, v) for v in p.in_acts]
             last = p.index == num_stages - 1
             outs = [rep] if last else [self._act_sharding(p.index, v) for v in p.out_acts]
-            self.fwd_fns.append(jax.jit(run, in_shardings=(ps, ds, ins), out_shardings=outs))
+            if self.recompute or last:
+                self.fwd_fns.append(jax.jit(run, in_shardings=(ps, ds, ins), out_shardings=outs))
+            else:
+                def fwd_keep(params, data, acts, run=run):
+                    out, pullback = jax.vjp(lambda pr, ac: run(pr, data, ac), params, acts)
+                    return out, pullback
+
+                self.fwd_fns.append(jax.jit(fwd_keep, in_shardings=(ps, ds, ins)))
 
             if last:
                 def bwd(params, data, acts, acc, loss_acc, run=run):
@@ -343,7 +355,7 @@ class PipelineStep:
 
                 self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, ps, rep),
                                             out_shardings=(ps, ins, rep), donate_argnums=(3, 4)))
-            else:
+            elif self.recompute:
                 def bwd(params, data, acts, cts, acc, run=run):
                     _, vjp = jax.vjp(lambda pr, ac: run(pr, data, ac), params, acts)
                     dparams, dacts = vjp(cts)
@@ -351,6 +363,12 @@ class PipelineStep:
 
                 self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, outs, ps),
                                             out_shardings=(ps, ins), donate_argnums=(4,)))
+            else:
+                def bwd_keep(pullback, cts, acc):
+                    dparams, dacts = pullback(cts)
+                    return [a + g for a, g in zip(acc, dparams)], dacts
+
+                self.bwd_fns.append(jax.jit(bwd_keep, out_shardings=(ps, ins), donate_argnums=(2,)))
         self._build_apply()
 
     def _build_apply(self) -> None:
@@ -407,20 +425,26 @@ class PipelineStep:
         loss_acc = jnp.zeros((), fwd.avals[fwd.outvar].dtype, device=_replicated(self.meshes[-1]))
         inbox: dict[tuple[int, int], list[Any]] = {(0, m): [] for m in range(num_mb)}
         ctbox: dict[tuple[int, int], list[Any]] = {}
+        stash: dict[tuple[int, int], Any] = {}  # pullbacks (residuals) of microbatches in flight
         for kind, s, m in self.actions:
             last = s == num_stages - 1
             if kind == "F":
                 if last:
                     continue  # fused into the last stage's backward
-                out = self.fwd_fns[s](params[s], data[s][m], inbox[(s, m)])
+                acts = inbox.pop((s, m)) if not self.recompute else inbox[(s, m)]
+                out = self.fwd_fns[s](params[s], data[s][m], acts)
+                if not self.recompute:
+                    out, stash[(s, m)] = out
                 inbox[(s + 1, m)] = [jax.device_put(x, self._act_sharding(s + 1, v))
                                      for x, v in zip(out, self.programs[s].out_acts)]
                 continue
-            acts = inbox.pop((s, m))
             if last:
+                acts = inbox.pop((s, m))
                 acc[s], dacts, loss_acc = self.bwd_fns[s](params[s], data[s][m], acts, acc[s], loss_acc)
+            elif self.recompute:
+                acc[s], dacts = self.bwd_fns[s](params[s], data[s][m], inbox.pop((s, m)), ctbox.pop((s, m)), acc[s])
             else:
-                acc[s], dacts = self.bwd_fns[s](params[s], data[s][m], acts, ctbox.pop((s, m)), acc[s])
+                acc[s], dacts = self.bwd_fns[s](stash.pop((s, m)), ctbox.pop((s, m)), acc[s])
             if s > 0:
                 ctbox[(s - 1, m)] = [jax.device_put(x, self._act_sharding(s - 1, v))
                                      for x, v in zip(dacts, self.programs[s - 1].out_acts)]
