@@ -55,6 +55,9 @@ class IntraOpOptions:
     # extra starting points for the search: storage layouts (flat input index -> Spec) as functions of the
     # graph and mesh, e.g. the classic strategies' (the API passes autoshard.baselines.baseline_pins)
     start_layouts: Callable[[OpGraph, LogicalMesh], Sequence[Mapping[int, Spec]]] | None = None
+    # value id -> (dims, mesh axes): an op output listed must be split over all those axes, on those dims; a
+    # strategy that does not is forbidden (the data-parallel baselines keep the batch split through the step)
+    required_splits: Mapping[ValueId, tuple[tuple[int, ...], tuple[str, ...]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -254,6 +257,7 @@ def _build(pb: _Problem) -> tuple[ilp.IlpProblem, np.ndarray]:
     num_nodes = len(pb.strategies)
     for node in range(num_nodes):
         class_cost[cls.node_class[node]] += pb.node_cost(node)
+    _forbid_unsplit(pb, class_cost)
     pair_cost: dict[tuple[int, int], np.ndarray] = {}
     for p, k, c, pos, vid in pb.edge_sites():
         cu, cv = int(cls.node_class[p]), int(cls.node_class[c])
@@ -284,6 +288,29 @@ def _build(pb: _Problem) -> tuple[ilp.IlpProblem, np.ndarray]:
         seed=pb.options.seed,
     )
     return problem, hint
+
+
+def _forbid_unsplit(pb: _Problem, class_cost: list[np.ndarray]) -> None:
+    """Infinite cost for op strategies that leave a value of ``options.required_splits`` unsplit.
+
+    An op none of whose class's strategies complies (a rule without that split, a follower of an
+    unsplit producer) is left free.
+    """
+    required = pb.options.required_splits
+    if not required:
+        return
+    cls = pb.classes
+    for j, op in enumerate(pb.graph.ops):
+        wanted = [(k, required[v]) for k, v in enumerate(op.outputs) if v in required]
+        if not wanted:
+            continue
+        node = pb.num_inputs + j
+        ok = np.array([all(set(axes) <= {a for d in dims for a in s.out_specs[k].dims[d]}
+                               for k, (dims, axes) in wanted) for s in pb.strategies[node]])
+        ok = ok[cls.strategy_map[node]]  # per strategy of the node's class (a follower may not reach them all)
+        cost = class_cost[cls.node_class[node]]
+        if (ok & np.isfinite(cost)).any():
+            cost[~ok] = np.inf
 
 
 def _class_name(pb: _Problem, c: int) -> str:
@@ -364,7 +391,9 @@ def _best_start(pb: _Problem, class_cost: list[np.ndarray], edges: list[tuple[in
     )
     axes = [a for a in pb.mesh.axis_names if pb.sizes[a] > 1]
     batch_choices: list[tuple[str, ...] | None] = [None, *[(a,) for a in axes], ()]
-    variants = [(start, batch_axes, shard_state) for batch_axes in batch_choices for shard_state in (False, True)]
+    variants = [(None, batch_axes, shard_state) for batch_axes in batch_choices for shard_state in (False, True)]
+    if start is not None:  # a previous plan (options.hint) is one more start, not a seed of every start
+        variants.append((start, None, False))
     if pb.options.start_layouts is not None:  # a layout start fixes its own batch and state layouts
         variants += [(_layout_start(pb, layout, start), None, False)
                      for layout in pb.options.start_layouts(pb.graph, pb.mesh)]
