@@ -1,16 +1,24 @@
 """Classic parallelization strategies as Plans of the same type, priced by the same model.
 
-Each baseline fixes the *storage layout* of the step's inputs (parameters,
-optimizer state, batch) the way the classic strategy does, and leaves the
-rest to the intra-op ILP (``IntraOpOptions.pinned_inputs``): given those
-layouts, the solver picks every op's strategy and every reshard. A baseline
-is therefore the best plan with that strategy's layouts under the cost
-model (an optimistic version of it), a point of autoshard's own search space.
+Each baseline fixes what the classic strategy fixes and leaves the rest to
+the intra-op ILP:
+
+- the *storage layout* of every input (parameters, optimizer state, batch),
+  as ``IntraOpOptions.pinned_inputs``;
+- for the strategies that split the batch, that it *stays split* over their
+  data axes in every op (``IntraOpOptions.required_splits`` on every value
+  with a batch-sized dimension, found by tracing the step at twice the
+  batch): without it the solver may gather the batch and compute replicated,
+  which is not data parallelism.
+
+Given those, the solver picks every op's strategy and every reshard, so a
+baseline is the best plan of that strategy under the cost model (an
+optimistic version of it) and a point of autoshard's own search space.
 autoshard is then solved with the best baseline that fits as its ILP hint,
 so its modeled time is never worse than that baseline's.
 
 ============  ======================================================  =========================
-baseline      fixes (storage layouts)                                  left to the solver
+baseline      fixes (storage layouts; the batch stays split)          left to the solver
 ============  ======================================================  =========================
 DP            batch split on dim 0 over all mesh axes; parameters      op strategies (the
               and optimizer state replicated                           gradient all-reduce
@@ -37,7 +45,7 @@ Megatron's column/row kernels are found from the graph, or from conventional
 parameter names when the graph shows no pair (``passes/megatron.py``).
 
 Batch-size ceilings come from ``compiler/ceiling.py`` (affine memory in the
-batch, refined by tracing the step at the estimate).
+batch, refined at the estimate).
 """
 from __future__ import annotations
 
@@ -56,7 +64,7 @@ import numpy as np
 from autoshard.compiler.ceiling import BatchProbe, batch_ceiling
 from autoshard.compiler.driver import MeshLike, PlannedStep, candidate_meshes, plan_graph
 from autoshard.compiler.explain import op_explanations
-from autoshard.compiler.graph import OpGraph, Role
+from autoshard.compiler.graph import OpGraph, Role, ValueId
 from autoshard.compiler.plan import Plan
 from autoshard.compiler.spec import MeshAxes, Spec
 from autoshard.compiler.trace import trace
@@ -227,17 +235,38 @@ def _logical_mesh(mesh: MeshLike, cluster: ClusterSpec | str | None) -> LogicalM
     return candidate_meshes(mesh, spec, num)[0]
 
 
+def data_axes(graph: OpGraph, pins: Mapping[int, Spec]) -> tuple[str, ...]:
+    """The mesh axes a baseline splits the batch over (dim 0 of its batch inputs)."""
+    for i, vid in enumerate(graph.inputs):
+        if graph.values[vid].role == Role.BATCH and pins[i].dims and pins[i].dims[0]:
+            return pins[i].dims[0]
+    return ()
+
+
+def batch_splits(graph: OpGraph, batch_dims: Mapping[ValueId, tuple[int, ...]], axes: tuple[str, ...]
+                 ) -> dict[ValueId, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """``IntraOpOptions.required_splits`` that keep every batch-sized value split over ``axes``."""
+    if not axes:
+        return {}
+    inputs = set(graph.inputs)
+    return {vid: (dims, axes) for vid, dims in batch_dims.items() if dims and vid not in inputs}
+
+
 def plan_baseline(graph: OpGraph, kind: Baseline, *, mesh: MeshLike, cluster: ClusterSpec | str | None = None,
                   memory_budget: float | None = None, options: IntraOpOptions | None = None,
-                  roles: MegatronRoles | None = None, explain: bool = True) -> PlannedStep:
+                  roles: MegatronRoles | None = None, explain: bool = True,
+                  batch_dims: Mapping[ValueId, tuple[int, ...]] | None = None) -> PlannedStep:
     """The ``kind`` baseline on ``mesh`` as a Plan named after it.
 
+    ``batch_dims`` (per value, the dims that grow with the batch: ``BatchProbe.batch_dims``) keeps
+    the batch split over the baseline's data axes in every op; without it only the storage is fixed.
     Planned under the memory budget; when its layouts cannot fit, it is planned
     without one and returned with ``plan.fits`` False.
     """
     logical = _logical_mesh(mesh, cluster)
     pins = baseline_pins(graph, logical, kind, roles)
-    opts = replace(options or IntraOpOptions(), pinned_inputs=pins)
+    splits = batch_splits(graph, batch_dims, data_axes(graph, pins)) if batch_dims else {}
+    opts = replace(options or IntraOpOptions(), pinned_inputs=pins, required_splits=splits)
     try:
         return plan_graph(graph, mesh=mesh, cluster=logical.cluster, memory_budget=memory_budget, options=opts,
                           name=kind.label, explain=explain)
@@ -335,11 +364,12 @@ def compare(fn: Callable[..., Any], args: Sequence[Any], mesh: MeshLike = None,
     logical = _logical_mesh(mesh, cluster)
     budget = float(memory_budget if memory_budget is not None else logical.cluster.memory_per_device_bytes)
     roles = megatron_roles(graph)
+    batch_dims = probe.batch_dims()
     planned: dict[Baseline, PlannedStep] = {}
     for kind in baselines:
         say(f"planning {kind.label}")
         planned[kind] = plan_baseline(graph, kind, mesh=mesh, cluster=logical.cluster, memory_budget=budget,
-                                      options=options, roles=roles, explain=False)
+                                      options=options, roles=roles, explain=False, batch_dims=batch_dims)
     fitting = [p for p in planned.values() if p.plan.fits]
     best = min(fitting, key=lambda p: p.plan.step_s, default=None)
     say("planning autoshard" + (f" (hinted with {best.plan.name})" if best else ""))

@@ -165,8 +165,15 @@ def _plan_target(args: argparse.Namespace, say: Callable[[str], None]) -> Any:
     planned = plan_graph(graph, mesh=_parse_mesh(args.mesh), cluster=args.cluster, memory_budget=_budget(args),
                          num_devices=getattr(args, "devices", None), options=_options(args), timings=timings,
                          name=name)
-    origin = {"target": args.target, "config": args.config}
-    return replace(planned, plan=replace(planned.plan, origin=origin)), step, step_args
+    return replace(planned, plan=replace(planned.plan, origin=_origin(args))), step, step_args
+
+
+def _origin(args: argparse.Namespace) -> dict[str, str]:
+    """How to rebuild the step: a file target is recorded by absolute path, so `verify` works from anywhere."""
+    module, _, func = args.target.partition(":")
+    if Path(module).exists():
+        module = str(Path(module).resolve())
+    return {"target": module + (f":{func}" if func else ""), "config": args.config}
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -217,7 +224,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     _print(comparison_table(result))
     console.print(f"compared in {result.seconds:.1f}s")
     if args.out:
-        plan = replace(result.autoshard.plan, origin={"target": args.target, "config": args.config},
+        plan = replace(result.autoshard.plan, origin=_origin(args),
                        baselines=result.summary_dict())
         plan.save(args.out)
         console.print(f"autoshard's plan (with the comparison) written to {args.out}")

@@ -113,6 +113,14 @@ class BatchProbe:
                   for vid, value in self.base.values.items()}
         return replace(self.base, values=values)
 
+    def batch_dims(self) -> dict[ValueId, tuple[int, ...]] | None:
+        """Per value, the dimensions that grow with the global batch (None if that cannot be learned)."""
+        if self.batch is not None:
+            self.graph(2 * self.batch)
+        if self._per_example is None:
+            return None
+        return {vid: tuple(d for d, k in enumerate(ks) if k is not None) for vid, ks in self._per_example.items()}
+
     def graph(self, batch: int) -> OpGraph | None:
         if self.batch is None:
             return None

@@ -148,4 +148,15 @@ def flax_rules_python(data: Mapping[str, Any]) -> str:
 
 
 def dumps(data: Mapping[str, Any]) -> str:
-    return json.dumps(data, indent=1)
+    """JSON with one line per parameter path and per rule."""
+    parts = []
+    for key, value in data.items():
+        if isinstance(value, dict) and value and key != "mesh":
+            body = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in value.items())
+            parts.append(f" {json.dumps(key)}: {{\n{body}\n }}")
+        elif isinstance(value, list) and value:
+            body = ",\n".join(f"  {json.dumps(v)}" for v in value)
+            parts.append(f" {json.dumps(key)}: [\n{body}\n ]")
+        else:
+            parts.append(f" {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(parts) + "\n}"

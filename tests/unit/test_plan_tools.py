@@ -341,3 +341,20 @@ def test_verify_flags_figures_off_by_more_than_ten_percent():
     console.print(fidelity_table(report, "plan 'p' predicted vs compiled"))
     text = console.export_text()
     assert "all-gather" in text and "OFF" in text and "15.0%" in text
+
+
+def test_data_parallel_baselines_keep_the_batch_split_in_every_op(gpt_tiny):
+    from autoshard.baselines import plan_baseline
+    from autoshard.passes.intra_op import IntraOpOptions
+
+    work, graph = gpt_tiny
+    batch_dims = BatchProbe(work.step, work.args, graph).batch_dims()
+    planned = plan_baseline(graph, Baseline.DP, mesh=(2, 4), cluster="1x8-a100", explain=False,
+                            options=IntraOpOptions(time_limit_s=1.0), batch_dims=batch_dims)
+    specs = planned.result.value_specs
+    produced = {v for op in graph.ops for v in op.outputs}
+    split = [v for v in produced if batch_dims.get(v) and {"x", "y"} <= {a for d in batch_dims[v]
+                                                                      for a in specs[v].dims[d]}]
+    unsplit = [v for v in produced if batch_dims.get(v) and v not in split]
+    assert len(unsplit) < 0.02 * len(split)  # the few others follow unsplit producers (a broadcast constant)
+    assert planned.plan.ledger.collective_bytes.get("all-reduce", 0) > 0  # the gradient all-reduce
