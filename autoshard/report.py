@@ -6,9 +6,10 @@ Tables are built from plain plan data (no solving, no compiling here), so
 them in files) show one memory bar per device split by kind and, when the
 plan has pipeline stages, the schedule as a Gantt chart.
 
-Stages in a plan file are objects; the picture reads ``name``, ``forward_s``
-and ``backward_s`` (or ``time_s``, split 1:2 into forward and backward),
-``peak_memory_bytes``, ``memory_by_kind`` and ``num_devices`` when present.
+Stages are ``compiler/stage_plan.PipelineStage`` (per-microbatch time,
+split 1:2 into forward and backward; memory by kind; devices) or plain
+mappings with ``name``, ``forward_s`` and ``backward_s`` (or ``time_s``),
+``peak_memory_bytes``, ``memory_by_kind`` and ``num_devices``.
 """
 from __future__ import annotations
 
@@ -355,10 +356,23 @@ def pipeline_schedule(forward_s: Sequence[float], backward_s: Sequence[float], n
     return slots
 
 
+def stage_view(stage: Any, index: int) -> dict[str, Any]:
+    """A stage as a mapping: a ``PipelineStage`` (compiler/stage_plan.py) or a plain mapping from a plan file."""
+    if isinstance(stage, Mapping):
+        return dict(stage)
+    memory = getattr(stage, "memory", None)
+    kinds = {"param": memory.params_bytes, "grad": memory.grads_bytes, "opt_state": memory.opt_state_bytes,
+             "activation": memory.activations_bytes} if memory is not None else {}
+    return {"name": f"s{getattr(stage, 'index', index)} L{getattr(stage, 'first_layer', '?')}-"
+                    f"{getattr(stage, 'last_layer', '?')}",
+            "time_s": getattr(stage, "time_s", 0.0), "memory_by_kind": kinds,
+            "num_devices": len(getattr(stage, "device_indices", ())) or 1}
+
+
 def stage_times(plan: Plan) -> tuple[list[float], list[float]]:
     fwd, bwd = [], []
-    for stage in plan.stages:
-        data = stage if isinstance(stage, Mapping) else {}
+    for i, stage in enumerate(plan.stages):
+        data = stage_view(stage, i)
         if "forward_s" in data and "backward_s" in data:
             fwd.append(float(data["forward_s"]))
             bwd.append(float(data["backward_s"]))
@@ -375,7 +389,7 @@ def _memory_bars(plan: Plan) -> list[tuple[str, Mapping[str, float]]]:
     if plan.stages:
         device = 0
         for i, stage in enumerate(plan.stages):
-            data = stage if isinstance(stage, Mapping) else {}
+            data = stage_view(stage, i)
             kinds = data.get("memory_by_kind") or {"total": float(data.get("peak_memory_bytes", 0.0))}
             for _ in range(int(data.get("num_devices", 1))):
                 bars.append((f"dev{device}\n{data.get('name', f'stage {i}')}", kinds))
@@ -405,7 +419,8 @@ def memory_figure(plan: Plan, ax: Any = None) -> Any:
         bottom = [b + h for b, h in zip(bottom, heights)]
     if plan.memory_budget_bytes / scale < 4 * max(bottom, default=0):
         ax.axhline(plan.memory_budget_bytes / scale, color="black", linestyle="--", label="budget")
-    ax.set_xticks(range(len(bars)), [name for name, _ in bars], fontsize=7)
+    ax.set_xticks(range(len(bars)), [name for name, _ in bars], fontsize=7,
+                  rotation=90 if len(bars) > 16 else 0)
     ax.set_ylabel(f"peak memory per device ({unit})")
     ax.set_title(f"memory per device at the peak: {plan.name}")
     ax.legend(fontsize=7)

@@ -14,7 +14,13 @@ Top-level fields (version 2; version 1 files, without the fields marked v2, stil
              memory_by_kind: {param, opt_state, batch, activation, resharded, ...}, collective_bytes: {kind: bytes},
              compute_lower_bound_s}
     solver: {status, gap, solve_s, num_nodes, num_classes, num_variables, num_constraints, num_edges}
-    planning_s: {pass: seconds}   memory_budget_bytes   stages: [...]   num_microbatches   schedule
+    planning_s: {pass: seconds}   memory_budget_bytes   num_microbatches   schedule
+    stages: [{kind: "pipeline-stage", index, first_layer, last_layer, submesh, device_indices, mesh_shape,
+              axis_names, param_specs: {path: spec}, batch_specs: {path: spec}, time_s, compute_s, sync_s,
+              transfer_out_s, memory: {params_bytes, grads_bytes, opt_state_bytes, activations_bytes,
+              in_flight}, num_params}, ...]   (other objects are kept as they are)
+    pipeline: {num_microbatches, schedule, step_s, first_microbatch_latency_s, bottleneck_s,
+               bubble_fraction, layers, cost_model, intra_stage, spmd_step_s, spmd_mesh, notes} or null
     alternatives: {mesh shape: step s}
     explanations: {op index: {primitive, source, shapes, num_strategies,                              v2
                               chosen: [strategy, compute_s, comm_s, reshard_s], alternatives: [[...], ...]}}
@@ -41,6 +47,7 @@ import jax
 from autoshard.compiler.graph import OpGraph
 from autoshard.compiler.plan import Choice, Ledger, OpExplanation, Plan, SolverInfo
 from autoshard.compiler.spec import Spec
+from autoshard.compiler.stage_plan import PipelineStage, PipelineSummary, StageMemory
 from autoshard.errors import PlanMismatchError, PlanningError
 from autoshard.meshes.cluster import ClusterSpec, ClusterSpecError
 
@@ -86,13 +93,72 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
         "solver": asdict(plan.solver),
         "planning_s": dict(plan.planning_s),
         "memory_budget_bytes": plan.memory_budget_bytes,
-        "stages": list(plan.stages),
+        "stages": [_stage_json(s, i) for i, s in enumerate(plan.stages)],
+        "pipeline": _pipeline_json(plan.pipeline),
         "num_microbatches": plan.num_microbatches,
         "schedule": plan.schedule,
         "alternatives": dict(plan.alternatives),
         "explanations": {str(k): _explanation_json(e) for k, e in plan.explanations.items()},
         "baselines": {k: dict(v) for k, v in plan.baselines.items()},
     }
+
+
+def _stage_json(stage: Any, index: int) -> dict[str, Any]:
+    """A pipeline stage as JSON: PipelineStage fields with specs as lists, or a plain mapping as is."""
+    if isinstance(stage, PipelineStage):
+        data: dict[str, Any] = {"kind": "pipeline-stage"}
+        for f in dataclasses.fields(PipelineStage):
+            value = getattr(stage, f.name)
+            if f.name in ("param_specs", "batch_specs"):
+                value = {k: s.to_json() for k, s in value.items()}
+            elif isinstance(value, StageMemory):
+                value = asdict(value)
+            elif isinstance(value, tuple):
+                value = list(value)
+            data[f.name] = value
+        return data
+    if isinstance(stage, Mapping):
+        return dict(stage)
+    raise PlanFileError(f"stage {index} is a {type(stage).__name__}, which a plan file cannot hold")
+
+
+def _stage(data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise PlanFileError(f"{where}: expected an object, got {type(data).__name__}")
+    if data.get("kind") != "pipeline-stage":
+        return dict(data)
+    body = {k: v for k, v in data.items() if k != "kind"}
+    fields = _record(PipelineStage, {k: v for k, v in body.items() if k != "num_params"}, where, partial=True)
+    names = tuple(_field(body, "axis_names", list, where))
+    for key in ("param_specs", "batch_specs"):
+        fields[key] = {p: _spec(s, names, f"{where}.{key}[{p}]") for p, s in _field(body, key, dict, where).items()}
+    fields["memory"] = StageMemory(**_record(StageMemory, _field(body, "memory", dict, where), f"{where}.memory"))
+    for key in ("submesh", "device_indices", "mesh_shape", "axis_names"):
+        fields[key] = tuple(fields[key])
+    return PipelineStage(**fields, num_params=int(body.get("num_params", 0)))
+
+
+def _pipeline_json(summary: Any) -> dict[str, Any] | None:
+    if summary is None:
+        return None
+    data = asdict(summary)
+    data["notes"] = list(data.get("notes", ()))
+    return data
+
+
+def _pipeline(data: Any, where: str) -> PipelineSummary | None:
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise PlanFileError(f"{where}: expected an object, got {type(data).__name__}")
+    required = [f.name for f in dataclasses.fields(PipelineSummary)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [n for n in required if n not in data]
+    if missing:
+        raise PlanFileError(f"{where}: missing field(s) {missing}")
+    known = {f.name for f in dataclasses.fields(PipelineSummary)}
+    return PipelineSummary(**{**{k: v for k, v in data.items() if k in known},
+                              "notes": tuple(data.get("notes", ()))})
 
 
 def _choice_json(c: Choice) -> list[Any]:
@@ -219,7 +285,8 @@ def plan_from_json(data: Any, source: str = "plan") -> Plan:
         ledger=ledger, solver=solver, planning_s=dict(data.get("planning_s", {})),
         memory_budget_bytes=float(_field(data, "memory_budget_bytes", (int, float), source)),
         num_ops=int(_field(sig, "num_ops", int, f"{source}: signature")), name=str(data.get("name", "plan")),
-        stages=tuple(data.get("stages", ())), num_microbatches=int(data.get("num_microbatches", 1)),
+        stages=tuple(_stage(s, f"{source}: stages[{i}]") for i, s in enumerate(data.get("stages", ()))),
+        pipeline=_pipeline(data.get("pipeline"), f"{source}: pipeline"), num_microbatches=int(data.get("num_microbatches", 1)),
         schedule=str(data.get("schedule", "spmd")), alternatives=dict(data.get("alternatives", {})),
         output_reshards=out_reshards, output_shapes=output_shapes, in_tree=str(sig.get("in_tree", "")),
         explanations={int(k): _explanation(v, f"{source}: explanations[{k}]")
@@ -229,9 +296,13 @@ def plan_from_json(data: Any, source: str = "plan") -> Plan:
     )
 
 
-def _record(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """The fields of dataclass ``cls`` from ``data``, each present and of a plausible type."""
-    names = [f.name for f in dataclasses.fields(cls)]
+def _record(cls: type, data: Mapping[str, Any], where: str, *, partial: bool = False) -> dict[str, Any]:
+    """The fields of dataclass ``cls`` from ``data``, each present and of a plausible type.
+
+    ``partial``: only the number, string and mapping fields are type-checked (the caller converts the rest).
+    """
+    names = [f.name for f in dataclasses.fields(cls)
+             if not (partial and f.default is not dataclasses.MISSING)]
     missing = [n for n in names if n not in data]
     if missing:
         raise PlanFileError(f"{where}: missing field(s) {missing}")
@@ -239,6 +310,10 @@ def _record(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]:
     if unknown:
         raise PlanFileError(f"{where}: unknown field(s) {unknown}; this autoshard knows {names}")
     for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        if partial and str(f.type) not in ("float", "int", "str") and "Mapping" not in str(f.type):
+            continue
         value = data[f.name]
         expected = (dict,) if "Mapping" in str(f.type) else (str,) if f.type in ("str", str) else (int, float)
         if not isinstance(value, expected) or isinstance(value, bool):

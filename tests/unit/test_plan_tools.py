@@ -66,6 +66,35 @@ def test_plan_file_round_trip_keeps_every_field(gpt_tiny, tmp_path):
     assert data["signature"]["in_tree"].startswith("PyTreeDef")
 
 
+def _pipeline_stages(graph) -> tuple:
+    from autoshard.compiler.stage_plan import PipelineStage, StageMemory
+
+    params = [graph.values[v].path for v in graph.inputs if graph.values[v].role == Role.PARAM]
+    return tuple(PipelineStage(
+        index=s, first_layer=s, last_layer=s, submesh=(1, 4), device_indices=tuple(range(4 * s, 4 * s + 4)),
+        mesh_shape=(4,), axis_names=("dp",), param_specs={p: Spec.replicated(1) for p in params[:2]},
+        batch_specs={"[2]['tokens']": Spec((("dp",), ()))}, time_s=3e-3, compute_s=2e-3, sync_s=1e-4,
+        transfer_out_s=1e-4 if s == 0 else 0.0, memory=StageMemory(1e6, 1e6, 2e6, 3e6, 2 - s), num_params=2)
+        for s in range(2))
+
+
+def test_pipeline_plan_file_round_trip(gpt_tiny, tmp_path):
+    from autoshard.compiler.stage_plan import PipelineSummary
+
+    summary = PipelineSummary(num_microbatches=4, schedule="1f1b", step_s=0.02, first_microbatch_latency_s=6e-3,
+                              bottleneck_s=3e-3, bubble_fraction=0.2, layers=2, cost_model="roofline",
+                              intra_stage="data parallel", spmd_step_s=0.03, spmd_mesh="2x4", notes=("n",))
+    plan = dataclasses.replace(hand_plan(gpt_tiny[1]), stages=_pipeline_stages(gpt_tiny[1]), pipeline=summary,
+                               num_microbatches=4, schedule="1f1b")
+    plan.save(tmp_path / "plan.json")
+    assert load_plan(tmp_path / "plan.json") == plan
+    data = json.loads((tmp_path / "plan.json").read_text())
+    data["stages"][1]["param_specs"]["[0]['lm_head']['bias']"] = [["tp"]]
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    with pytest.raises(PlanFileError, match=r"stages\[1\]\.param_specs.*mesh axes \['tp'\] not in the plan's mesh"):
+        load_plan(tmp_path / "plan.json")
+
+
 def test_loading_a_plan_for_a_wider_model_names_the_parameter_and_both_shapes(tmp_path):
     small = gpt.workload("small", abstract=True)
     hand_plan(trace(small.step, *small.args)).save(tmp_path / "plan.json")
@@ -308,9 +337,7 @@ def test_pipeline_schedule_hand_worked():
 
 
 def test_explain_cli_tables_and_pictures(gpt_tiny, tmp_path, capsys):
-    stages = ({"name": "s0", "forward_s": 1e-3, "backward_s": 2e-3, "num_devices": 4,
-               "memory_by_kind": {"param": 1e6, "activation": 2e6}},
-              {"name": "s1", "time_s": 3e-3, "num_devices": 4, "peak_memory_bytes": 2.5e6})
+    stages = _pipeline_stages(gpt_tiny[1])
     row = {"peak_memory_bytes": 1e6, "batch_ceiling": 4096, "speedup": 1.0}
     baselines = {"autoshard": {**row, "step_s": 1e-3, "fits": True}, "DP": {**row, "step_s": 2e-3, "fits": True},
                  "FSDP/ZeRO-3": {**row, "step_s": 1.5e-3, "fits": False, "batch_ceiling": None}}
