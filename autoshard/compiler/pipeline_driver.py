@@ -30,17 +30,18 @@ from autoshard.compiler.stage_plan import PipelineStage, PipelineSummary, StageM
 from autoshard.compiler.trace import trace
 from autoshard.errors import InfeasibleMemoryError, PlanningError
 from autoshard.meshes.cluster import ClusterSpec, get_cluster
-from autoshard.passes.inter_op import InterOpOptions, PricedProblem, place_stages, price_stages
+from autoshard.compiler.trace import trace_jaxpr
+from autoshard.passes.inter_op import InterOpOptions, LayerWork, PricedProblem, place_stages, price_stages
 from autoshard.passes.intra_op import IntraOpOptions
 from autoshard.passes.layers import (Layer, StepParts, batch_inputs, cluster_layers, microbatch_shapes,
                                      same_structure, split_step)
 from autoshard.passes.stages import StageInfeasibleError, StagePlan, solve_stages
-from autoshard.runtime.pipeline import PipelineError, PipelineStep, StageLayout
+from autoshard.runtime.pipeline import PipelineError, PipelineStep, StageLayout, StageProgram, stage_programs
 
 log = logging.getLogger(__name__)
 
-COST_MODEL = ("dp: per-op roofline of the forward x 3 (backward = 2 forwards, residuals kept), gradient "
-              "all-reduce + optimizer once per step, activation transfers both ways")
+COST_MODEL = ("dp: per-op rooflines of each layer's traced forward + backward at the device's batch share "
+              "(residuals kept), gradient all-reduce + optimizer once per step, activation transfers both ways")
 INTRA_STAGE = "data parallel: parameters replicated, batch and activations split on their leading dim"
 
 
@@ -124,7 +125,10 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
     inter = InterOpOptions(schedule=schedule, num_stages=num_stages, num_microbatches=num_microbatches,
                            memory_budget_bytes=budget, min_stages=2 if num_stages is None else 1)
     t0 = time.perf_counter()
-    priced = price_stages(layers, leaf_bytes, 0.0, spec, num_devices, global_batch, opt_ratio, inter)
+    work = layer_work(fn, args, parts, layers, split, global_batch)
+    apply_s = leaf_apply_s(parts, spec)
+    priced = price_stages(layers, leaf_bytes, 0.0, spec, num_devices, global_batch, opt_ratio, inter, work,
+                          apply_s)
     timings["pricing"] = time.perf_counter() - t0
 
     spmd: PlannedStep | None = None
@@ -162,6 +166,83 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
     piped = PipelinePlanned(plan, fn, tuple(in_leaves), parts, layers, stage_plan, layouts, split, in_tree, out_tree,
                             tuple(jax.tree_util.keystr(p) for p, _ in out_with_path), priced)
     return (piped, spmd) if keep_both else piped
+
+
+def layer_work(fn: Callable[..., Any], args: Sequence[Any], parts: StepParts, layers: Sequence[Layer],
+               split: Sequence[bool], global_batch: int) -> list[LayerWork] | None:
+    """Each layer's forward + backward graph, traced at the full batch and at batch / r (r the smallest
+    divisor > 1), per op split into a fixed part and a part proportional to the batch. Equal layers
+    (structural hash) are traced once. None when the two traces differ (then the planner falls back to
+    3x the forward)."""
+    ratio = next((r for r in range(2, global_batch + 1) if global_batch % r == 0), None)
+    if ratio is None:
+        return None
+    leaves, in_tree = jax.tree_util.tree_flatten(tuple(args))
+    shapes = microbatch_shapes(leaves, split, ratio)
+    small = split_step(jax.make_jaxpr(lambda *flat: fn(*jax.tree_util.tree_unflatten(in_tree, flat)))(*shapes))
+    if small is None or not same_structure(parts.forward, small.forward):
+        return None
+    ranges = [(i, i) for i in range(len(layers))]
+    try:
+        big_programs = stage_programs(parts.forward, layers, ranges)
+        small_programs = stage_programs(small.forward, layers, ranges)
+    except PipelineError:
+        return None
+    cache: dict[str, LayerWork] = {}
+    out = []
+    for layer, big, little in zip(layers, big_programs, small_programs):
+        if layer.structure not in cache:
+            full, part = _train_costs(parts, big), _train_costs(small, little)
+            if full.shape != part.shape:
+                part = full / ratio  # different op lists: treat everything as proportional to the batch
+            scaled = np.clip((full - part) * ratio / (ratio - 1), 0.0, None)
+            fixed = np.clip(full - scaled, 0.0, None)
+            cache[layer.structure] = LayerWork(fixed[:, 0], scaled[:, 0], fixed[:, 1], scaled[:, 1])
+        out.append(cache[layer.structure])
+    return out
+
+
+def leaf_apply_s(parts: StepParts, cluster: ClusterSpec) -> list[float]:
+    """Per loss-argument leaf: seconds of the optimizer ops that read its gradient (per-op rooflines, the
+    intra-op pass's compute model, replicated as in data parallelism); ops reading none are not counted."""
+    graph = trace_jaxpr(jax.extend.core.ClosedJaxpr(parts.update, []))
+    first = parts.num_consts + parts.num_inputs + 1
+    deps: dict[int, int] = {v: 1 << (k - first) for k, v in enumerate(graph.inputs) if k >= first}
+    cost = [0.0] * len(parts.forward.invars)
+    peak = cluster.peak_flops("float32")
+    for op in graph.ops:
+        mask = 0
+        for v in op.inputs:
+            mask |= deps.get(v, 0)
+        for v in op.outputs:
+            deps[v] = mask
+        owners = [g for g in range(parts.num_grads) if mask >> g & 1]
+        if owners:
+            seconds = max(op.flops / peak, op.bytes_accessed / cluster.memory_bandwidth_bytes_per_s)
+            for g in owners:
+                cost[parts.grad_for_leaf[g]] += seconds / len(owners)
+    return cost
+
+
+def _train_costs(parts: StepParts, program: StageProgram) -> np.ndarray:
+    """[ops, 2] (flops, bytes) of the program's forward + backward (vjp) graph."""
+    fwd = parts.forward
+    run = program.function(fwd)
+
+    def aval(v: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(fwd.avals[v].shape, fwd.avals[v].dtype)
+
+    params = [aval(fwd.invars[k]) for k in program.param_leaves]
+    data = [aval(fwd.invars[k]) for k in program.data_leaves]
+    acts = [aval(v) for v in program.in_acts]
+    cts = [aval(v) for v in program.out_acts]
+
+    def train(pr: list[Any], d: list[Any], ac: list[Any], ct: list[Any]) -> Any:
+        out, pullback = jax.vjp(lambda p_, a_: run(p_, d, a_), pr, ac)
+        return out, pullback(ct)
+
+    graph = trace_jaxpr(jax.make_jaxpr(train)(params, data, acts, cts))
+    return np.array([(op.flops, op.bytes_accessed) for op in graph.ops], dtype=float).reshape(-1, 2)
 
 
 def _build_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer], sp: StagePlan,

@@ -7,15 +7,18 @@ Stages are placed on devices in stage order, first fit (:func:`place_stages`).
 Cost model (the ``"dp"`` model: what ``runtime/pipeline.py`` runs — data
 parallel inside a stage, forward residuals kept for the backward, or the
 forward recomputed with ``recompute=True``). For layers
-i..j with forward time R (the sum of per-op rooflines max(flops / peak,
-bytes / HBM bandwidth), the intra-op planner's compute model), parameter
-bytes P and activation bytes A (all at the full batch, one device), on a sub-mesh of n devices with B microbatches of size
+i..j with forward + backward time W(share) on a device that computes
+``share`` of the batch (the sum of per-op rooflines max(flops / peak,
+bytes / HBM bandwidth) over the layers' traced forward and backward graphs,
+the intra-op planner's compute model; weights read and weight gradients
+written do not shrink with the share), forward time R, parameter bytes P and
+activation bytes A (at the full batch), on a sub-mesh of n devices with B microbatches of size
 m = batch / B (n' = n when n divides m, else 1: the runtime then replicates
 the microbatch)::
 
-    compute  = c * R / (B n')       c = 4 with recompute, 3 without (backward = 2 forwards)
-    sync     = all-reduce of P over the sub-mesh                once per step
-    apply    = (3 + 2 r) * P / HBM bandwidth                    once per step, r = optimizer bytes / P
+    compute  = W(1 / (B n')) [+ R / (B n') with recompute]
+    sync     = all-reduce of each parameter's gradient over the sub-mesh     once per step
+    apply    = per-op rooflines of the optimizer's update of those leaves   once per step
     t        = compute + (sync + apply) / B                     per microbatch
 
 Spreading the once-per-step terms over the B microbatches is exact for one
@@ -89,6 +92,26 @@ def cross_mesh_send_s(cluster: ClusterSpec, nbytes: float, src_devices: int, dst
 
 
 @dataclass(frozen=True)
+class LayerWork:
+    """Per op of one layer's forward + backward graph: FLOPs and bytes as w + a * share.
+
+    ``share`` is the fraction of the full batch one device computes (1 / (B n')); the fixed
+    parts (weights read, weight gradients written) do not shrink with it. Obtained by tracing the
+    layer at two batch sizes (see ``compiler/pipeline_driver.py``).
+    """
+
+    flops_fixed: np.ndarray
+    flops_scaled: np.ndarray
+    bytes_fixed: np.ndarray
+    bytes_scaled: np.ndarray
+
+    def time_s(self, share: float, peak_flops: float, memory_bandwidth: float) -> float:
+        """Sum of per-op rooflines, the intra-op pass's compute model, at this batch share."""
+        return float(np.maximum((self.flops_fixed + self.flops_scaled * share) / peak_flops,
+                                (self.bytes_fixed + self.bytes_scaled * share) / memory_bandwidth).sum())
+
+
+@dataclass(frozen=True)
 class PricedProblem:
     """The DP's arrays plus the breakdowns the Plan reports."""
 
@@ -101,42 +124,64 @@ class PricedProblem:
 
 def price_stages(layers: Sequence[Layer], param_leaf_bytes: Sequence[float], input_bytes: float,
                  cluster: ClusterSpec, num_devices: int, global_batch: int, opt_ratio: float,
-                 options: InterOpOptions) -> PricedProblem:
-    """Fill a StageProblem with the ``"dp"`` cost model (module docstring)."""
+                 options: InterOpOptions, work: Sequence[LayerWork] | None = None,
+                 leaf_apply_s: Sequence[float] | None = None) -> PricedProblem:
+    """Fill a StageProblem with the ``"dp"`` cost model (module docstring).
+
+    ``work`` (per layer, its traced forward + backward): compute is the sum of its per-op rooflines
+    at the device's batch share; without it, 3x the forward's rooflines with every byte shrinking.
+    ``leaf_apply_s`` (per loss-argument leaf): the optimizer's per-op rooflines for that parameter;
+    without it, (3 + 2 r) P / HBM bandwidth. Gradients are all-reduced leaf by leaf, as the intra-op
+    pass prices a data-parallel step.
+    """
     num_layers = len(layers)
     subs = options.submeshes or submesh_candidates(cluster, num_devices)
     bs = microbatch_choices(global_batch, options.max_microbatches)
     if options.num_microbatches is not None and options.num_microbatches not in bs:
         bs = tuple(sorted({*bs, options.num_microbatches}))
     peak = cluster.peak_flops(options.dtype)
-    flops = np.array([layer.roofline_s(peak, cluster.memory_bandwidth_bytes_per_s) for layer in layers])
+    bandwidth = cluster.memory_bandwidth_bytes_per_s
+    flops = np.array([layer.roofline_s(peak, bandwidth) for layer in layers])
     acts = np.array([layer.act_bytes for layer in layers])
     cum_f, cum_a = np.concatenate([[0], np.cumsum(flops)]), np.concatenate([[0], np.cumsum(acts)])
     in_bytes = [input_bytes] + [layer.out_bytes for layer in layers[:-1]]
     params = np.zeros((num_layers, num_layers))
+    leaf_sets: dict[tuple[int, int], np.ndarray] = {}
+    leaf_bytes = np.asarray(param_leaf_bytes, dtype=float)
+    apply_s = (np.asarray(leaf_apply_s, dtype=float) if leaf_apply_s is not None
+               else (3 + 2 * opt_ratio) * leaf_bytes / cluster.memory_bandwidth_bytes_per_s)
     for i in range(num_layers):
         leaves: set[int] = set()
         for j in range(i, num_layers):
             leaves.update(layers[j].param_leaves)
-            params[i, j] = sum(param_leaf_bytes[k] for k in leaves)
+            leaf_sets[i, j] = np.array(sorted(leaves), dtype=int)
+            params[i, j] = float(leaf_bytes[leaf_sets[i, j]].sum())
     shape4 = (num_layers, num_layers, len(subs), len(bs))
     comp = np.full(shape4, np.inf)
     act = np.zeros(shape4)
     sync = np.full(shape4[:3], np.inf)
     mult = 4.0 if options.recompute else 3.0
+    layer_time: dict[int, np.ndarray] = {}  # B n' -> per-layer forward + backward seconds
+    if work is not None:
+        shares = {b * (n * p if (global_batch // b) % (n * p) == 0 else 1) for b in bs for n, p in subs}
+        layer_time = {d: np.array([w.time_s(1.0 / d, peak, bandwidth) for w in work]) for d in shares}
     for k, (nodes, per) in enumerate(subs):
         n = nodes * per
         mesh = make_logical_mesh(cluster, (n,), device_indices=tuple(range(n))) if nodes == 1 else \
             make_logical_mesh(cluster, (nodes, per), device_indices=tuple(range(n)))
+        leaf_sync = np.array([all_reduce_s(mesh, mesh.axis_names, x) if x > 0 else 0.0 for x in leaf_bytes])
+        leaf_sync += apply_s
         for i in range(num_layers):
             for j in range(i, num_layers):
-                p = params[i, j]
-                sync[i, j, k] = (all_reduce_s(mesh, mesh.axis_names, p)
-                                 + (3 + 2 * opt_ratio) * p / cluster.memory_bandwidth_bytes_per_s)
+                sync[i, j, k] = float(leaf_sync[leaf_sets[i, j]].sum())
                 f, a = cum_f[j + 1] - cum_f[i], cum_a[j + 1] - cum_a[i]
                 for b, big_b in enumerate(bs):
                     split = n if (global_batch // big_b) % n == 0 else 1
-                    comp[i, j, k, b] = mult * f / (big_b * split)
+                    if work is None:
+                        comp[i, j, k, b] = mult * f / (big_b * split)
+                    else:
+                        comp[i, j, k, b] = float(layer_time[big_b * split][i:j + 1].sum()) + (
+                            f / (big_b * split) if options.recompute else 0.0)
                     act[i, j, k, b] = (in_bytes[i] + a) / (big_b * split)
     time = comp + sync[..., None] / np.array(bs, dtype=float)
     pbytes = np.broadcast_to((params * (2 + opt_ratio))[:, :, None], shape4[:3]).copy()

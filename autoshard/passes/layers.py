@@ -161,8 +161,9 @@ def split_step(closed: Any, in_tree: Any = None) -> StepParts | None:
         raise PlanningError(f"autoshard.value_and_grad gave {num_grads} gradients for {len(grad_for_leaf)} "
                             "differentiated leaves")
     rest = [e for j, e in enumerate(jaxpr.eqns) if j != k]
+    info = jaxpr.debug_info._replace(arg_names=None, result_paths=None) if jaxpr.debug_info else None
     update = jcore.Jaxpr([], [*jaxpr.constvars, *jaxpr.invars, *eqn.outvars], list(jaxpr.outvars), rest,
-                         jaxpr.effects, None)
+                         jaxpr.effects, info)
     return StepParts(closed, argnums, leaf_counts, forward, tuple(operand_inputs), tuple(operand_consts), update,
                      len(jaxpr.constvars), len(jaxpr.invars), grad_for_leaf)
 

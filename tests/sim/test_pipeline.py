@@ -83,3 +83,24 @@ def test_adamw_pipeline_loss_and_first_moment(work, devices8):
         assert _rel(loss, ref_loss) <= 1e-5
         if k == 0:
             _assert_leaves_close(state[1][0].mu, ref[1][0].mu, "mu")
+
+
+# A GPT whose SPMD plan on two nodes is dominated by gradient traffic over 25 Gbit/s, cheap enough to plan
+# here (the gpt-medium comparison is benchmarks/pipeline_vs_spmd.py).
+COMM_BOUND = gpt.Config(vocab_size=4096, seq_len=256, d_model=512, num_heads=8, num_layers=2, batch_size=128)
+
+
+@pytest.mark.slow
+def test_planner_pipelines_across_slow_nodes_and_keeps_spmd_on_nvlink():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import pipeline_vs_spmd as bench
+
+    gpt.CONFIGS["comm-bound"] = COMM_BOUND
+    two = bench.compare("comm-bound", "2x8-a100", time_limit_s=1.0)
+    assert two["chosen"] == "pipeline" and len(two["pipeline"].stages) >= 2
+    assert two["pipeline_s"] < two["spmd_s"]
+    one = bench.compare("comm-bound", "1x8-a100", time_limit_s=1.0)
+    assert one["chosen"] == "spmd" and one["spmd_s"] <= one["pipeline_s"]

@@ -1,0 +1,149 @@
+"""Pipeline pieces without running a pipeline: schedules, transfers, step splitting, layers, errors."""
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autoshard
+from autoshard.meshes.cluster import PRESETS
+from autoshard.passes.inter_op import cross_mesh_send_s, submesh_candidates
+from autoshard.passes.layers import batch_inputs, cluster_layers, split_step
+from autoshard.passes.stages import StageInfeasibleError
+from autoshard.runtime.pipeline import PipelineError, assign_outputs, schedule_actions
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_schedules_run_every_action_once_in_dependency_order(schedule):
+    for stages, micro in itertools.product(range(1, 5), range(1, 6)):
+        order = schedule_actions(schedule, stages, micro)
+        assert sorted(order) == sorted((k, s, m) for k in "FB" for s in range(stages) for m in range(micro))
+        at = {a: i for i, a in enumerate(order)}
+        for s, m in itertools.product(range(stages), range(micro)):
+            if s > 0:
+                assert at[("F", s - 1, m)] < at[("F", s, m)]
+            assert at[("F", s, m)] < at[("B", s, m)]
+            if s + 1 < stages:
+                assert at[("B", s + 1, m)] < at[("B", s, m)]
+        # microbatches whose activations a stage holds: 1F1B keeps at most S - s, GPipe up to B
+        for s in range(stages):
+            live = peak = 0
+            for kind, st, _ in order:
+                if st == s:
+                    live += 1 if kind == "F" else -1
+                    peak = max(peak, live)
+            assert peak == (micro if schedule == "gpipe" else min(stages - s, micro))
+
+
+def test_cross_mesh_send_prices_send_once_then_all_gather():
+    cluster = PRESETS["2x8-a100"]
+    nbytes = 64e6
+    split = cross_mesh_send_s(cluster, nbytes, 8, 8, cross_node=True, dst_replicated=False)
+    assert split == pytest.approx(nbytes / 8 / cluster.inter_node.bandwidth_bytes_per_s + cluster.inter_node.latency_s)
+    # a replicated destination: each device pulling the whole tensor over the slow link costs 8x more
+    # than sending it once (split) and all-gathering over NVLink
+    direct = nbytes / cluster.inter_node.bandwidth_bytes_per_s + cluster.inter_node.latency_s
+    once = cross_mesh_send_s(cluster, nbytes, 8, 8, cross_node=True, dst_replicated=True)
+    gather = 7 / 8 * nbytes / cluster.intra_node.bandwidth_bytes_per_s + 7 * cluster.intra_node.latency_s
+    assert once == pytest.approx(split + gather) and once < direct / 4
+    assert cross_mesh_send_s(cluster, 0.0, 8, 8, cross_node=True, dst_replicated=True) == 0.0
+
+
+def test_submesh_candidates_include_uneven_widths_and_whole_nodes():
+    assert submesh_candidates(PRESETS["2x8-a100"], 16) == tuple((1, d) for d in range(1, 9)) + ((2, 8),)
+    assert submesh_candidates(PRESETS["cpu-8"], 6) == tuple((1, d) for d in range(1, 7))
+
+
+def _mlp_loss(params, batch):
+    x = batch["x"]
+    for i, w in enumerate(params["w"]):
+        x = jnp.tanh(x @ w)
+        if i < len(params["w"]) - 1:
+            x = autoshard.layer_boundary(x)
+    return jnp.mean((x - batch["y"]) ** 2)
+
+
+def _mlp_args(depth=4, width=8, batch=12):
+    keys = jax.random.split(jax.random.key(0), depth + 2)
+    params = {"w": [jax.random.normal(k, (width, width)) / 3 for k in keys[:depth]]}
+    data = {"x": jax.random.normal(keys[-2], (batch, width)), "y": jax.random.normal(keys[-1], (batch, width))}
+    return params, data
+
+
+def _step(tx, loss_fn=_mlp_loss, marker=True):
+    vag = autoshard.value_and_grad if marker else jax.value_and_grad
+
+    def step(params, opt_state, batch):
+        loss, grads = vag(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def test_split_step_recovers_the_loss_and_the_layer_markers():
+    params, data = _mlp_args()
+    tx = optax.sgd(0.1)
+    closed = jax.make_jaxpr(_step(tx))(params, tx.init(params), data)
+    parts = split_step(closed)
+    assert parts is not None and parts.num_grads == 4 and parts.forward.diff == (True,) * 4 + (False, False)
+    fwd = parts.forward
+    env = dict(fwd.consts)
+    env.update(zip(fwd.invars, [*params["w"], data["x"], data["y"]]))
+    fwd.run(range(len(fwd.eqns)), env)
+    np.testing.assert_allclose(env[fwd.outvar], _mlp_loss(params, data), rtol=1e-6)
+    layers = cluster_layers(fwd)  # the three markers decide: four layers, one weight each
+    assert [layer.param_leaves for layer in layers] == [(0,), (1,), (2,), (3,)]
+    assert all(layer.out_bytes == 12 * 8 * 4 for layer in layers[:-1])
+    assert batch_inputs(parts) == (12, (False,) * 4 + (True, True))
+    assert split_step(jax.make_jaxpr(_step(tx, marker=False))(params, tx.init(params), data)) is None
+
+
+def test_auto_layers_balance_flops_and_cut_where_little_crosses():
+    def loss(params, batch):
+        x = batch["x"]
+        for w in params["w"]:
+            x = jnp.tanh(x @ w) + x  # residual: only x crosses between blocks
+        return jnp.mean(x ** 2)
+
+    params, data = _mlp_args(depth=6)
+    tx = optax.sgd(0.1)
+    parts = split_step(jax.make_jaxpr(_step(tx, loss))(params, tx.init(params), data))
+    layers = cluster_layers(parts.forward, 3)
+    assert [layer.param_leaves for layer in layers] == [(0, 1), (2, 3), (4, 5)]
+    assert layers[0].structure == layers[1].structure != layers[2].structure
+
+
+def test_optimizer_coupling_stages_is_refused():
+    params, data = _mlp_args()
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+    closed, out = jax.make_jaxpr(_step(tx), return_shape=True)(params, tx.init(params), data)
+    parts = split_step(closed)
+    with pytest.raises(PipelineError, match="couples parameters across stages"):
+        assign_outputs(parts, [0, 0, 1, 1], ())
+    # per-leaf optimizers split cleanly: each new weight belongs to its gradient's stage
+    tx = optax.adamw(1e-3)
+    parts = split_step(jax.make_jaxpr(_step(tx))(params, tx.init(params), data))
+    stages = assign_outputs(parts, [0, 0, 1, 1], ())
+    assert stages[:4] == [0, 0, 1, 1]
+
+
+def test_budget_too_small_names_the_stage_and_its_memory():
+    params, data = _mlp_args(width=64, batch=16)
+    tx = optax.adam(1e-3)
+    shapes = jax.eval_shape(lambda: (params, tx.init(params), data))
+    with pytest.raises(StageInfeasibleError, match=r"stage \d of 2 \(layers \d\.\.\d.*needs [\d.e+]+ bytes per device"
+                       ) as info:
+        autoshard.plan(_step(tx), *shapes, num_stages=2, num_microbatches=1, memory_budget=1000.0, cluster="cpu-8")
+    assert info.value.required_bytes > 1000.0 and info.value.stage is not None
+
+
+def test_forced_stage_count_without_marker_says_what_to_use():
+    params, data = _mlp_args()
+    tx = optax.sgd(0.1)
+    with pytest.raises(autoshard.PlanningError, match="autoshard.value_and_grad"):
+        autoshard.plan(_step(tx, marker=False), params, tx.init(params), data, num_stages=2)
