@@ -62,8 +62,9 @@ class PipelinePlanned:
     out_paths: tuple[str, ...]
     priced: PricedProblem
 
-    def runtime(self, devices: Sequence[jax.Device] | None = None) -> PipelineStep:
-        """Trace the step at one microbatch and build the stage executables."""
+    def runtime(self, devices: Sequence[jax.Device] | None = None, **step_options: Any) -> PipelineStep:
+        """Trace the step at one microbatch and build the stage executables (``step_options``: PipelineStep's
+        ``recompute``, ``compiler_options``)."""
         big_b = self.stage_plan.num_microbatches
         shapes = microbatch_shapes(self.arg_leaves, self.split_inputs, big_b)
         fn, in_tree = self.fn, self.in_tree
@@ -74,7 +75,7 @@ class PipelinePlanned:
                                 f"(batch / {big_b}); a pipeline needs shape-independent loss code")
         return PipelineStep(parts, self.layers, self.layouts, big_b, self.stage_plan.schedule,
                             split_inputs=self.split_inputs, in_tree=self.in_tree, out_tree=self.out_tree,
-                            out_paths=self.out_paths, devices=devices)
+                            out_paths=self.out_paths, devices=devices, **step_options)
 
 
 def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike = None,

@@ -287,7 +287,7 @@ class PipelineStep:
     def __init__(self, parts: StepParts, layers: Sequence[Layer], stages: Sequence[StageLayout],
                  num_microbatches: int, schedule: Schedule, *, split_inputs: Sequence[bool], in_tree: Any,
                  out_tree: Any, out_paths: Sequence[str] = (), devices: Sequence[jax.Device] | None = None,
-                 recompute: bool = False) -> None:
+                 recompute: bool = False, compiler_options: dict[str, Any] | None = None) -> None:
         """``parts`` is the step traced at one microbatch (batch leaves cut to 1/B, see
         ``layers.microbatch_shapes``); ``layers`` index its forward equations; ``split_inputs`` marks the
         flat step inputs that are batch leaves, split into ``num_microbatches`` slices."""
@@ -302,6 +302,7 @@ class PipelineStep:
         self.actions = schedule_actions(schedule, len(stages), self.num_microbatches)
         self.split_inputs = tuple(bool(x) for x in split_inputs)
         self.recompute = recompute
+        self._jit_options: dict[str, Any] = {"compiler_options": dict(compiler_options)} if compiler_options else {}
         # gradient owners: the first stage that reads each differentiated leaf (stage 0 if none does)
         readers: dict[int, list[int]] = {}
         for p in self.programs:
@@ -338,13 +339,13 @@ class PipelineStep:
             last = p.index == num_stages - 1
             outs = [rep] if last else [self._act_sharding(p.index, v) for v in p.out_acts]
             if self.recompute or last:
-                self.fwd_fns.append(jax.jit(run, in_shardings=(ps, ds, ins), out_shardings=outs))
+                self.fwd_fns.append(jax.jit(run, in_shardings=(ps, ds, ins), out_shardings=outs, **self._jit_options))
             else:
                 def fwd_keep(params, data, acts, run=run):
                     out, pullback = jax.vjp(lambda pr, ac: run(pr, data, ac), params, acts)
                     return out, pullback
 
-                self.fwd_fns.append(jax.jit(fwd_keep, in_shardings=(ps, ds, ins)))
+                self.fwd_fns.append(jax.jit(fwd_keep, in_shardings=(ps, ds, ins), **self._jit_options))
 
             if last:
                 def bwd(params, data, acts, acc, loss_acc, run=run):
@@ -354,7 +355,8 @@ class PipelineStep:
                     return acc, dacts, loss_acc + loss * scale
 
                 self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, ps, rep),
-                                            out_shardings=(ps, ins, rep), donate_argnums=(3, 4)))
+                                            out_shardings=(ps, ins, rep), donate_argnums=(3, 4),
+                                            **self._jit_options))
             elif self.recompute:
                 def bwd(params, data, acts, cts, acc, run=run):
                     _, vjp = jax.vjp(lambda pr, ac: run(pr, data, ac), params, acts)
@@ -362,13 +364,14 @@ class PipelineStep:
                     return [a + g for a, g in zip(acc, dparams)], dacts
 
                 self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, outs, ps),
-                                            out_shardings=(ps, ins), donate_argnums=(4,)))
+                                            out_shardings=(ps, ins), donate_argnums=(4,),
+                                            **self._jit_options))
             else:
                 def bwd_keep(pullback, cts, acc):
                     dparams, dacts = pullback(cts)
                     return [a + g for a, g in zip(acc, dparams)], dacts
 
-                self.bwd_fns.append(jax.jit(bwd_keep, out_shardings=(ps, ins), donate_argnums=(2,)))
+                self.bwd_fns.append(jax.jit(bwd_keep, out_shardings=(ps, ins), donate_argnums=(2,), **self._jit_options))
         self._build_apply()
 
     def _build_apply(self) -> None:
@@ -384,8 +387,7 @@ class PipelineStep:
             sub, used = jx
             used_idx = tuple(i for i, u in enumerate(used) if u)
             closed = jcore.ClosedJaxpr(sub, [])
-            fn = jax.jit(jcore.jaxpr_as_fun(closed),
-                         out_shardings=_replicated(self.meshes[s]))
+            fn = jax.jit(jcore.jaxpr_as_fun(closed), out_shardings=_replicated(self.meshes[s]), **self._jit_options)
             self.apply_fns.append((fn, used_idx, outs))
 
     # ---- running ---------------------------------------------------------

@@ -48,24 +48,34 @@ def work():
     return gpt.workload(CONFIG)
 
 
-@pytest.mark.parametrize("stages, schedule, microbatches", CASES,
-                         ids=[f"{s}stages-{sch}-B{b}" for s, sch, b in CASES])
-def test_sgd_pipeline_matches_one_device(work, stages, schedule, microbatches, devices8):
+@pytest.fixture(scope="module")
+def sgd_reference(work):
+    """Losses and parameters of 3 SGD steps on one device (computed once for every case)."""
     params, _, batch = work.args
     tx = optax.sgd(0.1)
-    step = marked_step(work.loss_fn, tx)
-    piped = autoshard.autoshard(step, num_stages=stages, num_microbatches=microbatches, schedule=schedule)
-    reference = jax.jit(step)
-    ref = (params, tx.init(params))
-    state = ref
+    reference = jax.jit(marked_step(work.loss_fn, tx))
+    state, losses = (params, tx.init(params)), []
     for _ in range(3):
-        *ref, ref_loss = reference(*ref, batch)
+        *state, loss = reference(*state, batch)
+        losses.append(float(loss))
+    return tx, losses, state[0]
+
+
+@pytest.mark.parametrize("stages, schedule, microbatches", CASES,
+                         ids=[f"{s}stages-{sch}-B{b}" for s, sch, b in CASES])
+def test_sgd_pipeline_matches_one_device(work, sgd_reference, stages, schedule, microbatches, devices8):
+    params, _, batch = work.args
+    tx, ref_losses, ref_params = sgd_reference
+    piped = autoshard.autoshard(marked_step(work.loss_fn, tx), num_stages=stages, num_microbatches=microbatches,
+                                schedule=schedule)
+    state = (params, tx.init(params))
+    for ref_loss in ref_losses:
         *state, loss = piped(*state, batch)
-        assert _rel(loss, ref_loss) <= 1e-5, f"loss {float(loss)} vs one device {float(ref_loss)}"
+        assert _rel(loss, ref_loss) <= 1e-5, f"loss {float(loss)} vs one device {ref_loss}"
     plan = piped.plan
     assert len(plan.stages) == stages and plan.num_microbatches == microbatches and plan.schedule == schedule
     assert sorted(d for st in plan.stages for d in st.device_indices) == list(range(8))
-    _assert_leaves_close(state[0], ref[0], "params")
+    _assert_leaves_close(state[0], ref_params, "params")
     text = str(plan)
     assert "bubble" in text and "stage 1: layers" in text
 
