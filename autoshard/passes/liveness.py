@@ -159,9 +159,11 @@ class Fusion:
         return producer in self.duplicated and op_kind(reader) in (OpKind.ELEMENTWISE, OpKind.REDUCTION)
 
 
-def fusion_analysis(graph: OpGraph, forced: Iterable[ValueId] = ()) -> Fusion:
-    """Rules 1 and 2. ``forced`` values must be materialised (a collective reads them)."""
+def fusion_analysis(graph: OpGraph, forced: Iterable[ValueId] = (), copied: Iterable[OpIndex] = ()) -> Fusion:
+    """Rules 1 and 2. ``forced`` values must be materialised (a collective reads them); ops in ``copied``
+    read a resharded copy of their operand, so a view there cannot share the original's buffer."""
     forced_set = set(forced) | set(graph.outputs)
+    copied_set = set(copied)
     consumers = graph.consumers()
     kinds = [op_kind(op) for op in graph.ops]
     index = {id(op): t for t, op in enumerate(graph.ops)}
@@ -199,7 +201,7 @@ def fusion_analysis(graph: OpGraph, forced: Iterable[ValueId] = ()) -> Fusion:
             if recompute:
                 duplicated.add(t)
                 roots[t] = frozenset({t} | recompute)
-        if kind == OpKind.VIEW and op.inputs:
+        if kind == OpKind.VIEW and op.inputs and t not in copied_set:
             alias.update((v, op.inputs[0]) for v in op.outputs)
         else:
             materialized.update(op.outputs)
@@ -436,8 +438,8 @@ class _Simulation:
         self.op_collectives = {t: tuple(cs) for t, cs in op_collectives.items() if cs}
         self.n_ops = n_ops = len(graph.ops)
         self.producer = {v: t for t, op in enumerate(graph.ops) for v in op.outputs}
-        # reshard nodes: one per (value, target layout, written back); collective-free reshards are local
-        # slices that fuse into their reader
+        # reshard nodes: one per (value, target layout, written back). A reshard without collectives is a
+        # local slice: it fuses into a fusible reader, and is a buffer of its own before a dot
         self.rs_key: list[tuple[ValueId, Spec, bool]] = []
         self.rs_steps: list[int] = []
         self.rs_transient: list[float] = []  # rule 9: bytes of the reshard's short-lived extra buffers
@@ -447,20 +449,21 @@ class _Simulation:
         for r in reshards:
             if r.op_index >= 0:
                 self.read_spec[(r.op_index, r.input_pos)] = r.dst
-            if not r.collectives:
+            sliced_for_dot = r.op_index >= 0 and op_kind(graph.ops[r.op_index]) == OpKind.OPAQUE
+            if not r.collectives and not sliced_for_dot:
                 continue
             key = (r.value, r.dst, r.op_index < 0)
             if key not in node_of:
                 node_of[key] = n_ops + len(self.rs_key)
                 self.rs_key.append(key)
-                self.rs_steps.append(len(r.collectives))
+                self.rs_steps.append(max(len(r.collectives), 1))
                 self.rs_transient.append(self._transient_bytes(r))
             if r.op_index >= 0:
                 self.reads_through[(r.op_index, r.input_pos)] = node_of[key]
         self.written_back = {v: node for (v, _, back), node in node_of.items() if back}
         forced = {key[0] for key in self.rs_key}
         forced |= {v for t in self.op_collectives for v in graph.ops[t].outputs}
-        self.fusion = fusion_analysis(graph, forced)
+        self.fusion = fusion_analysis(graph, forced, {t for t, _ in self.reads_through})
         # rule 5: strategy all-reduces (and the all-reduce of a reduce-scatter) combined into groups
         self.groups = _combine_all_reduces(graph, sorted(self.op_collectives), self.op_collectives, op_reductions)
         first_group = n_ops + len(self.rs_key)
@@ -483,11 +486,18 @@ class _Simulation:
         lands in a permuted layout and is copied into the default one; an all-to-all is decomposed into
         slices of its operand and separate received pieces before they are concatenated."""
         value = self.graph.values[r.value]
-        extra = sum(2 * c.nbytes for c in r.collectives if c.kind == "all-to-all")
-        shard = r.dst.shard_shape(value.shape, self.sizes)
+        src_shard, dst_shard = (spec.shard_shape(value.shape, self.sizes) for spec in (r.src, r.dst))
         gathered = [d for d, (a, b) in enumerate(zip(r.src.dims, r.dst.dims)) if set(a) - set(b)]
-        if any(c.kind == "all-gather" for c in r.collectives) and any(
-                any(n > 1 for n in shard[:d]) for d in gathered):
+        split = [d for d, (a, b) in enumerate(zip(r.src.dims, r.dst.dims)) if set(b) - set(a)]
+
+        def inner(dims: Sequence[int], shard: Sequence[int]) -> bool:
+            return any(any(n > 1 for n in shard[:d]) for d in dims)
+
+        extra = 0.0
+        for c in r.collectives:
+            if c.kind == "all-to-all":  # received pieces, and sliced pieces unless the split is major-most
+                extra += c.nbytes * (2 if inner(split, src_shard) else 1)
+        if any(c.kind == "all-gather" for c in r.collectives) and inner(gathered, dst_shard):
             extra += self.nbytes(r.value, r.dst)
         return extra
 
@@ -546,13 +556,20 @@ class _Simulation:
             for p, vid in enumerate(op.inputs):
                 if (t, p) not in self.reads_through:
                     readers[buffer_root(fusion, vid)].add((t, p))
+        copy_readers: dict[NodeId, set[tuple[OpIndex, int]]] = defaultdict(set)
+        for read, node in self.reads_through.items():
+            copy_readers[node].add(read)
         resharded = {v for v, _, _ in self.rs_key}
         kept = []
         for group in groups.values():
-            t = self.producer.get(group.root) if group.root is not None else None
-            if (t is not None and op_kind(graph.ops[t]) == OpKind.ELEMENTWISE and group.root not in resharded
-                    and readers[group.root] <= set(group.reads)):
-                continue
+            if group.root is None:  # the reshard writes the transposed layout when nothing else reads it
+                if copy_readers[group.source] <= set(group.reads):
+                    continue
+            else:
+                t = self.producer.get(group.root)
+                if (t is not None and op_kind(graph.ops[t]) == OpKind.ELEMENTWISE and group.root not in resharded
+                        and readers[group.root] <= set(group.reads)):
+                    continue
             kept.append(group)
         return kept
 
@@ -658,8 +675,9 @@ def transposed_operands(op: Op, ranks: Sequence[int]) -> tuple[tuple[int, ...], 
     """Rule 8: the operands XLA:CPU copies into a canonical layout before a dot or a convolution
     (``DotDecomposer``, ``ConvCanonicalization``), and whether the result is transposed afterwards.
 
-    A dot operand is canonical as [batch..., free..., contracting...] or [batch..., contracting...,
-    free...] (the dot emitter takes either); a convolution wants NHWC input, HWIO kernel, NHWC output.
+    A dot wants [batch, free, contracting] x [batch, contracting, free]; without batch dimensions the
+    emitter also takes either operand transposed (``TransposeFolding``). A convolution wants NHWC input,
+    HWIO kernel and NHWC output.
     """
     dims = op.params.get("dimension_numbers")
     if op.primitive == "dot_general" and isinstance(dims, tuple) and len(dims) == 2:
@@ -667,7 +685,9 @@ def transposed_operands(op: Op, ranks: Sequence[int]) -> tuple[tuple[int, ...], 
         out = []
         for pos, (contract, batch) in enumerate(((tuple(lc), tuple(lb)), (tuple(rc), tuple(rb)))):
             free = tuple(d for d in range(ranks[pos]) if d not in contract and d not in batch)
-            if tuple(range(ranks[pos])) not in (batch + free + contract, batch + contract + free):
+            canonical = batch + free + contract if pos == 0 else batch + contract + free
+            folded = () if batch else (batch + contract + free if pos == 0 else batch + free + contract,)
+            if tuple(range(ranks[pos])) not in (canonical, *folded):
                 out.append(pos)
         return tuple(out), False
     if op.primitive == "conv_general_dilated" and hasattr(dims, "lhs_spec"):
