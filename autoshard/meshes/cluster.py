@@ -224,7 +224,8 @@ def get_cluster(spec: "ClusterSpec | str | Path | None", *, num_devices: int | N
     """A ClusterSpec from a preset name, a JSON/TOML file, or None (the devices present).
 
     With ``num_devices`` the spec is resized when it describes a different count
-    (e.g. the cpu-8 preset on 6 simulated devices).
+    (e.g. the cpu-8 preset on 6 simulated devices). A multi-node preset keeps its
+    node count when that divides the devices (8 devices of 2x8-a100: 2 nodes of 4).
     """
     if spec is None:
         spec = _describe_local_devices()
@@ -243,8 +244,12 @@ def get_cluster(spec: "ClusterSpec | str | Path | None", *, num_devices: int | N
     if num_devices is not None and num_devices != spec.num_devices:
         if num_devices < 1:
             raise ClusterSpecError(f"num_devices must be positive, got {num_devices}")
-        if spec.num_nodes == 1 or num_devices <= spec.devices_per_node:
+        if spec.num_nodes == 1:
             spec = spec.with_devices(1, num_devices)
+        elif num_devices % spec.num_nodes == 0 and num_devices // spec.num_nodes <= spec.devices_per_node:
+            # keep the node structure: 8 devices of 2x8-a100 are 2 nodes of 4, so a (2, 4) mesh
+            # still has its first axis across the slow link (the setting the preset describes)
+            spec = spec.with_devices(spec.num_nodes, num_devices // spec.num_nodes)
         else:
             # a multi-node cluster's devices beyond one node span nodes, so the inter-node link must stay
             # in the model: use the fewest equal nodes that hold them (12 on 8-device nodes: 2 nodes of 6)

@@ -14,6 +14,8 @@ improve on it in 30 s. CP-SAT then starts from the ILS plan.
 """
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 
 from autoshard.passes.ilp import IlpProblem, evaluate
@@ -30,19 +32,25 @@ def _neighbours(problem: IlpProblem) -> list[list[tuple[int, np.ndarray]]]:
     return nb
 
 
-def _icm(x: np.ndarray, costs: list[np.ndarray], nb: list[list[tuple[int, np.ndarray]]], order: np.ndarray
-         ) -> np.ndarray:
-    changed = True
-    while changed:
-        changed = False
-        for i in order:
-            total = costs[i].copy()
-            for j, matrix in nb[i]:
-                total += matrix[:, x[j]]
-            best = int(np.argmin(total))
-            if total[best] < total[x[i]] * (1 - 1e-12) - 1e-18:
-                x[i] = best
-                changed = True
+def _icm(x: np.ndarray, costs: list[np.ndarray], nb: list[list[tuple[int, np.ndarray]]],
+         order: np.ndarray | list[int]) -> np.ndarray:
+    """Greedy single-node moves until none improves; a node is revisited only when a neighbour changed."""
+    queue = collections.deque(int(i) for i in order)
+    queued = np.zeros(len(costs), dtype=bool)
+    queued[list(queue)] = True
+    while queue:
+        i = queue.popleft()
+        queued[i] = False
+        total = costs[i].copy()
+        for j, matrix in nb[i]:
+            total += matrix[:, x[j]]
+        best = int(np.argmin(total))
+        if total[best] < total[x[i]] * (1 - 1e-12) - 1e-18:
+            x[i] = best
+            for j, _ in nb[i]:
+                if not queued[j]:
+                    queued[j] = True
+                    queue.append(j)
     return x
 
 
@@ -57,8 +65,16 @@ def local_search(problem: IlpProblem, start: np.ndarray, *, iterations: int = 30
         return start
     rng = np.random.default_rng(seed)
 
+    edge_index = [(u, v, np.where(np.isfinite(m), m, _FORBIDDEN)) for (u, v), m in zip(problem.edges,
+                                                                                       problem.edge_costs)]
+
+    def quick(x: np.ndarray) -> float:
+        return float(sum(c[x[i]] for i, c in enumerate(costs)) + sum(m[x[u], x[v]] for u, v, m in edge_index))
+
     def consider(candidate: np.ndarray) -> None:
         nonlocal best, best_eval
+        if quick(candidate) >= best_eval.objective_s * (1 - 1e-12):
+            return
         result = evaluate(problem, candidate)
         if not result.violations and result.objective_s < best_eval.objective_s * (1 - 1e-12):
             best, best_eval = candidate, result
@@ -67,7 +83,9 @@ def local_search(problem: IlpProblem, start: np.ndarray, *, iterations: int = 30
     for _ in range(iterations if n > 1 else 0):
         candidate = best.copy()
         count = int(rng.integers(1, max(2, n // 10)))
-        for i in rng.choice(n, size=min(count, n), replace=False):
+        moved = rng.choice(n, size=min(count, n), replace=False)
+        for i in moved:
             candidate[i] = int(rng.integers(len(costs[i])))
-        consider(_icm(candidate, costs, nb, rng.permutation(n)))
+        touched = {int(i) for i in moved} | {j for i in moved for j, _ in nb[int(i)]}
+        consider(_icm(candidate, costs, nb, rng.permutation(sorted(touched))))
     return best

@@ -378,6 +378,20 @@ def _layout_start(pb: _Problem, layout: Mapping[int, Spec], start: np.ndarray | 
     return choice
 
 
+def _replicated_start(pb: _Problem) -> np.ndarray | None:
+    """Every class on its fully replicated strategy, or None when some class has none."""
+    choice = np.full(pb.classes.num_classes, -1, dtype=np.int64)
+    for c, root in enumerate(pb.classes.class_root):
+        strategies = pb.strategies[root]
+        mapping = pb.classes.strategy_map[root]
+        found = [a for a, own in enumerate(mapping)
+                 if all(spec.is_replicated for spec in strategies[own].in_specs + strategies[own].out_specs)]
+        if not found:
+            return None
+        choice[c] = found[0]
+    return choice
+
+
 def _best_start(pb: _Problem, class_cost: list[np.ndarray], edges: list[tuple[int, int, np.ndarray]],
                 points: tuple, start: np.ndarray | None) -> np.ndarray:
     """The best of several greedy starts after ICM: batch over all axes / each axis / none, state
@@ -397,6 +411,9 @@ def _best_start(pb: _Problem, class_cost: list[np.ndarray], edges: list[tuple[in
     if pb.options.start_layouts is not None:  # a layout start fixes its own batch and state layouts
         variants += [(_layout_start(pb, layout, start), None, False)
                      for layout in pb.options.start_layouts(pb.graph, pb.mesh)]
+    replicated = _replicated_start(pb)
+    if replicated is not None:  # everything replicated: no communication at all (small models want it)
+        variants.append((replicated, None, False))
     best, best_s = None, np.inf
     for first, batch_axes, shard_state in variants:
         candidate = local_search(probe, _greedy_hint(pb, class_cost, edges, first, batch_axes, shard_state),

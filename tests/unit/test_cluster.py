@@ -76,8 +76,14 @@ def test_presets_by_alias_and_resized():
     assert get_cluster("cpu-8", num_devices=8) is PRESETS["cpu-8"]
     six = get_cluster("cpu-8", num_devices=6)
     assert (six.num_nodes, six.devices_per_node, six.intra_node) == (1, 6, PRESETS["cpu-8"].intra_node)
-    assert get_cluster("4x8-h100", num_devices=16).num_nodes == 2
-    assert get_cluster("4x8-h100", num_devices=4).num_nodes == 1
+    # a slice of a multi-node preset keeps its node count when that divides the devices, so the slow
+    # inter-node link stays in the model (8 devices of 2x8-a100: 2 nodes of 4) ...
+    assert (get_cluster("4x8-h100", num_devices=16).num_nodes, get_cluster("4x8-h100", num_devices=16).devices_per_node) == (4, 4)
+    assert (get_cluster("2x8-a100", num_devices=8).num_nodes, get_cluster("2x8-a100", num_devices=8).devices_per_node) == (2, 4)
+    assert make_logical_mesh(get_cluster("2x8-a100", num_devices=8), (2, 4)).axis("x").link.name == "ethernet"
+    # ... else the fewest equal nodes that hold them
+    assert get_cluster("4x8-h100", num_devices=6).num_nodes == 1
+    assert get_cluster("2x8-a100", num_devices=12).devices_per_node == 6
     assert get_cluster(PRESETS["tpu-v4-32"]) is PRESETS["tpu-v4-32"]
 
 

@@ -155,12 +155,13 @@ def test_large_gpt_traces_fast():
     from examples import gpt
 
     w = gpt.workload("large", abstract=True)
-    start = time.perf_counter()
+    start = time.process_time()
     graph = trace(w.step, *w.args)
-    seconds = time.perf_counter() - start
+    seconds = time.process_time() - start
     params = sum(graph.values[v].size for v in graph.inputs if graph.values[v].role is Role.PARAM)
     assert params >= 1e9
-    assert seconds < 10, f"tracing the large GPT took {seconds:.1f}s"
+    # CPU seconds of this process: other work on the machine does not count against it
+    assert seconds < 10, f"tracing the large GPT took {seconds:.1f} CPU s"
 
 
 def test_prng_key_inputs_trace_with_their_size():
