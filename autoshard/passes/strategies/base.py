@@ -77,17 +77,20 @@ Rule: TypeAlias = Callable[[Op, Sequence[Value], Sequence[Value], LogicalMesh], 
 RULES: dict[str, Rule] = {}
 
 
-def register(*primitives: str) -> Callable[[Rule], Rule]:
-    """Decorator: ``@register("exp", "log")`` puts a rule in the table for those primitives."""
-
-    def wrap(rule: Rule) -> Rule:
+def _register_into(table: dict[str, Any], what: str, primitives: tuple[str, ...]) -> Callable[[Any], Any]:
+    def wrap(fn: Any) -> Any:
         for name in primitives:
-            if name in RULES:
-                raise ValueError(f"a strategy rule for {name!r} is registered twice")
-            RULES[name] = rule
-        return rule
+            if name in table:
+                raise ValueError(f"a {what} for {name!r} is registered twice")
+            table[name] = fn
+        return fn
 
     return wrap
+
+
+def register(*primitives: str) -> Callable[[Rule], Rule]:
+    """Decorator: ``@register("exp", "log")`` puts a rule in the table for those primitives."""
+    return _register_into(RULES, "strategy rule", primitives)
 
 
 class UnsupportedPrimitiveWarning(UserWarning):
@@ -276,15 +279,7 @@ _SHARDING_PARAMS = ("sharding", "out_sharding")
 
 def register_localizer(*primitives: str) -> Callable[[Localizer], Localizer]:
     """Decorator: ``@register_localizer("reshape")`` rewrites shape-carrying params for one shard."""
-
-    def wrap(fn: Localizer) -> Localizer:
-        for name in primitives:
-            if name in LOCALIZERS:
-                raise ValueError(f"a localizer for {name!r} is registered twice")
-            LOCALIZERS[name] = fn
-        return fn
-
-    return wrap
+    return _register_into(LOCALIZERS, "localizer", primitives)
 
 
 def localize_params(op: Op, local_in_shapes: Sequence[Shape], local_out_shapes: Sequence[Shape]) -> dict[str, Any]:
