@@ -1,0 +1,364 @@
+"""Plan quality: autoshard against the classic strategies on one (workload, cluster) cell.
+
+Each cell traces an example workload from abstract shapes, runs
+``autoshard.baselines.compare`` (DP, FSDP/ZeRO-3, ZeRO-2, HSDP, Megatron TP,
+DP x TP, then autoshard hinted with the best one that fits) and keeps plain
+numbers: modeled step time, per-device peak memory, batch ceiling, the compute
+lower bound, planning seconds by pass and the ILP's size and gap. For cells
+on one 8-device node it can also compile autoshard's plan with XLA on 8
+simulated CPU devices and set the plan's predicted collective bytes and peak
+memory against the compiled HLO (``compiler/verify.py``).
+"""
+from __future__ import annotations
+
+import collections
+import importlib
+import logging
+import math
+import multiprocessing
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
+
+from autoshard.baselines import Candidate, Comparison, compare
+from autoshard.compiler.driver import plan_graph
+from autoshard.compiler.plan import Plan, fmt_s
+from autoshard.compiler.trace import trace
+from autoshard.errors import InfeasibleMemoryError
+from autoshard.passes.intra_op import IntraOpOptions
+from examples.common import Workload, count_params
+
+log = logging.getLogger(__name__)
+Progress = Callable[[str], None]
+
+MESHES: dict[str, tuple[int, ...]] = {
+    "1x8-a100": (2, 4),  # one node: 2 x 4 over NVLink
+    "2x8-a100": (2, 8),  # axis 0 crosses the slow (25 Gbit/s) inter-node link
+    "4x8-h100": (4, 8),  # axis 0 crosses nodes (400 Gbit/s)
+}
+FIDELITY_DEVICES = 8  # simulated CPU devices the fidelity check compiles for
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str  # examples module: gpt, moe, convnet, mlp
+    config: str  # its CONFIGS key
+    cluster: str  # ClusterSpec preset
+    batch_size: int | None = None  # None: the config's own
+    fidelity: bool = False  # also compile autoshard's plan with XLA (needs a mesh of FIDELITY_DEVICES)
+    long_solve_s: float | None = None  # also re-solve autoshard with this CP-SAT time limit: solver or space?
+
+    @property
+    def workload(self) -> str:
+        return f"{self.model}-{self.config}" + (f"@{self.batch_size}" if self.batch_size else "")
+
+    @property
+    def mesh(self) -> tuple[int, ...]:
+        return MESHES[self.cluster]
+
+    def __str__(self) -> str:
+        return f"{self.workload} on {self.cluster} {'x'.join(map(str, self.mesh))}"
+
+
+@dataclass(frozen=True)
+class StrategyRow:
+    name: str
+    step_s: float
+    peak_bytes: float
+    fits: bool
+    batch_ceiling: int | None  # largest global batch that fits; None: memory does not grow with the batch
+    compute_s: float
+    comm_s: float  # collectives inside op strategies
+    reshard_s: float  # resharding between ops
+
+    @classmethod
+    def of(cls, c: Candidate) -> StrategyRow:
+        led = c.plan.ledger
+        return cls(c.name, c.step_s, c.peak_bytes, c.fits, c.batch_ceiling, led.compute_s, led.comm_s, led.reshard_s)
+
+    @property
+    def split(self) -> str:
+        return f"compute {fmt_s(self.compute_s)}, collectives {fmt_s(self.comm_s)}, resharding {fmt_s(self.reshard_s)}"
+
+
+@dataclass(frozen=True)
+class IlpSize:
+    nodes: int
+    classes: int
+    variables: int
+    constraints: int
+    edges: int
+    status: str
+    gap: float
+    build_s: float
+    solve_s: float
+
+    def __str__(self) -> str:
+        return f"{self.nodes}->{self.classes} nodes, {self.variables} vars, {self.constraints} cons"
+
+
+@dataclass(frozen=True)
+class FidelityRow:
+    what: str
+    predicted: float
+    compiled: float
+    rel_error: float
+    ok: bool
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    rows: tuple[FidelityRow, ...] = ()
+    compile_s: float = 0.0
+    error: str | None = None
+
+    def row(self, what: str) -> FidelityRow | None:
+        return next((r for r in self.rows if r.what == what), None)
+
+
+@dataclass(frozen=True)
+class LongSolve:
+    """autoshard re-solved with a long time limit, from the same hint: does more search find more?"""
+
+    time_limit_s: float
+    step_s: float
+    status: str  # "optimal": nothing better exists in the ILP
+    gap: float
+    seconds: float  # the re-solve's intra-op pass, wall
+
+
+@dataclass(frozen=True)
+class CellResult:
+    cell: Cell
+    num_params: int
+    batch_size: int
+    budget_bytes: float
+    autoshard: StrategyRow | None  # None: no plan fits (see error)
+    baselines: tuple[StrategyRow, ...]
+    lower_bound_s: float  # total FLOPs / (devices x peak)
+    trace_s: float  # autoshard's trace pass (cold; the baselines reuse jax's trace cache)
+    intra_op_s: float  # autoshard's intra-op pass (hinted with the best classic plan)
+    compare_s: float  # the whole comparison: traces, six baselines, autoshard, batch ceilings
+    ilp: IlpSize | None
+    kept: str | None = None  # the baseline compare kept as autoshard's plan (solver did not beat its hint)
+    hot_ops: tuple[str, ...] = ()  # where autoshard's plan spends collective and resharding time
+    fidelity: Fidelity | None = None
+    long_solve: LongSolve | None = None
+    error: str | None = None
+
+    @property
+    def fallback(self) -> StrategyRow | None:
+        """The fastest classic strategy that fits the memory budget."""
+        return min((b for b in self.baselines if b.fits), key=lambda b: b.step_s, default=None)
+
+    @property
+    def speedup(self) -> float | None:
+        """autoshard over the fastest classic strategy that fits; None when either is missing."""
+        best = self.fallback
+        if self.autoshard is None or best is None or self.autoshard.step_s <= 0:
+            return None
+        return best.step_s / self.autoshard.step_s
+
+    @property
+    def headroom(self) -> float | None:
+        """The most any plan could gain over the best fitting classic one: its step / the compute bound."""
+        best = self.fallback
+        if best is None or self.lower_bound_s <= 0:
+            return None
+        return best.step_s / self.lower_bound_s
+
+    @property
+    def comm_headroom(self) -> float | None:
+        """The best fitting classic plan's step over the least compute time of any plan in the cell.
+
+        The cost model's compute is a roofline per op (memory-bound ops at HBM bandwidth), well above the
+        FLOP bound for these models; no plan here computes in less than this least compute time, so a plan
+        that also removed all communication would gain at most this factor.
+        """
+        best = self.fallback
+        least = min((s.compute_s for s in (self.autoshard, *self.baselines) if s is not None), default=0.0)
+        if best is None or least <= 0:
+            return None
+        return best.step_s / least
+
+    @property
+    def bound_fraction(self) -> float | None:
+        """compute lower bound / autoshard's step: 1.0 is perfect scaling with no communication."""
+        if self.autoshard is None or self.autoshard.step_s <= 0:
+            return None
+        return self.lower_bound_s / self.autoshard.step_s
+
+
+# ----------------------------------------------------------------------------- workloads
+
+
+@dataclass
+class WorkloadCache:
+    """Each workload is built and traced once; later cells on other clusters reuse jax's trace cache."""
+
+    workloads: dict[tuple[str, str, int | None], tuple[Workload, float]] = field(default_factory=dict)
+
+    def get(self, cell: Cell) -> tuple[Workload, float]:
+        """(workload, cold trace seconds)."""
+        key = (cell.model, cell.config, cell.batch_size)
+        if key not in self.workloads:
+            module = importlib.import_module(f"examples.{cell.model}")
+            workload = module.workload(cell.config, abstract=True, batch_size=cell.batch_size)
+            start = time.perf_counter()
+            trace(workload.step, *workload.args)
+            self.workloads[key] = (workload, time.perf_counter() - start)
+        return self.workloads[key]
+
+
+# ----------------------------------------------------------------------------- one cell
+
+
+def hot_ops(plan: Plan, top: int = 3) -> tuple[str, ...]:
+    """The ops (grouped over repeated layers) whose chosen strategy costs the most collective + reshard time.
+
+    Priced locally (``compiler/explain.py``): an op's collectives plus the resharding from its producers'
+    layouts and to its consumers', so a reshard between two listed ops counts for both.
+    """
+    total: dict[tuple[str, str, str, str], float] = collections.defaultdict(float)
+    count: collections.Counter[tuple[str, str, str, str]] = collections.Counter()
+    for e in plan.explanations.values():
+        seconds = e.chosen.comm_s + e.chosen.reshard_s
+        if seconds > 0:
+            key = (e.primitive, e.shapes, e.source or "?", e.chosen.strategy)
+            total[key] += seconds
+            count[key] += 1
+    out = []
+    for key, seconds in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
+        prim, shapes, source, strategy = key
+        copies = f" over {count[key]} copies" if count[key] > 1 else ""
+        out.append(f"{prim} {shapes} at {source} as {strategy}: {fmt_s(seconds)}{copies}")
+    return tuple(out)
+
+
+def _row_sizes(comparison: Comparison) -> IlpSize:
+    s = comparison.autoshard.plan.solver
+    planned = comparison.autoshard.planned
+    build_s = planned.result.ilp.build_s if planned is not None else math.nan
+    return IlpSize(s.num_nodes, s.num_classes, s.num_variables, s.num_constraints, s.num_edges, s.status, s.gap,
+                   build_s, s.solve_s)
+
+
+def run_cell(cell: Cell, cache: WorkloadCache, options: IntraOpOptions, progress: Progress | None = None) -> CellResult:
+    """Compare autoshard with the classic strategies on ``cell``; failures are recorded, not raised."""
+    say = progress or (lambda _msg: None)
+    say("building and tracing the workload")
+    workload, trace_s = cache.get(cell)
+    num_params = count_params(workload.args[0])
+    batch = int(getattr(workload.config, "batch_size", 0))
+    start = time.perf_counter()
+    try:
+        comparison = compare(workload.step, workload.args, mesh=cell.mesh, cluster=cell.cluster, options=options,
+                             progress=say)
+    except Exception as err:  # noqa: BLE001 — one failing cell is recorded; the run carries on
+        smallest = getattr(err, "smallest_budget_bytes", None)
+        note = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+        if isinstance(err, InfeasibleMemoryError):
+            log.warning("%s: %s", cell, note)
+        else:
+            log.exception("%s: the comparison failed", cell)
+        return CellResult(cell, num_params, batch, math.nan, None, (), math.nan, trace_s, math.nan,
+                          time.perf_counter() - start, None,
+                          error=note + (f" (smallest budget {smallest / 2**30:.1f} GiB)" if smallest else ""))
+    auto = comparison.autoshard
+    plan = auto.plan
+    status = plan.solver.status
+    kept = status.split("kept ", 1)[1] if "kept " in status else None
+    result = CellResult(
+        cell=cell, num_params=num_params, batch_size=batch, budget_bytes=comparison.memory_budget_bytes,
+        autoshard=StrategyRow.of(auto), baselines=tuple(StrategyRow.of(b) for b in comparison.baselines),
+        lower_bound_s=plan.ledger.compute_lower_bound_s, trace_s=trace_s,
+        intra_op_s=float(plan.planning_s.get("intra-op", math.nan)), compare_s=time.perf_counter() - start,
+        ilp=_row_sizes(comparison), kept=kept, hot_ops=hot_ops(plan),
+    )
+    if cell.long_solve_s:
+        say(f"re-solving autoshard with a {cell.long_solve_s:g} s time limit")
+        result = replace(result, long_solve=_long_solve(comparison, options, cell.long_solve_s))
+    if cell.fidelity:
+        say("compiling autoshard's plan with XLA")
+        result = _with_fidelity(result, plan, workload)
+    return result
+
+
+def _long_solve(comparison: Comparison, options: IntraOpOptions, time_limit_s: float) -> LongSolve | None:
+    """Solve again, hinted as ``compare`` hints (the fastest fitting baseline's strategies), for longer."""
+    best = comparison.fallback
+    planned = comparison.autoshard.planned
+    if planned is None:
+        return None
+    hint = tuple(best.planned.result.node_strategies) if best is not None and best.planned is not None else None
+    opts = replace(options, time_limit_s=time_limit_s, hint=hint)
+    again = plan_graph(planned.graph, mesh=planned.logical_mesh.shape, cluster=planned.logical_mesh.cluster,
+                       memory_budget=comparison.memory_budget_bytes, options=opts, explain=False)
+    s = again.plan.solver
+    return LongSolve(time_limit_s, again.plan.step_s, s.status, s.gap, float(again.plan.planning_s["intra-op"]))
+
+
+def _with_fidelity(result: CellResult, plan: Plan, workload: Workload) -> CellResult:
+    import jax
+
+    from autoshard.compiler.verify import verify_compiled
+    from autoshard.passes.emit import make_jax_mesh
+
+    if math.prod(plan.mesh_shape) > len(jax.devices()):
+        note = (f"needs {math.prod(plan.mesh_shape)} devices, jax has {len(jax.devices())}: set XLA_FLAGS="
+                f"--xla_force_host_platform_device_count={FIDELITY_DEVICES} before jax is imported")
+        return replace(result, fidelity=Fidelity(error=note))
+    start = time.perf_counter()
+    try:
+        mesh = make_jax_mesh(tuple(plan.mesh_shape), plan.axis_names)
+        compiled = plan.apply(workload.step, mesh).lower(*workload.args).compile()
+        report = verify_compiled(plan, compiled)
+    except Exception as err:  # noqa: BLE001 — a benchmark records a failed compile and carries on
+        log.warning("%s: compiling the plan failed: %s", result.cell, err)
+        return replace(result, fidelity=Fidelity(compile_s=time.perf_counter() - start,
+                                                 error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"))
+    rows = tuple(FidelityRow(r.what, r.predicted, r.compiled, r.rel_error, r.ok) for r in report.rows)
+    return replace(result, fidelity=Fidelity(rows, time.perf_counter() - start))
+
+
+# Relative planning cost of a workload's cells, to start the longest first when cells run in parallel.
+EXPECTED_COST = {("gpt", "xl"): 8.0, ("moe", "large"): 6.0, ("gpt", "large"): 4.0, ("gpt", "medium"): 3.0}
+
+
+def _stamp(start: float, cell: Cell, msg: str) -> None:
+    print(f"{time.time() - start:7.1f}s {cell}: {msg}", flush=True)
+
+
+def _run_group(cells: Sequence[Cell], options: IntraOpOptions, start: float) -> list[CellResult]:
+    """One workload's cells in one process, so its trace is reused (the unit of parallel work)."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")  # a spawned worker
+    cache = WorkloadCache()
+    return [run_cell(cell, cache, options, lambda msg, c=cell: _stamp(start, c, msg)) for cell in cells]
+
+
+def run_cells(cells: Sequence[Cell], options: IntraOpOptions, jobs: int = 1,
+              progress: Callable[[Cell, str], None] | None = None) -> list[CellResult]:
+    """Every cell, in ``cells`` order. ``jobs`` > 1: workloads spread over that many processes
+    (spawned, so each imports jax afresh with the parent's XLA_FLAGS); progress is then printed by them."""
+    if jobs <= 1:
+        cache = WorkloadCache()
+        out = []
+        for cell in cells:
+            say: Progress = (lambda msg, c=cell: progress(c, msg)) if progress else (lambda _msg: None)
+            out.append(run_cell(cell, cache, options, say))
+        return out
+    groups: dict[tuple[str, str, int | None], list[Cell]] = collections.defaultdict(list)
+    for cell in cells:
+        groups[(cell.model, cell.config, cell.batch_size)].append(cell)
+    order = sorted(groups.values(), key=lambda g: -EXPECTED_COST.get((g[0].model, g[0].config), 1.0) * len(g))
+    start = time.time()
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_run_group, group, options, start) for group in order]
+        done = {r.cell: r for f in futures for r in f.result()}
+    return [done[cell] for cell in cells]
+
+
+def geomean(values: Sequence[float]) -> float | None:
+    values = [v for v in values if v is not None and v > 0 and math.isfinite(v)]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None

@@ -1,0 +1,264 @@
+"""Run the benchmarks and write benchmarks/RESULTS.md.
+
+    python -m benchmarks.run [--quick] [--out benchmarks/RESULTS.md] [--time-limit 2]
+
+Default set: GPT small / medium / large / xl, the MoE transformer (large) and
+the wide ResNet (convnet large) on one 8-GPU node (1x8-a100, mesh 2x4), two
+nodes with a slow link (2x8-a100, 2x8) and four H100 nodes (4x8-h100, 4x8);
+the small GPT, MoE and convnet plans on one node are also compiled with XLA
+on 8 simulated CPU devices to check the model; then the planning-time
+scaling study (``benchmarks/planning_scaling.py``). ``--quick`` runs the
+small configs only, skips the scaling study, and writes a file only when
+``--out`` is given.
+
+Everything but planning time is modeled (cost model, compiled HLO): the
+sharded steps are never timed on this CPU.
+"""
+from __future__ import annotations
+
+import os
+
+# 8 simulated CPU devices for the fidelity compiles; must be set before jax is imported.
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_DEVICE_FLAG}=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import resource  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from rich.console import Console  # noqa: E402
+
+from autoshard.api import with_classic_starts  # noqa: E402
+from autoshard.passes.intra_op import IntraOpOptions  # noqa: E402
+from benchmarks import planning_scaling  # noqa: E402
+from benchmarks.machine import LoadSampler, Machine, describe  # noqa: E402
+from benchmarks.quality import Cell, CellResult, run_cells  # noqa: E402
+from benchmarks.tables import (baselines_table, fidelity_table, hot_ops_table, hotspot_table,  # noqa: E402
+                               long_solve_table, quality_table, render_markdown, render_rich, scaling_fit_table,
+                               scaling_table)
+from benchmarks.targets import Target, evaluate  # noqa: E402
+
+CLUSTERS = ("1x8-a100", "2x8-a100", "4x8-h100")
+# (model, config, global batch or None for the config's own). GPT-xl (6.9B) keeps every attention
+# score in fp32 with no rematerialization: at its config's batch of 48 (or 16) no plan fits 80 GiB on one
+# node, at 8 autoshard's does, so it runs at 8 on every cluster.
+WORKLOADS: tuple[tuple[str, str, int | None], ...] = (
+    ("gpt", "small", None), ("gpt", "medium", None), ("gpt", "large", None), ("gpt", "xl", 8),
+    ("moe", "large", None), ("convnet", "large", None))
+FIDELITY = (("gpt", "small"), ("moe", "small"), ("convnet", "small"))  # compiled on one node's 8 devices
+# Cells re-solved with a long CP-SAT limit, to tell a solver that ran out of time from a search space (and
+# cost model) that holds nothing better: a two-node dense cell and the two-node MoE cell.
+LONG_SOLVE = (("gpt", "large", "2x8-a100"), ("moe", "large", "2x8-a100"))
+LONG_SOLVE_S = 60.0
+DEFAULT_OUT = Path(__file__).with_name("RESULTS.md")
+DEFAULT_TIME_LIMIT_S = 2.0
+PROFILED_LAYERS = 24  # the depth whose planning run is profiled to say where planning time goes
+PROFILE_TITLE = f"where planning time goes: the {PROFILED_LAYERS}-layer GPT on (2, 4) under cProfile"
+
+
+def default_cells() -> list[Cell]:
+    cells = [Cell(m, c, cluster, batch, fidelity=(m, c) in FIDELITY and cluster == "1x8-a100",
+                  long_solve_s=LONG_SOLVE_S if (m, c, cluster) in LONG_SOLVE else None)
+             for m, c, batch in WORKLOADS for cluster in CLUSTERS]
+    cells += [Cell(m, c, "1x8-a100", fidelity=True) for m, c in FIDELITY
+              if (m, c) not in {(w[0], w[1]) for w in WORKLOADS}]
+    return cells
+
+
+def quick_cells() -> list[Cell]:
+    return [Cell("gpt", "small", "1x8-a100", fidelity=True), Cell("moe", "small", "1x8-a100", fidelity=True),
+            Cell("convnet", "small", "1x8-a100", fidelity=True)]
+
+
+# ----------------------------------------------------------------------------- RESULTS.md
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    time_limit_s: float  # CP-SAT seconds per solve in the comparison cells
+    scaling_time_limit_s: float  # the same in the scaling study (the planner's default)
+    jobs: int  # processes for the comparison cells
+    runtime_s: float  # wall time of the whole run
+    load: str  # the 1-minute load average sampled during the run
+    cpu_s: float  # CPU seconds of this process and its workers
+
+
+def _machine_lines(machine: Machine, run: RunSettings) -> list[str]:
+    load_after = machine.load_now()
+    versions = ", ".join(f"{k} {v}" for k, v in machine.versions.items())
+    return [
+        f"- command: `{machine.command}`",
+        f"- date: {machine.date}; commit {machine.commit}",
+        f"- machine: {machine.host}; {machine.cpus} CPUs (`nproc`), {machine.memory_gib:.0f} GiB memory",
+        f"- load average (1/5/15 min): {'/'.join(f'{x:.2f}' for x in machine.load_before)} at the start, "
+        f"{'/'.join(f'{x:.2f}' for x in load_after)} at the end. The two cores are shared with other work; "
+        f"a load above {machine.cpus} means planning seconds here are pessimistic by about load / cores. "
+        f"1-minute load during the run: {run.load}. Planning-time tables also give CPU seconds, which the "
+        "load disturbs much less.",
+        f"- versions: {versions}",
+        f"- ILP time limit: {run.time_limit_s:g} s per solve in the comparison (7 solves per cell), "
+        f"{run.scaling_time_limit_s:g} s (the planner's default) in the scaling study",
+        f"- the comparison cells ran in {run.jobs} process{'es' if run.jobs > 1 else ''} (one workload at a time "
+        "each), the scaling study alone after them",
+        f"- wall time of this run: {run.runtime_s / 60:.1f} min; CPU time {run.cpu_s / 60:.1f} min over all its "
+        f"processes, so about {run.cpu_s / 60 / max(run.jobs, 1):.1f} min of wall time on {run.jobs} idle "
+        f"core{'s' if run.jobs > 1 else ''} (the scaling study does not run in parallel, so somewhat more)",
+    ]
+
+
+def _targets_md(targets: Sequence[Target]) -> str:
+    lines = ["| target | result | detail |", "|---|---|---|"]
+    for t in targets:
+        lines.append(f"| {t.name} | **{t.verdict}** | {t.detail.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def markdown(machine: Machine, run: RunSettings, results: Sequence[CellResult],
+             points: Sequence[planning_scaling.ScalingPoint], targets: Sequence[Target],
+             spots: Sequence[planning_scaling.Hotspot] = ()) -> str:
+    parts = [
+        "# Benchmark results",
+        "",
+        "Written by `python -m benchmarks.run` (benchmarks/run.py); regenerate rather than edit. "
+        "Step times, memory and collective bytes are **modeled** (autoshard's alpha-beta + roofline cost model "
+        "of the named ClusterSpec; XLA's compiled HLO for the fidelity rows); only planning seconds are measured "
+        "on this machine.",
+        "",
+        "## Run",
+        "",
+        *_machine_lines(machine, run),
+        "",
+        "## Targets",
+        "",
+        _targets_md(targets),
+        "",
+        "## Plan quality",
+        "",
+        "Each cell plans the six classic strategies (DP, FSDP/ZeRO-3, ZeRO-2, HSDP, Megatron TP, DP x TP: their "
+        "storage layouts pinned, every op's strategy left to the same ILP, `autoshard/baselines.py`) and then "
+        "autoshard hinted with the fastest that fits. *speedup* is the fastest classic strategy that fits the "
+        "80 GiB budget over autoshard's modeled step (\"kept X\": the solver did not beat its hint X, whose plan "
+        "is kept). *of compute bound* is total FLOPs / (devices x peak) over the step. *batch ceiling* is the "
+        "largest global batch whose modeled peak fits. Planning seconds are autoshard's own passes; the whole "
+        "comparison (seven solves and two traces) takes longer, see the details.",
+        "",
+        render_markdown(quality_table(results)),
+        "",
+        render_markdown(hot_ops_table(results)),
+        "",
+        "*best classic / FLOP bound*: the fastest fitting classic plan over total FLOPs / (devices x peak). "
+        "*best classic / least compute*: the same plan over the least compute time of any plan in the cell "
+        "(the model's compute is a roofline per op, memory-bound ops at HBM bandwidth): what a plan that kept "
+        "that compute and had no communication at all would gain.",
+        "",
+        *([render_markdown(long_solve_table(results)), "",
+           "\"optimal\": CP-SAT proved that no plan in autoshard's search space is cheaper under the model, "
+           "so a missed speedup there is the search space's or the model's, not the solver's.", ""]
+          if any(r.long_solve for r in results) else []),
+        "## Fidelity: how far the model can be trusted",
+        "",
+        "autoshard's plan for the small configs on one node, compiled by XLA:CPU for 8 simulated devices "
+        "(`compiler/verify.py`): per-device collective bytes read from the optimized HLO (loop trip counts "
+        "applied, all-reduce + dynamic-slice counted as reduce-scatter) and `memory_analysis()` peak "
+        "(argument + output - alias + temp) against the plan's ledger.",
+        "",
+        render_markdown(fidelity_table(results)) if any(r.fidelity for r in results) else "(not run)",
+        "",
+    ]
+    if points:
+        parts += [
+            "## Planning time against depth",
+            "",
+            planning_scaling.__doc__.split("\n\n", 2)[1].replace("\n", " "),
+            "",
+            render_markdown(scaling_table(points)),
+            "",
+            render_markdown(scaling_fit_table(points)),
+            "",
+        ]
+    if spots:
+        parts += [render_markdown(hotspot_table(spots, PROFILE_TITLE)), ""]
+    parts += [
+        "## Details: every strategy in every cell",
+        "",
+        "Comparison wall time per cell: " + ", ".join(f"{r.cell} {r.compare_s:.0f} s" for r in results) + ".",
+        "",
+        render_markdown(baselines_table(results)),
+        "",
+    ]
+    return "\n".join(parts)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of its finished worker processes."""
+    own, workers = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + workers.ru_utime + workers.ru_stime
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small configs only, no scaling study (< 3 min)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="markdown file to write (default benchmarks/RESULTS.md; with --quick: none)")
+    parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S,
+                        help="CP-SAT seconds per solve in the comparison cells")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                        help="processes for the comparison cells (one workload per process at a time; the "
+                             "scaling study always runs alone)")
+    parser.add_argument("--no-scaling", action="store_true", help="skip the planning-time scaling study")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    machine = describe(["run.py", *(argv if argv is not None else sys.argv[1:])])
+    start = time.perf_counter()
+
+    def say(msg: str) -> None:
+        console.print(f"[dim]{time.perf_counter() - start:7.1f}s {msg}[/dim]")
+
+    cells = quick_cells() if args.quick else default_cells()
+    options = IntraOpOptions(time_limit_s=args.time_limit)
+    points: list[planning_scaling.ScalingPoint] = []
+    spots: tuple[planning_scaling.Hotspot, ...] = ()
+    scaling_options = with_classic_starts(IntraOpOptions())  # what @autoshard and autoshard.plan use
+    with LoadSampler() as load:
+        results = run_cells(cells, options, jobs=args.jobs, progress=lambda cell, msg: say(f"{cell}: {msg}"))
+        console.print(render_rich(quality_table(results)))
+        if any(r.long_solve for r in results):
+            console.print(render_rich(long_solve_table(results)))
+        if any(r.fidelity for r in results):
+            console.print(render_rich(fidelity_table(results)))
+        if not (args.quick or args.no_scaling):
+            points = planning_scaling.run(options=scaling_options, progress=lambda msg: say(f"scaling: {msg}"))
+            console.print(render_rich(scaling_table(points)))
+            console.print(render_rich(scaling_fit_table(points)))
+            say(f"scaling: profiling the {PROFILED_LAYERS}-layer plan on (2, 4)")
+            spots = planning_scaling.hotspots(PROFILED_LAYERS, "1x8-a100", (2, 4), scaling_options)
+            console.print(render_rich(hotspot_table(spots, PROFILE_TITLE)))
+
+    targets = evaluate(results, points, spots)
+    for t in targets:
+        console.print(f"[bold]{t.verdict:>7}[/bold]  {t.name}: {t.detail}")
+    runtime_s = time.perf_counter() - start
+    console.print(f"finished in {runtime_s / 60:.1f} min ({_cpu_seconds() / 60:.1f} CPU min); 1-minute load "
+                  f"average {load.summary()}")
+    out = args.out if args.out is not None else (None if args.quick else DEFAULT_OUT)
+    if out is not None:
+        run = RunSettings(args.time_limit, scaling_options.time_limit_s, args.jobs, runtime_s, load.summary(),
+                          _cpu_seconds())
+        out.write_text(markdown(machine, run, results, points, targets, spots))
+        console.print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
