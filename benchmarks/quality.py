@@ -154,11 +154,17 @@ class CellResult:
 
     @property
     def speedup(self) -> float | None:
-        """autoshard over the fastest classic strategy that fits; None when either is missing."""
+        """autoshard over the fastest classic strategy that fits; None when either is missing or autoshard's
+        plan is over the memory budget (it could not run)."""
         best = self.fallback
-        if self.autoshard is None or best is None or self.autoshard.step_s <= 0:
+        if self.autoshard is None or not self.autoshard.fits or best is None or self.autoshard.step_s <= 0:
             return None
         return best.step_s / self.autoshard.step_s
+
+    @property
+    def over_budget(self) -> bool:
+        """autoshard returned a plan whose modeled peak exceeds the budget."""
+        return self.autoshard is not None and not self.autoshard.fits
 
     @property
     def headroom(self) -> float | None:

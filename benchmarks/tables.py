@@ -86,7 +86,8 @@ def quality_table(results: Sequence[CellResult]) -> TextTable:
         a, best = r.autoshard, r.fallback
         memory = f"{fmt_bytes(a.peak_bytes)}" + ("" if a.fits else " (over budget)")
         best_text = f"{best.name} {fmt_s(best.step_s)}" if best else "none fits"
-        speedup = _num(r.speedup, "{:.2f}x") + (f" (kept {r.kept})" if r.kept else "")
+        speedup = ("— (autoshard over budget)" if r.over_budget else _num(r.speedup, "{:.2f}x")
+                   + (f" (kept {r.kept})" if r.kept else ""))
         ilp = str(r.ilp) if r.ilp else "—"
         gap = f"{r.ilp.gap:.0%} {r.ilp.status}" if r.ilp else "—"
         rows.append((name, where, fmt_s(a.step_s), memory, _ceiling(a.batch_ceiling), best_text, speedup,

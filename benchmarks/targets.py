@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from autoshard.compiler.plan import fmt_bytes, fmt_s
 from benchmarks.planning_scaling import Hotspot, ScalingPoint, fits_by_pass
 from benchmarks.quality import CellResult, geomean
 
@@ -24,6 +25,8 @@ GEOMEAN_SPEEDUP = 1.5
 PLANNING_LIMITS_S = {24: 30.0, 96: 60.0}
 PLANNING_MESH = "1x8-a100"  # the (2, 4) mesh
 TWO_NODE_CLUSTER = "2x8-a100"
+TOY_PARAMS = 10_000_000  # below this a step is latency, not compute: geomeans are also given without these
+SUPERLINEAR = 1.1  # a pass whose seconds grow faster than layers^this is named in the linear-growth target
 
 
 @dataclass(frozen=True)
@@ -32,9 +35,13 @@ class Target:
     met: bool | None  # None: not measured in this run
     detail: str
 
+    caveat: str | None = None  # met, but only for a reason the detail gives
+
     @property
     def verdict(self) -> str:
-        return "not run" if self.met is None else ("met" if self.met else "MISSED")
+        if self.met is None:
+            return "not run"
+        return ("met, with a caveat" if self.caveat else "met") if self.met else "MISSED"
 
 
 def _why_slow(r: CellResult, wanted: float) -> str:
@@ -46,6 +53,9 @@ def _why_slow(r: CellResult, wanted: float) -> str:
                        f"(roofline), so even a plan with no communication at all could not reach {wanted:.1f}x")
     top = r.hot_ops[0] if r.hot_ops else "none"
     gap = f"; ILP gap {r.ilp.gap:.0%} at the time limit" if r.ilp else ""
+    if r.long_solve is not None and r.long_solve.status == "optimal":
+        gap = (f"; re-solved for {r.long_solve.time_limit_s:g} s, CP-SAT proves {fmt_s(r.long_solve.step_s)} "
+               "optimal: nothing faster exists in autoshard's search space under this model")
     return (text + f"; a plan with no communication could gain up to {_num(r.comm_headroom)}x; autoshard's step: "
             f"{r.autoshard.split}{gap}; costliest op: {top}")
 
@@ -54,6 +64,7 @@ def _min_speedup(results: Sequence[CellResult]) -> Target:
     name = f"autoshard >= {MIN_SPEEDUP:.1f}x the best classic strategy that fits, every cell"
     rated = [r for r in results if r.speedup is not None]
     no_plan = [r for r in results if r.autoshard is None]
+    over = [r for r in results if r.over_budget]
     only_auto = [r for r in results if r.autoshard is not None and r.fallback is None and r.autoshard.fits]
     if not rated and not only_auto:
         return Target(name, None, "no cell had both an autoshard plan and a classic plan that fits")
@@ -71,21 +82,44 @@ def _min_speedup(results: Sequence[CellResult]) -> Target:
             f"{r.cell} ({r.error})" for r in no_plan))
     if below:
         parts.append("below 1.0x: " + "; ".join(_why_slow(r, MIN_SPEEDUP) for r in below))
-    return Target(name, not below, "; ".join(parts))
+    if over:
+        parts.append("autoshard's plan is over the memory budget, so not a plan at all, in " + "; ".join(
+            f"{r.cell} ({fmt_bytes(r.autoshard.peak_bytes)} of {fmt_bytes(r.budget_bytes)}; "
+            + (f"{r.fallback.name} fits at {fmt_s(r.fallback.step_s)}" if r.fallback else "no classic plan fits")
+            + ")" for r in over)
+            + ". Why: the ILP bounds memory at a few liveness points (IntraOpOptions.num_memory_points) and "
+              "the simulated peak of the decoded plan falls above the budget elsewhere; compare() then keeps "
+              "the over-budget plan instead of the best classic plan that fits")
+    return Target(name, not below and not any(r.fallback for r in over), "; ".join(parts))
+
+
+def _unrated(r: CellResult) -> str:
+    return r.error or ("autoshard's plan over budget" if r.over_budget else "no classic strategy fits")
 
 
 def _geomean_target(name: str, cells: Sequence[CellResult]) -> Target:
     rated = [r for r in cells if r.speedup is not None]
     if not rated:
-        missing = ", ".join(f"{r.cell} ({r.error or 'no classic strategy fits'})" for r in cells) or "none run"
+        missing = ", ".join(f"{r.cell} ({_unrated(r)})" for r in cells) or "none run"
         return Target(name, None, f"no rated cell: {missing}")
     gm = geomean([r.speedup for r in rated])
     per_cell = ", ".join(f"{r.cell.workload} on {r.cell.cluster} {r.speedup:.2f}x" for r in rated)
     detail = f"geomean {gm:.2f}x over {per_cell}"
     unrated = [r for r in cells if r.speedup is None]
     if unrated:
-        detail += "; not rated: " + ", ".join(f"{r.cell} ({r.error or 'no classic strategy fits'})" for r in unrated)
+        detail += "; not rated: " + ", ".join(f"{r.cell} ({_unrated(r)})" for r in unrated)
     met = gm is not None and gm >= GEOMEAN_SPEEDUP
+    real = [r for r in rated if r.num_params >= TOY_PARAMS]
+    real_gm = geomean([r.speedup for r in real])
+    caveat = None
+    if met and len(real) < len(rated) and (real_gm is None or real_gm < GEOMEAN_SPEEDUP):
+        caveat = (f"met only through the toy models (under {TOY_PARAMS / 1e6:.0f}M parameters), whose steps are "
+                  f"microseconds of latency: without them the geomean is "
+                  + (f"{real_gm:.2f}x" if real_gm else "undefined"))
+        detail = f"Caveat: {caveat}. " + detail
+        worst = sorted(real, key=lambda r: r.speedup)[:2]
+        detail += ". Why the real models stay low: " + "; ".join(_why_slow(r, GEOMEAN_SPEEDUP) for r in worst)
+        return Target(name, met, detail, caveat)
     if not met:
         bound = geomean([r.comm_headroom for r in rated if r.comm_headroom])
         if bound is not None and bound < GEOMEAN_SPEEDUP:
@@ -144,6 +178,15 @@ def _linear_target(points: Sequence[ScalingPoint]) -> Target:
         by_pass = ", ".join(f"{k} {f.exponent:.2f}" for k, f in fits.items() if f is not None and k != "total CPU")
         parts.append(f"{cluster}: CPU seconds k = {total.exponent:.2f} (R^2 {total.r2:.2f}){local}; wall seconds "
                      f"by pass: {by_pass}")
+        deepest = mine[max(mine)] if mine else None
+        per_pass = {"trace": "trace_s", "build": "build_s", "solve": "solve_s", "decode + memory": "other_s"}
+        for what, attr in per_pass.items():
+            fit = fits.get(what)
+            if fit is not None and deepest is not None and fit.exponent > SUPERLINEAR:
+                seconds = getattr(deepest, attr)
+                parts.append(f"{cluster}: superlinear pass: {what} grows as L^{fit.exponent:.2f}, {seconds:.1f} s of "
+                             f"{deepest.total_s:.1f} s at {deepest.layers} layers; the total stays sublinear only "
+                             f"because the solve is capped by its time limit")
         met &= total.exponent <= 1.0
     return Target(name, met, "; ".join(parts))
 

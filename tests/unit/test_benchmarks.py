@@ -11,7 +11,7 @@ import pytest
 from autoshard.passes.intra_op import IntraOpOptions
 from benchmarks import planning_scaling, run
 from benchmarks.machine import describe
-from benchmarks.quality import Cell, WorkloadCache, geomean, run_cell
+from benchmarks.quality import Cell, CellResult, StrategyRow, WorkloadCache, geomean, run_cell
 from benchmarks.tables import quality_table, render_markdown, render_rich
 from benchmarks.targets import evaluate
 
@@ -71,3 +71,52 @@ def test_hotspots_name_autoshard_functions():
     assert 0 < len(spots) <= 4
     assert all(h.function.startswith("autoshard/") and 0 < h.share <= 1 for h in spots)
     assert [h.cumulative_s for h in spots] == sorted((h.cumulative_s for h in spots), reverse=True)
+
+
+def _row(name: str, step_s: float, *, fits: bool = True) -> StrategyRow:
+    return StrategyRow(name, step_s, 1e9, fits, 64, step_s / 2, step_s / 4, step_s / 4)
+
+
+def _cell(model: str, cluster: str, auto: StrategyRow, *baselines: StrategyRow, params: int = 10**9) -> CellResult:
+    return CellResult(Cell(model, "large", cluster), params, 48, 80 * 2**30, auto, tuple(baselines), 0.01, 1.0, 2.0,
+                      30.0, None)
+
+
+def test_targets_judge_speedups_budgets_and_toys():
+    fast = _cell("gpt", "2x8-a100", _row("autoshard", 1.0), _row("DP", 2.0), _row("FSDP/ZeRO-3", 3.0))
+    assert fast.speedup == pytest.approx(2.0)
+    # a faster classic plan that does not fit does not count
+    unfit = _cell("moe", "1x8-a100", _row("autoshard", 1.0), _row("DP", 0.5, fits=False), _row("FSDP/ZeRO-3", 1.1))
+    assert unfit.speedup == pytest.approx(1.1)
+    over = _cell("gpt", "1x8-a100", _row("autoshard", 1.0, fits=False), _row("FSDP/ZeRO-3", 1.2))
+    assert over.speedup is None and over.over_budget
+    toy = _cell("gpt", "2x8-a100", _row("autoshard", 1.0), _row("DP", 20.0), params=300_000)
+
+    minimum, moe, two_node = evaluate([fast, unfit, toy], [])[:3]
+    assert minimum.met is True
+    assert moe.met is False and "1.10x" in moe.detail
+    assert two_node.met is True and two_node.caveat is None  # fast alone reaches 2.0x
+
+    slow = _cell("gpt", "2x8-a100", _row("autoshard", 1.0), _row("DP", 1.01))
+    two_node = evaluate([slow, toy], [])[2]
+    assert two_node.met is True and two_node.caveat and "1.01x" in two_node.caveat
+    assert two_node.verdict == "met, with a caveat"
+
+    minimum = evaluate([fast, over], [])[0]
+    assert minimum.met is False and "over the memory budget" in minimum.detail
+
+
+def test_planning_targets_name_the_slow_and_the_superlinear_pass():
+    def point(layers: int) -> planning_scaling.ScalingPoint:
+        other = 0.05 * layers**1.5  # decode + memory grows faster than depth: 47 s at 96 layers
+        intra = 10.0 + 0.1 * layers + other
+        return planning_scaling.ScalingPoint(layers, "1x8-a100", (2, 4), 0, 0, 0.1 * layers, intra, 0.1 * layers,
+                                             10.0, 1, 1, 1, 1, 1, "feasible", 0.1, 0.1 * layers, intra)
+
+    targets = evaluate([], [point(n) for n in planning_scaling.DEPTHS])
+    by_depth = {t.name.split(" ")[0]: t for t in targets}
+    assert by_depth["24-layer"].met is True
+    ninety_six = by_depth["96-layer"]
+    assert ninety_six.met is False and "Slowest pass: decode + memory profile" in ninety_six.detail
+    linear = next(t for t in targets if "linearly" in t.name)
+    assert "superlinear pass: decode + memory grows as L^1.50" in linear.detail
