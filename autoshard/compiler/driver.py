@@ -7,6 +7,7 @@ modeled step time wins; the others are kept in ``Plan.alternatives``.
 from __future__ import annotations
 
 import logging
+import warnings
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -123,6 +124,13 @@ def plan_graph(graph: OpGraph, *, mesh: MeshLike = None, cluster: ClusterSpec | 
             f"no mesh shape of {num_devices} devices fits {budget / 2**30:.3f} GiB per device; the smallest budget "
             f"that fits is {smallest / 2**30:.3f} GiB: raise memory_budget or use more devices", smallest)
     result = best[1]
+    if result.peak_bytes > budget:
+        # The ILP's memory terms are per choice; resharded and layout copies depend on pairs of choices and
+        # only the ledger counts them, so a plan the ILP accepted can still exceed the budget here.
+        warnings.warn(
+            f"the chosen plan's modeled peak memory {result.peak_bytes / 2**30:.2f} GiB per device exceeds the "
+            f"budget {budget / 2**30:.2f} GiB (resharded copies the ILP does not bound); lower memory_budget "
+            f"to leave room, or use the fallback in plan.best_baseline()", ResourceWarning, stacklevel=2)
     plan = build_plan(graph, result, budget, timings, name=name, explain=explain)
     if len(candidates) > 1:
         plan = replace(plan, alternatives=alternatives)
