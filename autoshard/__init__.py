@@ -15,18 +15,18 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from autoshard.version import __version__  # noqa: F401
 
 _EXPORTS = {
     "autoshard": "autoshard.api",
     "plan": "autoshard.api",
     "load_plan": "autoshard.api",
-    "Plan": "autoshard.compiler.plan",
+    "Plan": "autoshard.plans.plan",
     "ClusterSpec": "autoshard.meshes.cluster",
     "PRESETS": "autoshard.meshes.cluster",
-    "grad": "autoshard.markers",
-    "value_and_grad": "autoshard.markers",
-    "layer_boundary": "autoshard.markers",
+    "grad": "autoshard.ir.markers",
+    "value_and_grad": "autoshard.ir.markers",
+    "layer_boundary": "autoshard.ir.markers",
     "PlanningError": "autoshard.errors",
     "InfeasibleMemoryError": "autoshard.errors",
     "PlanMismatchError": "autoshard.errors",

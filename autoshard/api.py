@@ -23,12 +23,16 @@ from jax.sharding import Mesh
 
 from autoshard.compiler.driver import PlannedStep, plan_step
 from autoshard.compiler.pipeline_driver import PipelinePlanned, plan_pipeline
-from autoshard.compiler.plan import Plan
+from autoshard.ir.trace import signature
 from autoshard.meshes.cluster import ClusterSpec
-from autoshard.passes.emit import make_jax_mesh
+from autoshard.passes.classic import classic_layouts
 from autoshard.passes.intra_op import IntraOpOptions
+from autoshard.plans.applied import annotations_for
+from autoshard.plans.plan import Plan, load_plan
 from autoshard.runtime.pipeline import PipelineStep
-from autoshard.runtime.spmd import SpmdStep
+from autoshard.runtime.spmd import SpmdStep, make_jax_mesh
+
+__all__ = ["AutoshardConfig", "AutoshardedFunction", "autoshard", "load_plan", "plan"]
 
 log = logging.getLogger(__name__)
 
@@ -45,16 +49,9 @@ class AutoshardConfig:
 
 
 def with_classic_starts(options: IntraOpOptions | None) -> IntraOpOptions:
-    """Search options that also start from every classic strategy's layouts (see baselines)."""
-    from autoshard.baselines import classic_layouts
-
+    """Search options that also start from every classic strategy's layouts (see passes/classic.py)."""
     options = options or IntraOpOptions()
     return options if options.start_layouts is not None else replace(options, start_layouts=classic_layouts)
-
-
-def _signature(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    leaves, tree = jax.tree_util.tree_flatten(args)
-    return (tree, tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x)))) for x in leaves))
 
 
 class AutoshardedFunction:
@@ -67,7 +64,7 @@ class AutoshardedFunction:
         self._last: tuple[PlannedStep, SpmdStep] | None = None
 
     def _compiled(self, args: tuple[Any, ...]) -> tuple[PlannedStep | PipelinePlanned, SpmdStep | PipelineStep]:
-        key = _signature(args)
+        key = signature(args)
         if key not in self._cache:
             cfg = self.config
             shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x)), args)
@@ -82,7 +79,7 @@ class AutoshardedFunction:
                 runner: SpmdStep | PipelineStep = planned.runtime()
             else:
                 mesh = cfg.mesh if isinstance(cfg.mesh, Mesh) else make_jax_mesh(planned.logical_mesh)
-                runner = SpmdStep(planned.graph, planned.annotations, mesh)
+                runner = SpmdStep(planned.graph, annotations_for(planned.plan, planned.graph), mesh)
             self._cache[key] = (planned, runner)
             log.info("%s", planned.plan)
         self._last = self._cache[key]
@@ -92,11 +89,7 @@ class AutoshardedFunction:
         _planned, step = self._compiled(args)
         if isinstance(step, PipelineStep):
             return step(*args)
-        flat = step.flatten_args(args)
-        placed = [x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
-                  for x, s in zip(flat, step.in_shardings)]
-        out = step.jitted(*placed)
-        return jax.tree_util.tree_unflatten(step.graph.out_tree, out)
+        return step.call_placed(args)
 
     def lower(self, *args: Any) -> Any:
         """Plan from arrays or ``jax.ShapeDtypeStruct``s; ``.compile()`` gives the XLA executable."""
@@ -155,10 +148,3 @@ def plan(fn: Callable[..., Any], *args: Any, mesh: Mesh | tuple[int, ...] | None
                      options=with_classic_starts(options)).plan
     return plan_pipeline(fn, args, mesh=mesh, cluster=cluster, memory_budget=memory_budget, num_stages=num_stages,
                          num_microbatches=num_microbatches, schedule=schedule, options=options).plan
-
-
-def load_plan(path: Any) -> Plan:
-    """Read a plan file written by ``Plan.save``."""
-    from autoshard.compiler.planfile import load_plan as _load
-
-    return _load(path)

@@ -137,7 +137,7 @@ def _print(*renderables: Any) -> None:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from autoshard.compiler.trace import trace
+    from autoshard.ir.trace import trace
 
     step, step_args, name = load_workload(args.target, args.config, abstract=True)
     start = time.perf_counter()
@@ -153,7 +153,7 @@ def _plan_target(args: argparse.Namespace, say: Callable[[str], None]) -> Any:
     from dataclasses import replace
 
     from autoshard.compiler.driver import plan_graph
-    from autoshard.compiler.trace import trace
+    from autoshard.ir.trace import trace
 
     say("loading")
     step, step_args, name = load_workload(args.target, args.config, abstract=True)
@@ -189,8 +189,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from autoshard.compiler.planfile import load_plan
-    from autoshard.report import explain_renderables, write_html, write_png
+    from autoshard.plans.plan import load_plan
+    from autoshard.figures import write_html, write_png
+    from autoshard.report import explain_renderables
 
     plan = load_plan(args.plan)
     renderables = explain_renderables(plan, args.op)
@@ -207,7 +208,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from autoshard.baselines import ALL_BASELINES, Baseline, compare
+    from autoshard.compiler.baselines import ALL_BASELINES, Baseline, compare
     from autoshard.report import comparison_table
 
     kinds = ALL_BASELINES
@@ -232,8 +233,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from autoshard.compiler.planfile import load_plan, read_header
-    from autoshard.compiler.validate import validate_plan
+    from autoshard.plans.plan import load_plan
+    from autoshard.plans.planfile import read_header
+    from autoshard.plans.validate import validate_plan
     from autoshard.meshes.cluster import get_cluster
     from autoshard.report import findings_table
 
@@ -252,8 +254,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from autoshard.compiler.export import dumps, flax_rules, flax_rules_python
-    from autoshard.compiler.planfile import load_plan
+    from autoshard.plans.export import dumps, flax_rules, flax_rules_python
+    from autoshard.plans.plan import load_plan
 
     if args.format != "flax-rules":
         raise SystemExit(f"error: unknown --format {args.format!r}; known: flax-rules")
@@ -269,9 +271,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from autoshard.compiler.planfile import load_plan
+    from autoshard.plans.plan import load_plan
     from autoshard.compiler.verify import verify_compiled
-    from autoshard.passes.emit import make_jax_mesh
+    from autoshard.runtime.spmd import make_jax_mesh
     from autoshard.report import fidelity_lines, fidelity_table
 
     with _progress("verifying") as say:
@@ -351,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="a plan's parameter layouts as Flax rules / PartitionSpecs")
     p.add_argument("plan", help="plan file")
-    p.add_argument("--format", default="flax-rules", help="flax-rules (see autoshard.compiler.export)")
+    p.add_argument("--format", default="flax-rules", help="flax-rules (see autoshard.plans.export)")
     p.add_argument("--python", action="store_true", help="write an importable Python module instead of JSON")
     p.add_argument("--out", help="file to write (default: stdout)")
     p.set_defaults(func=cmd_export)

@@ -1,4 +1,4 @@
-"""Build and solve time of the intra-op ILP (passes/ilp.py) on synthetic sharding problems.
+"""Build and solve time of the intra-op ILP (passes/ilp/) on synthetic sharding problems.
 
     python benchmarks/ilp_scale.py [--nodes 2000] [--edges 3000] [--time-limit 20] [--no-hint]
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from autoshard.api import with_classic_starts
 from autoshard.compiler.driver import plan_graph
-from autoshard.compiler.trace import trace
+from autoshard.ir.trace import trace
 from autoshard.errors import PlanningError
 from autoshard.passes.intra_op import IntraOpOptions
 from examples import gpt
@@ -142,7 +142,7 @@ def run(depths: Sequence[int] = DEPTHS, meshes: Sequence[tuple[str, tuple[int, .
 
 @dataclass(frozen=True)
 class Hotspot:
-    function: str  # "autoshard/passes/liveness.py:simulate"
+    function: str  # "autoshard/passes/memory_model.py:simulate"
     cumulative_s: float  # under the profiler (which slows pure-Python code down)
     share: float  # of the profiled trace + plan
 

@@ -1,7 +1,7 @@
 """Plan quality: autoshard against the classic strategies on one (workload, cluster) cell.
 
 Each cell traces an example workload from abstract shapes, runs
-``autoshard.baselines.compare`` (DP, FSDP/ZeRO-3, ZeRO-2, HSDP, Megatron TP,
+``autoshard.compiler.baselines.compare`` (DP, FSDP/ZeRO-3, ZeRO-2, HSDP, Megatron TP,
 DP x TP, then autoshard hinted with the best one that fits) and keeps plain
 numbers: modeled step time, per-device peak memory, batch ceiling, the compute
 lower bound, planning seconds by pass and the ILP's size and gap. For cells
@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from autoshard.baselines import Candidate, Comparison, compare
+from autoshard.compiler.baselines import Candidate, Comparison, compare
 from autoshard.compiler.driver import plan_graph
-from autoshard.compiler.plan import Plan, fmt_s
-from autoshard.compiler.trace import trace
+from autoshard.plans.plan import Plan, fmt_s
+from autoshard.ir.trace import trace
 from autoshard.errors import InfeasibleMemoryError
 from autoshard.passes.intra_op import IntraOpOptions
 from examples.common import Workload, count_params
@@ -309,7 +309,7 @@ def _with_fidelity(result: CellResult, plan: Plan, workload: Workload) -> CellRe
     import jax
 
     from autoshard.compiler.verify import verify_compiled
-    from autoshard.passes.emit import make_jax_mesh
+    from autoshard.runtime.spmd import make_jax_mesh
 
     if math.prod(plan.mesh_shape) > len(jax.devices()):
         note = (f"needs {math.prod(plan.mesh_shape)} devices, jax has {len(jax.devices())}: set XLA_FLAGS="

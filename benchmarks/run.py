@@ -141,7 +141,7 @@ def markdown(machine: Machine, run: RunSettings, results: Sequence[CellResult],
         "## Plan quality",
         "",
         "Each cell plans the six classic strategies (DP, FSDP/ZeRO-3, ZeRO-2, HSDP, Megatron TP, DP x TP: their "
-        "storage layouts pinned, every op's strategy left to the same ILP, `autoshard/baselines.py`) and then "
+        "storage layouts pinned, every op's strategy left to the same ILP, `autoshard/compiler/baselines.py`) and then "
         "autoshard hinted with the fastest that fits. *speedup* is the fastest classic strategy that fits the "
         "80 GiB budget over autoshard's modeled step (\"kept X\": the solver did not beat its hint X, whose plan "
         "is kept). *of compute bound* is total FLOPs / (devices x peak) over the step. *batch ceiling* is the "

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
-from autoshard.compiler.plan import fmt_bytes, fmt_s
+from autoshard.plans.plan import fmt_bytes, fmt_s
 from benchmarks.planning_scaling import Hotspot, ScalingPoint, fits_by_pass
 from benchmarks.quality import CellResult
 

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autoshard.compiler.plan import fmt_bytes, fmt_s
+from autoshard.plans.plan import fmt_bytes, fmt_s
 from benchmarks.planning_scaling import Hotspot, ScalingPoint, fits_by_pass
 from benchmarks.quality import CellResult, geomean
 

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                                    + f" --xla_force_host_platform_device_count={math.prod(shape)}").strip()
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-    from autoshard.runtime.distributed import initialize_from_env
+    from autoshard.distributed import initialize_from_env
 
     env = initialize_from_env()  # before anything touches the jax backend
 
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import autoshard
     from autoshard.passes.intra_op import IntraOpOptions
-    from autoshard.runtime.distributed import (apply_plan, axes_crossing_processes, global_batch, init_sharded,
+    from autoshard.distributed import (apply_plan, axes_crossing_processes, global_batch, init_sharded,
                                                input_shardings, local_indices, multiprocess_cluster,
                                                plan_digest, plan_multiprocess, process_mesh, to_host)
     from examples.common import INIT_COMPILER_OPTIONS

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from autoshard.compiler.graph import OpGraph
-from autoshard.compiler.plan import Ledger, Plan, SolverInfo
-from autoshard.compiler.spec import Spec
+from autoshard.ir.graph import OpGraph
+from autoshard.plans.plan import Ledger, Plan, SolverInfo
+from autoshard.ir.spec import Spec
 from autoshard.meshes.cluster import get_cluster
 
 

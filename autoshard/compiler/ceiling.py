@@ -32,8 +32,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from autoshard.compiler.graph import OpGraph, Role, ValueId
-from autoshard.compiler.trace import trace
+from autoshard.ir.graph import OpGraph, Role, ValueId, same_structure
+from autoshard.ir.trace import trace
 from autoshard.passes.intra_op import IntraOpResult, memory_profile
 
 log = logging.getLogger(__name__)
@@ -56,11 +56,6 @@ def batch_size_of(graph: OpGraph) -> int | None:
     sizes = {graph.values[v].shape[0] for v in graph.inputs
              if graph.values[v].role == Role.BATCH and graph.values[v].shape}
     return min(sizes) if sizes else None
-
-
-def same_structure(a: OpGraph, b: OpGraph) -> bool:
-    return len(a.ops) == len(b.ops) and all(x.primitive == y.primitive and x.inputs == y.inputs
-                                            and x.outputs == y.outputs for x, y in zip(a.ops, b.ops))
 
 
 class BatchProbe:

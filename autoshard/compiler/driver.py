@@ -1,8 +1,8 @@
-"""The driver: trace, choose the logical mesh, run the intra-op pass, build the Plan.
+"""The SPMD driver: trace, resolve the target, run the intra-op pass on each candidate mesh, build the Plan.
 
-With no mesh given, every factorization of the device count into at most two
-axes is planned (Alpa's logical-mesh search) and the one with the lowest
-modeled step time wins; the others are kept in ``Plan.alternatives``.
+With no mesh given, every factorization of the device count into two axes is
+planned (Alpa's logical-mesh search, ``compiler/target.py``) and the one with
+the lowest modeled step time wins; the others are kept in ``Plan.alternatives``.
 """
 from __future__ import annotations
 
@@ -13,42 +13,26 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import jax
-import numpy as np
-from jax.sharding import Mesh
-
 from autoshard.compiler.explain import op_explanations
-from autoshard.compiler.graph import OpGraph
-from autoshard.compiler.plan import Ledger, Plan, SolverInfo
-from autoshard.compiler.trace import trace
+from autoshard.compiler.target import ClusterLike, MeshLike, Target, resolve_target
 from autoshard.errors import InfeasibleMemoryError, PlanningError
-from autoshard.meshes.cluster import ClusterSpec, get_cluster
-from autoshard.meshes.logical import LogicalMesh, factorizations, make_logical_mesh
-from autoshard.passes.emit import Annotations, annotations_from
+from autoshard.ir.graph import OpGraph
+from autoshard.ir.trace import trace
+from autoshard.meshes.logical import LogicalMesh
+from autoshard.passes.emit import annotations_from
 from autoshard.passes.intra_op import IntraOpOptions, IntraOpResult, plan_intra_op
+from autoshard.plans.ledger import Ledger, SolverInfo
+from autoshard.plans.plan import Plan
 
 log = logging.getLogger(__name__)
-MeshLike = Mesh | tuple[int, ...] | None
 
 
 @dataclass(frozen=True)
 class PlannedStep:
     plan: Plan
     graph: OpGraph
-    annotations: Annotations
     logical_mesh: LogicalMesh
     result: IntraOpResult
-
-
-def candidate_meshes(mesh: MeshLike, cluster: ClusterSpec, num_devices: int) -> list[LogicalMesh]:
-    if isinstance(mesh, Mesh):
-        index = {d.id: i for i, d in enumerate(jax.devices())}
-        device_indices = tuple(index.get(d.id, i) for i, d in enumerate(mesh.devices.flat))
-        return [make_logical_mesh(cluster, tuple(mesh.devices.shape), tuple(mesh.axis_names), device_indices)]
-    if mesh is not None:
-        return [make_logical_mesh(cluster, tuple(int(s) for s in mesh))]
-    shapes = [s for s in factorizations(num_devices, 2) if len(s) == 2]
-    return [make_logical_mesh(cluster, s) for s in shapes]
 
 
 def build_plan(graph: OpGraph, result: IntraOpResult, budget: float, timings: dict[str, float],
@@ -84,7 +68,7 @@ def build_plan(graph: OpGraph, result: IntraOpResult, budget: float, timings: di
     )
 
 
-def plan_graph(graph: OpGraph, *, mesh: MeshLike = None, cluster: ClusterSpec | str | None = None,
+def plan_graph(graph: OpGraph, *, mesh: MeshLike = None, cluster: ClusterLike = None,
                memory_budget: float | None = None, options: IntraOpOptions | None = None,
                num_devices: int | None = None, timings: dict[str, float] | None = None,
                name: str = "autoshard", explain: bool = True) -> PlannedStep:
@@ -92,21 +76,21 @@ def plan_graph(graph: OpGraph, *, mesh: MeshLike = None, cluster: ClusterSpec | 
 
     ``explain`` records each op's strategy against its alternatives in the plan (``Plan.explanations``).
     """
-    if isinstance(mesh, Mesh):
-        num_devices = mesh.devices.size
-    elif mesh is not None:
-        num_devices = int(np.prod(mesh))
-    num_devices = num_devices or len(jax.devices())
-    cluster = get_cluster(cluster, num_devices=num_devices)
-    budget = float(memory_budget if memory_budget is not None else cluster.memory_per_device_bytes)
+    target = resolve_target(mesh, cluster, memory_budget, num_devices=num_devices)
+    return plan_on(graph, target, options, timings=timings, name=name, explain=explain)
+
+
+def plan_on(graph: OpGraph, target: Target, options: IntraOpOptions | None = None, *,
+            timings: dict[str, float] | None = None, name: str = "autoshard", explain: bool = True) -> PlannedStep:
+    """``plan_graph`` for a resolved Target: the intra-op pass on each candidate mesh, the fastest kept."""
+    budget = target.memory_budget_bytes
     options = replace(options or IntraOpOptions(), memory_budget_bytes=budget)
     timings = dict(timings or {})
     best: tuple[float, IntraOpResult] | None = None
     alternatives: dict[str, float] = {}
     errors: list[InfeasibleMemoryError] = []
     start = time.perf_counter()
-    candidates = candidate_meshes(mesh, cluster, num_devices)
-    for logical in candidates:
+    for logical in target.meshes:
         try:
             result = plan_intra_op(graph, logical, options)
         except InfeasibleMemoryError as err:
@@ -121,8 +105,8 @@ def plan_graph(graph: OpGraph, *, mesh: MeshLike = None, cluster: ClusterSpec | 
         if len(errors) == 1:
             raise errors[0]
         raise InfeasibleMemoryError(
-            f"no mesh shape of {num_devices} devices fits {budget / 2**30:.3f} GiB per device; the smallest budget "
-            f"that fits is {smallest / 2**30:.3f} GiB: raise memory_budget or use more devices", smallest)
+            f"no mesh shape of {target.num_devices} devices fits {budget / 2**30:.3f} GiB per device; the smallest "
+            f"budget that fits is {smallest / 2**30:.3f} GiB: raise memory_budget or use more devices", smallest)
     result = best[1]
     if result.peak_bytes > budget:
         # The ILP's memory terms are per choice; resharded and layout copies depend on pairs of choices and
@@ -132,9 +116,9 @@ def plan_graph(graph: OpGraph, *, mesh: MeshLike = None, cluster: ClusterSpec | 
             f"budget {budget / 2**30:.2f} GiB (resharded copies the ILP does not bound); lower memory_budget "
             f"to leave room, or use the fallback in plan.best_baseline()", ResourceWarning, stacklevel=2)
     plan = build_plan(graph, result, budget, timings, name=name, explain=explain)
-    if len(candidates) > 1:
+    if len(target.meshes) > 1:
         plan = replace(plan, alternatives=alternatives)
-    return PlannedStep(plan, graph, annotations_from(result), result.mesh, result)
+    return PlannedStep(plan, graph, result.mesh, result)
 
 
 def plan_step(fn: Callable[..., Any], args: Sequence[Any], **kwargs: Any) -> PlannedStep:

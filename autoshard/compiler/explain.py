@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import collections
 import re
-from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from autoshard.compiler.graph import OpGraph, ValueId
-from autoshard.compiler.plan import Choice, OpExplanation
-from autoshard.compiler.spec import Spec
+from autoshard.ir.graph import OpGraph, ValueId
+from autoshard.plans.ledger import Choice, OpExplanation
+from autoshard.ir.spec import Spec
 from autoshard.passes.liveness import FUSIBLE
 from autoshard.passes.resharding import reshard
 from autoshard.passes.strategies import Strategy, strategies_for

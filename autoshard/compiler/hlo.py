@@ -41,8 +41,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
-from autoshard.compiler.hlo_parse import (_Computation, _Instruction, _Module, _parse_module, _permute_groups,
-                                          _split_top_level, group_size_of, shape_elements, shape_nbytes)
+from autoshard.compiler.hlo_parse import (Computation, Instruction, HloModule, parse_module, permute_groups,
+                                          split_top_level, group_size_of, shape_elements, shape_nbytes)
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class CompiledSummary:
 # ----------------------------------------------------------------------------- loops
 
 
-def _scalar_constant(comp: _Computation, name: str) -> int | None:
+def _scalar_constant(comp: Computation, name: str) -> int | None:
     inst = comp.instructions.get(name)
     while inst is not None and inst.opcode in ("copy", "bitcast", "convert") and inst.operands:
         inst = comp.instructions.get(inst.operands[0])
@@ -100,7 +100,7 @@ def _scalar_constant(comp: _Computation, name: str) -> int | None:
     return int(inst.operands[0]) if inst.operands and inst.operands[0].lstrip("-").isdigit() else None
 
 
-def _trip_count(loop: _Instruction, caller: _Computation, module: _Module) -> int | None:
+def _trip_count(loop: Instruction, caller: Computation, module: HloModule) -> int | None:
     config = loop.attrs.get("backend_config", "")
     try:
         n = json.loads(config).get("known_trip_count", {}).get("n")
@@ -112,7 +112,7 @@ def _trip_count(loop: _Instruction, caller: _Computation, module: _Module) -> in
     return _trip_count_from_condition(loop, caller, module)
 
 
-def _trip_count_from_condition(loop: _Instruction, caller: _Computation, module: _Module) -> int | None:
+def _trip_count_from_condition(loop: Instruction, caller: Computation, module: HloModule) -> int | None:
     """``i < N`` (or ``<=``, ``>``, ``>=``) against a constant N, i from the init tuple, step 1."""
     cond = module.computations.get(loop.attrs.get("condition", "").lstrip("%"))
     root = next((i for i in cond.instructions.values() if i.is_root), None) if cond else None
@@ -145,7 +145,7 @@ def _trip_count_from_condition(loop: _Instruction, caller: _Computation, module:
     return None if span is None else max(span, 0)
 
 
-def _init_value(loop: _Instruction, caller: _Computation, cond: _Computation, ivar: str) -> int | None:
+def _init_value(loop: Instruction, caller: Computation, cond: Computation, ivar: str) -> int | None:
     gte = cond.instructions.get(ivar)
     if gte is None or gte.opcode != "get-tuple-element":
         return None
@@ -162,7 +162,7 @@ _CALL_ATTRS = ("calls", "to_apply", "true_computation", "false_computation",
                "branch_computations", "called_computations")
 
 
-def _multipliers(module: _Module) -> dict[str, int]:
+def _multipliers(module: HloModule) -> dict[str, int]:
     """How many times each computation runs per execution of the entry."""
     callers: dict[str, list[tuple[str, int]]] = defaultdict(list)
     for comp in module.computations.values():
@@ -192,7 +192,7 @@ def _multipliers(module: _Module) -> dict[str, int]:
 # ----------------------------------------------------------------------------- reduce-scatter
 
 
-def _only_group_slices(module: _Module, comp: _Computation, name: str, elements: int, group: int) -> bool:
+def _only_group_slices(module: HloModule, comp: Computation, name: str, elements: int, group: int) -> bool:
     """True when every use of ``name`` is a dynamic-slice keeping at most elements/group of it.
 
     A slice finer than 1/group is a reduce-scatter over the group followed by a local slice
@@ -222,7 +222,7 @@ def _only_group_slices(module: _Module, comp: _Computation, name: str, elements:
     return True
 
 
-def _is_reduce_scatter(module: _Module, comp: _Computation, result: _Instruction, group: int) -> bool:
+def _is_reduce_scatter(module: HloModule, comp: Computation, result: Instruction, group: int) -> bool:
     if group <= 1:
         return False
     leaves = shape_elements(result.shape)
@@ -241,7 +241,7 @@ def _is_reduce_scatter(module: _Module, comp: _Computation, result: _Instruction
 
 def read_hlo_collectives(hlo_text: str) -> list[HloCollective]:
     """Every collective of an optimized HLO module, in text order, with bytes and counts."""
-    module = _parse_module(hlo_text)
+    module = parse_module(hlo_text)
     runs = _multipliers(module)
     found: list[HloCollective] = []
     for comp in module.computations.values():
@@ -260,12 +260,12 @@ def read_hlo_collectives(hlo_text: str) -> list[HloCollective]:
     return found
 
 
-def _tuple_element_bytes(result: _Instruction) -> list[int]:
+def _tuple_element_bytes(result: Instruction) -> list[int]:
     inner = result.shape.strip()[1:-1]
-    return [shape_nbytes(part) for part in _split_top_level(inner)]
+    return [shape_nbytes(part) for part in split_top_level(inner)]
 
 
-def _collectives(module: _Module, comp: _Computation, inst: _Instruction, result: _Instruction,
+def _collectives(module: HloModule, comp: Computation, inst: Instruction, result: Instruction,
                  kind: str, count: int) -> list[HloCollective]:
     """One collective, or for a combined (tuple) all-reduce, its reduce-scatter and all-reduce parts.
 
@@ -296,11 +296,11 @@ def _collectives(module: _Module, comp: _Computation, inst: _Instruction, result
     return parts or [single]
 
 
-def _collective(module: _Module, comp: _Computation, inst: _Instruction, result: _Instruction,
+def _collective(module: HloModule, comp: Computation, inst: Instruction, result: Instruction,
                 kind: str, count: int) -> HloCollective:
     operand_bytes = sum(shape_nbytes(comp.instructions[o].shape) for o in inst.operands if o in comp.instructions)
     if kind == "collective-permute":
-        group, groups = _permute_groups(inst.attrs.get("source_target_pairs", ""))
+        group, groups = permute_groups(inst.attrs.get("source_target_pairs", ""))
     else:
         group, groups = group_size_of(inst.attrs.get("replica_groups", "{}"), module.num_devices)
     nbytes = shape_nbytes(result.shape)

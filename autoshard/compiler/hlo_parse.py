@@ -6,12 +6,12 @@ The syntax half of ``compiler/hlo.py`` (checked on jax/jaxlib 0.10.2, XLA:CPU):
   shapes may be tuples ``(f32[4,1,8]{2,1,0}, ...)``; a tuple result is the sum
   of its elements. Computations are blocks ``%name (params) -> shape {``.
 * Replica groups come in several spellings (explicit, iota, empty, mesh-style);
-  ``group_size_of`` reads them all, ``_permute_groups`` reads the rings of a
+  ``group_size_of`` reads them all, ``permute_groups`` reads the rings of a
   ``collective-permute``'s ``source_target_pairs``.
 
 Here: shape sizes (``shape_nbytes``, ``shape_elements``), the text scanner
-(``_scan_balanced``, ``_split_top_level``, ``_parse_attrs``), the parsed
-module (``_Instruction``, ``_Computation``, ``_Module``, ``_parse_module``) and
+(``_scan_balanced``, ``split_top_level``, ``_parse_attrs``), the parsed
+module (``Instruction``, ``Computation``, ``HloModule``, ``parse_module``) and
 the group readers. What the instructions mean (collectives, loop trip counts,
 reduce-scatter recognition, the compiled summary) is in ``compiler/hlo.py``,
 which re-exports ``shape_nbytes``, ``shape_elements`` and ``group_size_of``.
@@ -86,7 +86,7 @@ def _scan_balanced(s: str, i: int) -> int:
     return len(s)
 
 
-def _split_top_level(s: str) -> list[str]:
+def split_top_level(s: str) -> list[str]:
     """Split on commas that are outside brackets and quotes."""
     items, depth, start, i = [], 0, 0, 0
     while i < len(s):
@@ -109,7 +109,7 @@ def _split_top_level(s: str) -> list[str]:
 
 def _parse_attrs(text: str) -> dict[str, str]:
     attrs: dict[str, str] = {}
-    for item in _split_top_level(text):
+    for item in split_top_level(text):
         key, eq, value = item.partition("=")
         if not eq:
             continue
@@ -122,7 +122,7 @@ def _parse_attrs(text: str) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class _Instruction:
+class Instruction:
     name: str
     shape: str
     opcode: str
@@ -133,13 +133,13 @@ class _Instruction:
 
 
 @dataclass
-class _Computation:
+class Computation:
     name: str
     is_entry: bool
-    instructions: dict[str, _Instruction] = field(default_factory=dict)
-    users: dict[str, list[_Instruction]] = field(default_factory=lambda: defaultdict(list))
+    instructions: dict[str, Instruction] = field(default_factory=dict)
+    users: dict[str, list[Instruction]] = field(default_factory=lambda: defaultdict(list))
 
-    def parameter(self, index: int) -> _Instruction | None:
+    def parameter(self, index: int) -> Instruction | None:
         for inst in self.instructions.values():
             if inst.opcode == "parameter" and inst.operands == (str(index),):
                 return inst
@@ -147,8 +147,8 @@ class _Computation:
 
 
 @dataclass(frozen=True)
-class _Module:
-    computations: dict[str, _Computation]
+class HloModule:
+    computations: dict[str, Computation]
     num_devices: int
 
 
@@ -157,7 +157,7 @@ _COMP_HEAD_RE = re.compile(r"(ENTRY\s+)?%?([^\s(]+)\s*\(.*\)\s*->.*\{\s*$")
 _OPCODE_RE = re.compile(r"\s*([\w\-]+)\(")
 
 
-def _parse_instruction(line: str) -> _Instruction | None:
+def _parse_instruction(line: str) -> Instruction | None:
     m = _INSTR_HEAD_RE.match(line)
     if m is None:
         return None
@@ -174,18 +174,18 @@ def _parse_instruction(line: str) -> _Instruction | None:
         return None
     k = _scan_balanced(line, op.end() - 1)
     operands = tuple(
-        tok.split()[-1].lstrip("%") for tok in _split_top_level(line[op.end():k - 1]) if tok.split()
+        tok.split()[-1].lstrip("%") for tok in split_top_level(line[op.end():k - 1]) if tok.split()
     )
     rest = line[k:].lstrip().removeprefix(",")
-    return _Instruction(
+    return Instruction(
         name=m.group(2), shape=shape, opcode=op.group(1), operands=operands,
         attrs=_parse_attrs(rest), line=line, is_root=bool(m.group(1)),
     )
 
 
-def _parse_module(hlo_text: str) -> _Module:
-    computations: dict[str, _Computation] = {}
-    current: _Computation | None = None
+def parse_module(hlo_text: str) -> HloModule:
+    computations: dict[str, Computation] = {}
+    current: Computation | None = None
     num_partitions = replica_count = 1
     for raw in hlo_text.splitlines():
         line = raw.strip()
@@ -197,7 +197,7 @@ def _parse_module(hlo_text: str) -> _Module:
             continue
         if current is None or not raw[:1].isspace():
             if m := _COMP_HEAD_RE.match(line):
-                current = _Computation(name=m.group(2), is_entry=bool(m.group(1)))
+                current = Computation(name=m.group(2), is_entry=bool(m.group(1)))
                 computations[current.name] = current
                 continue
         if line == "}":
@@ -211,7 +211,7 @@ def _parse_module(hlo_text: str) -> _Module:
         current.instructions[inst.name] = inst
         for operand in inst.operands:
             current.users[operand].append(inst)
-    return _Module(computations, num_devices=num_partitions * replica_count)
+    return HloModule(computations, num_devices=num_partitions * replica_count)
 
 
 # ----------------------------------------------------------------------------- groups
@@ -260,7 +260,7 @@ def _mesh_group_size(text: str) -> tuple[int, int]:
     return size, total // size
 
 
-def _permute_groups(pairs_text: str) -> tuple[int, int]:
+def permute_groups(pairs_text: str) -> tuple[int, int]:
     """(devices per ring, rings) of ``source_target_pairs``: its connected components."""
     parent: dict[int, int] = {}
 

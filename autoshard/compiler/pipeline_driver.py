@@ -20,22 +20,23 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 
-from autoshard.compiler.driver import MeshLike, PlannedStep, plan_graph
-from autoshard.compiler.graph import OpGraph, Role
-from autoshard.compiler.plan import Ledger, Plan, SolverInfo
-from autoshard.compiler.spec import Spec
-from autoshard.compiler.stage_plan import PipelineStage, PipelineSummary, StageMemory
-from autoshard.compiler.trace import trace
+from autoshard.compiler.driver import PlannedStep, plan_on
+from autoshard.compiler.target import ClusterLike, MeshLike, resolve_target
 from autoshard.errors import InfeasibleMemoryError, PlanningError
-from autoshard.meshes.cluster import ClusterSpec, get_cluster
-from autoshard.compiler.trace import trace_jaxpr
+from autoshard.ir.graph import OpGraph, Role, same_structure
+from autoshard.ir.spec import Spec
+from autoshard.ir.split import StepParts, batch_inputs, microbatch_shapes, split_step
+from autoshard.ir.trace import trace, trace_jaxpr
+from autoshard.meshes.cluster import ClusterSpec
+from autoshard.meshes.cost import roofline_s
 from autoshard.passes.inter_op import InterOpOptions, LayerWork, PricedProblem, place_stages, price_stages
 from autoshard.passes.intra_op import IntraOpOptions
-from autoshard.passes.layers import (Layer, StepParts, batch_inputs, cluster_layers, microbatch_shapes,
-                                     same_structure, split_step)
+from autoshard.passes.layers import Layer, cluster_layers
 from autoshard.passes.stages import StageInfeasibleError, StagePlan, solve_stages
+from autoshard.plans.ledger import Ledger, SolverInfo
+from autoshard.plans.plan import Plan
+from autoshard.plans.stage_plan import PipelineStage, PipelineSummary, StageMemory
 from autoshard.runtime.pipeline import PipelineError, PipelineStep, StageLayout, StageProgram, stage_programs
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,8 @@ class PipelinePlanned:
     plan: Plan
     fn: Callable[..., Any]
     arg_leaves: tuple[Any, ...]  # flat step inputs (ShapeDtypeStructs or arrays)
-    parts: StepParts  # traced at the full batch
+    graph: OpGraph  # the step traced at the full batch
+    parts: StepParts  # split from it
     layers: tuple[Layer, ...]
     stage_plan: StagePlan
     layouts: tuple[StageLayout, ...]
@@ -66,20 +68,18 @@ class PipelinePlanned:
         """Trace the step at one microbatch and build the stage executables (``step_options``: PipelineStep's
         ``recompute``, ``compiler_options``)."""
         big_b = self.stage_plan.num_microbatches
-        shapes = microbatch_shapes(self.arg_leaves, self.split_inputs, big_b)
-        fn, in_tree = self.fn, self.in_tree
-        closed = jax.make_jaxpr(lambda *flat: fn(*jax.tree_util.tree_unflatten(in_tree, flat)))(*shapes)
-        parts = split_step(closed)
-        if parts is None or not same_structure(self.parts.forward, parts.forward):
+        small = trace_at(self.fn, self.in_tree, microbatch_shapes(self.arg_leaves, self.split_inputs, big_b))
+        parts = split_step(small.jaxpr) if same_structure(self.graph, small) else None
+        if parts is None:
             raise PipelineError(f"the loss traces to different equations at the microbatch size "
                                 f"(batch / {big_b}); a pipeline needs shape-independent loss code")
-        return PipelineStep(parts, self.layers, self.layouts, big_b, self.stage_plan.schedule,
+        return PipelineStep(parts, [layer.eqns for layer in self.layers], self.layouts, big_b, self.stage_plan.schedule,
                             split_inputs=self.split_inputs, in_tree=self.in_tree, out_tree=self.out_tree,
                             out_paths=self.out_paths, devices=devices, **step_options)
 
 
 def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike = None,
-                  cluster: ClusterSpec | str | None = None, memory_budget: float | None = None,
+                  cluster: ClusterLike = None, memory_budget: float | None = None,
                   num_stages: int | None = None, num_microbatches: int | None = None, schedule: str = "1f1b",
                   options: IntraOpOptions | None = None, num_layers: int | None = None,
                   num_devices: int | None = None, name: str | None = None,
@@ -96,24 +96,19 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
     timings: dict[str, float] = {}
     start = time.perf_counter()
     graph = trace(fn, *args)
-    closed = jax.make_jaxpr(fn)(*args)
-    parts = split_step(closed)
+    parts = split_step(graph.jaxpr)
     timings["trace"] = time.perf_counter() - start
-    spmd_kwargs = dict(mesh=mesh, cluster=cluster, memory_budget=memory_budget, options=options, name=name,
-                       num_devices=num_devices)
+    target = resolve_target(mesh, cluster, memory_budget, num_devices=num_devices)
     if parts is None:
         if num_stages not in (None, 1):
             raise PlanningError(f"num_stages={num_stages} needs the step to compute its gradients with "
                                 "autoshard.value_and_grad or autoshard.grad (plain jax.grad plans as one SPMD stage)")
-        return plan_graph(graph, timings=timings, **spmd_kwargs)
+        return plan_on(graph, target, options, timings=timings, name=name)
     if num_stages is None and mesh is not None:
-        return plan_graph(graph, timings=timings, **spmd_kwargs)
+        return plan_on(graph, target, options, timings=timings, name=name)
     if schedule not in ("1f1b", "gpipe"):
         raise PlanningError(f"schedule must be '1f1b' or 'gpipe'; got {schedule!r}")
-    num_devices = mesh.devices.size if isinstance(mesh, Mesh) else (
-        int(np.prod(mesh)) if mesh is not None else num_devices or len(jax.devices()))
-    spec = get_cluster(cluster, num_devices=num_devices)
-    budget = float(memory_budget if memory_budget is not None else spec.memory_per_device_bytes)
+    num_devices, spec, budget = target.num_devices, target.cluster, target.memory_budget_bytes
 
     t0 = time.perf_counter()
     layers = cluster_layers(parts.forward, num_layers)
@@ -126,7 +121,7 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
     inter = InterOpOptions(schedule=schedule, num_stages=num_stages, num_microbatches=num_microbatches,
                            memory_budget_bytes=budget, min_stages=2 if num_stages is None else 1)
     t0 = time.perf_counter()
-    work = layer_work(fn, args, parts, layers, split, global_batch)
+    work = layer_work(fn, graph, parts, layers, split, global_batch, args)
     apply_s = leaf_apply_s(parts, spec)
     priced = price_stages(layers, leaf_bytes, 0.0, spec, num_devices, global_batch, opt_ratio, inter, work,
                           apply_s)
@@ -136,7 +131,7 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
     if num_stages is None:
         t0 = time.perf_counter()
         try:
-            spmd = plan_graph(graph, timings=dict(timings), **{**spmd_kwargs, "num_devices": num_devices})
+            spmd = plan_on(graph, target, options, timings=dict(timings), name=name)
         except InfeasibleMemoryError as err:
             log.info("no SPMD plan fits (%s); pipelines only", err)
         timings["spmd"] = time.perf_counter() - t0
@@ -153,24 +148,26 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
         if not keep_both:
             return spmd
     placed = place_stages(stage_plan, spec, num_devices)
-    if isinstance(mesh, Mesh):
-        index = {d.id: i for i, d in enumerate(jax.devices())}
-        pool = [index[d.id] for d in mesh.devices.flat]
+    pool = target.device_indices
+    if pool is not None:
         placed = [tuple(pool[i] for i in devs) for devs in placed]
     layouts = tuple(StageLayout(st.first_layer, st.last_layer, devs) for st, devs in zip(stage_plan.stages, placed))
     plan = _build_plan(graph, parts, layers, stage_plan, layouts, priced, spec, budget, timings, name, spmd,
                        split, len(jax.tree_util.tree_leaves(args)))
-    in_leaves, in_tree = jax.tree_util.tree_flatten(tuple(args))
-    out_shape = jax.eval_shape(fn, *args)
-    out_with_path, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
+    in_leaves = jax.tree_util.tree_leaves(tuple(args))
     log.info("%s", plan)
-    piped = PipelinePlanned(plan, fn, tuple(in_leaves), parts, layers, stage_plan, layouts, split, in_tree, out_tree,
-                            tuple(jax.tree_util.keystr(p) for p, _ in out_with_path), priced)
+    piped = PipelinePlanned(plan, fn, tuple(in_leaves), graph, parts, layers, stage_plan, layouts, split, graph.in_tree,
+                            graph.out_tree, graph.output_paths, priced)
     return (piped, spmd) if keep_both else piped
 
 
-def layer_work(fn: Callable[..., Any], args: Sequence[Any], parts: StepParts, layers: Sequence[Layer],
-               split: Sequence[bool], global_batch: int) -> list[LayerWork] | None:
+def trace_at(fn: Callable[..., Any], in_tree: Any, leaves: Sequence[Any]) -> OpGraph:
+    """The step traced at other shapes (its flat input leaves as ShapeDtypeStructs)."""
+    return trace(fn, *jax.tree_util.tree_unflatten(in_tree, list(leaves)))
+
+
+def layer_work(fn: Callable[..., Any], graph: OpGraph, parts: StepParts, layers: Sequence[Layer],
+               split: Sequence[bool], global_batch: int, args: Sequence[Any]) -> list[LayerWork] | None:
     """Each layer's forward + backward graph, traced at the full batch and at batch / r (r the smallest
     divisor > 1), per op split into a fixed part and a part proportional to the batch. Equal layers
     (structural hash) are traced once. None when the two traces differ (then the planner falls back to
@@ -178,15 +175,15 @@ def layer_work(fn: Callable[..., Any], args: Sequence[Any], parts: StepParts, la
     ratio = next((r for r in range(2, global_batch + 1) if global_batch % r == 0), None)
     if ratio is None:
         return None
-    leaves, in_tree = jax.tree_util.tree_flatten(tuple(args))
-    shapes = microbatch_shapes(leaves, split, ratio)
-    small = split_step(jax.make_jaxpr(lambda *flat: fn(*jax.tree_util.tree_unflatten(in_tree, flat)))(*shapes))
-    if small is None or not same_structure(parts.forward, small.forward):
+    small_graph = trace_at(fn, graph.in_tree, microbatch_shapes(jax.tree_util.tree_leaves(tuple(args)), split, ratio))
+    small = split_step(small_graph.jaxpr) if same_structure(graph, small_graph) else None
+    if small is None:
         return None
     ranges = [(i, i) for i in range(len(layers))]
     try:
-        big_programs = stage_programs(parts.forward, layers, ranges)
-        small_programs = stage_programs(small.forward, layers, ranges)
+        eqns = [layer.eqns for layer in layers]
+        big_programs = stage_programs(parts.forward, eqns, ranges)
+        small_programs = stage_programs(small.forward, eqns, ranges)
     except PipelineError:
         return None
     cache: dict[str, LayerWork] = {}
@@ -210,7 +207,6 @@ def leaf_apply_s(parts: StepParts, cluster: ClusterSpec) -> list[float]:
     first = parts.num_consts + parts.num_inputs + 1
     deps: dict[int, int] = {v: 1 << (k - first) for k, v in enumerate(graph.inputs) if k >= first}
     cost = [0.0] * len(parts.forward.invars)
-    peak = cluster.peak_flops("float32")
     for op in graph.ops:
         mask = 0
         for v in op.inputs:
@@ -219,7 +215,7 @@ def leaf_apply_s(parts: StepParts, cluster: ClusterSpec) -> list[float]:
             deps[v] = mask
         owners = [g for g in range(parts.num_grads) if mask >> g & 1]
         if owners:
-            seconds = max(op.flops / peak, op.bytes_accessed / cluster.memory_bandwidth_bytes_per_s)
+            seconds = roofline_s(cluster, op.flops, op.bytes_accessed)
             for g in owners:
                 cost[parts.grad_for_leaf[g]] += seconds / len(owners)
     return cost

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoshard.compiler.hlo import CompiledSummary, summarize_compiled
-from autoshard.compiler.plan import Plan
+from autoshard.plans.plan import Plan
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 COLLECTIVE_TOLERANCE = 0.10

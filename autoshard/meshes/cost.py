@@ -20,6 +20,10 @@ roofline: max(flops / peak, bytes / memory bandwidth).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike
 
 from autoshard.meshes.cluster import ClusterSpec, LinkLevel
 from autoshard.meshes.logical import LogicalMesh, MeshAxis
@@ -120,6 +124,9 @@ def send_s(cluster: ClusterSpec, nbytes: float, *, cross_node: bool) -> float:
     return point_to_point_s(nbytes, cluster.inter_node if cross_node else cluster.intra_node)
 
 
-def compute_s(cluster: ClusterSpec, flops: float, bytes_accessed: float, dtype: str = "float32") -> float:
-    """Roofline time of one device doing ``flops`` and moving ``bytes_accessed`` through HBM."""
-    return max(flops / cluster.peak_flops(dtype), bytes_accessed / cluster.memory_bandwidth_bytes_per_s)
+def roofline_s(cluster: ClusterSpec, flops: ArrayLike, bytes_accessed: ArrayLike, dtype: str = "float32") -> Any:
+    """Roofline time of one device doing ``flops`` and moving ``bytes_accessed`` through HBM: the one
+    compute model of every pass. Scalars give a float; arrays (one entry per op) give an array."""
+    seconds = np.maximum(np.asarray(flops, dtype=float) / cluster.peak_flops(dtype),
+                         np.asarray(bytes_accessed, dtype=float) / cluster.memory_bandwidth_bytes_per_s)
+    return float(seconds) if seconds.ndim == 0 else seconds

@@ -21,6 +21,7 @@ class MeshAxis:
     name: str
     size: int
     link: LinkLevel
+    crosses_nodes: bool = False  # its device groups span nodes (the link is the inter-node one)
 
     def __str__(self) -> str:
         return f"{self.name}={self.size}({self.link.name})"
@@ -87,8 +88,9 @@ def make_logical_mesh(
     if len(device_indices) != size:
         raise ValueError(f"mesh {shape} needs {size} devices, got {len(device_indices)} device indices")
     grid = np.asarray(device_indices).reshape(shape)
+    crossing = [_crosses_nodes(cluster, grid, i) for i in range(len(shape))]
     axes = tuple(
-        MeshAxis(name, n, cluster.inter_node if _crosses_nodes(cluster, grid, i) else cluster.intra_node)
+        MeshAxis(name, n, cluster.inter_node if crossing[i] else cluster.intra_node, crossing[i])
         for i, (name, n) in enumerate(zip(axis_names, shape))
     )
     return LogicalMesh(axes=axes, cluster=cluster, device_indices=tuple(int(d) for d in device_indices))

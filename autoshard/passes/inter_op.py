@@ -45,15 +45,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from autoshard.meshes.cluster import ClusterSpec
-from autoshard.meshes.cost import all_reduce_s, compute_s, point_to_point_s, ring_all_gather_s
+from autoshard.meshes.cost import all_reduce_s, point_to_point_s, ring_all_gather_s, roofline_s
 from autoshard.meshes.logical import make_logical_mesh
 from autoshard.passes.layers import Layer
-from autoshard.passes.stages import Schedule, StagePlan, StageProblem, SubmeshShape, microbatch_choices
+from autoshard.passes.stages import StagePlan, StageProblem, SubmeshShape, microbatch_choices
+from autoshard.runtime.schedules import PipelineSchedule
 
 
 @dataclass(frozen=True)
 class InterOpOptions:
-    schedule: Schedule = "1f1b"
+    schedule: PipelineSchedule = "1f1b"
     num_stages: int | None = None  # force S (None: searched)
     num_microbatches: int | None = None  # force B (None: searched over the divisors of the batch)
     max_microbatches: int = 64  # largest B searched
@@ -105,10 +106,10 @@ class LayerWork:
     bytes_fixed: np.ndarray
     bytes_scaled: np.ndarray
 
-    def time_s(self, share: float, peak_flops: float, memory_bandwidth: float) -> float:
+    def time_s(self, share: float, cluster: ClusterSpec, dtype: str = "float32") -> float:
         """Sum of per-op rooflines, the intra-op pass's compute model, at this batch share."""
-        return float(np.maximum((self.flops_fixed + self.flops_scaled * share) / peak_flops,
-                                (self.bytes_fixed + self.bytes_scaled * share) / memory_bandwidth).sum())
+        return float(roofline_s(cluster, self.flops_fixed + self.flops_scaled * share,
+                                self.bytes_fixed + self.bytes_scaled * share, dtype).sum())
 
 
 @dataclass(frozen=True)
@@ -139,9 +140,7 @@ def price_stages(layers: Sequence[Layer], param_leaf_bytes: Sequence[float], inp
     bs = microbatch_choices(global_batch, options.max_microbatches)
     if options.num_microbatches is not None and options.num_microbatches not in bs:
         bs = tuple(sorted({*bs, options.num_microbatches}))
-    peak = cluster.peak_flops(options.dtype)
-    bandwidth = cluster.memory_bandwidth_bytes_per_s
-    flops = np.array([layer.roofline_s(peak, bandwidth) for layer in layers])
+    flops = np.array([layer.forward_s(cluster, options.dtype) for layer in layers])
     acts = np.array([layer.act_bytes for layer in layers])
     cum_f, cum_a = np.concatenate([[0], np.cumsum(flops)]), np.concatenate([[0], np.cumsum(acts)])
     in_bytes = [input_bytes] + [layer.out_bytes for layer in layers[:-1]]
@@ -164,7 +163,7 @@ def price_stages(layers: Sequence[Layer], param_leaf_bytes: Sequence[float], inp
     layer_time: dict[int, np.ndarray] = {}  # B n' -> per-layer forward + backward seconds
     if work is not None:
         shares = {b * (n * p if (global_batch // b) % (n * p) == 0 else 1) for b in bs for n, p in subs}
-        layer_time = {d: np.array([w.time_s(1.0 / d, peak, bandwidth) for w in work]) for d in shares}
+        layer_time = {d: np.array([w.time_s(1.0 / d, cluster, options.dtype) for w in work]) for d in shares}
     for k, (nodes, per) in enumerate(subs):
         n = nodes * per
         mesh = make_logical_mesh(cluster, (n,), device_indices=tuple(range(n))) if nodes == 1 else \

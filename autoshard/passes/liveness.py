@@ -42,24 +42,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import importlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from autoshard.compiler.graph import Op, OpGraph, Role, ValueId
-
-if TYPE_CHECKING:
-    from autoshard.passes.memory_model import (  # noqa: F401  (re-exported, see __getattr__)
-        TUPLE_INDEX_BYTES,
-        MemorySimulation,
-        ReshardLike,
-        Span,
-        simulate,
-        transposed_operands,
-    )
+from autoshard.ir.graph import Op, OpGraph, Role, ValueId
 
 OpIndex = int
 NodeId = int  # ops are nodes 0..len(ops)-1; collectives and reshards get ids after them
@@ -234,7 +222,7 @@ def buffer_root(fusion: Fusion, vid: ValueId) -> ValueId:
 
 
 @dataclass(frozen=True)
-class Schedule:
+class InstructionOrder:
     """Node levels and the breadth-first order XLA runs them in (positions 0..num_positions-1)."""
 
     level: np.ndarray  # per node
@@ -244,7 +232,7 @@ class Schedule:
     topological: tuple[NodeId, ...]  # every node after its predecessors
 
 
-def breadth_first(preds: Sequence[Sequence[NodeId]], weight: Sequence[int], seq: Sequence[float]) -> Schedule:
+def breadth_first(preds: Sequence[Sequence[NodeId]], weight: Sequence[int], seq: Sequence[float]) -> InstructionOrder:
     """Longest-path levels (a node of weight 0 runs inside its consumer) and the order sorted by level."""
     n = len(preds)
     succs: list[list[NodeId]] = [[] for _ in range(n)]
@@ -272,10 +260,10 @@ def breadth_first(preds: Sequence[Sequence[NodeId]], weight: Sequence[int], seq:
     position = np.full(n, -1, dtype=np.int64)
     for k, v in enumerate(real):
         position[v] = k
-    return Schedule(level, position, len(real), tuple(tuple(p) for p in preds), tuple(topological))
+    return InstructionOrder(level, position, len(real), tuple(tuple(p) for p in preds), tuple(topological))
 
 
-def _place_fused(sched: Schedule, fusion: Fusion, ops: Iterable[OpIndex]) -> Schedule:
+def place_fused(sched: InstructionOrder, fusion: Fusion, ops: Iterable[OpIndex]) -> InstructionOrder:
     position = sched.position.copy()
     for t in ops:
         if position[t] < 0 and fusion.roots.get(t):
@@ -283,57 +271,7 @@ def _place_fused(sched: Schedule, fusion: Fusion, ops: Iterable[OpIndex]) -> Sch
     return dataclasses.replace(sched, position=position)
 
 
-def _reader_positions(sched: Schedule, fusion: Fusion, t: OpIndex) -> list[int]:
+def reader_positions(sched: InstructionOrder, fusion: Fusion, t: OpIndex) -> list[int]:
     if t in fusion.instruction and t not in fusion.duplicated:
         return [int(sched.position[t])]
     return [int(sched.position[r]) for r in fusion.roots.get(t, ())]
-
-
-# --------------------------------------------------------------------------- plan-independent liveness
-
-
-def liveness_intervals(graph: OpGraph) -> dict[ValueId, tuple[int, int]]:
-    """Buffer -> (first position, last position) inclusive, in XLA:CPU's breadth-first order, before any
-    plan is chosen (rules 1-3 and the reader rules of ``simulate``).
-
-    Arguments live throughout; donated state written back (carried outputs)
-    lives in its argument's buffer and is left out; other outputs live from
-    their definition to the end; a view's readers extend its buffer's life.
-    Keys are the inputs and the values of ``materialized_values`` that own a buffer.
-    """
-    from autoshard.passes.memory_model import _Simulation  # memory_model imports this module
-
-    sim = _Simulation(graph, {}, {}, (), {}, {})
-    reads = sim.reads(sim.layout_groups())
-    live: dict[ValueId, tuple[int, int]] = {v: (0, sim.end) for v in graph.inputs}
-    for vid in sim.fusion.materialized:
-        start = sim.at(sim.provider(vid))
-        live[vid] = (start, max(start, reads.last_read[vid]))
-    carried = {graph.outputs[k] for k, i in enumerate(graph.carried or ()) if i is not None}
-    for vid in graph.outputs:
-        if vid in live and vid not in graph.inputs:
-            if vid in carried:
-                live.pop(vid)
-            else:
-                live[vid] = (live[vid][0], sim.end)
-    return live
-
-
-def materialized_values(graph: OpGraph) -> set[ValueId]:
-    """Values that occupy memory: inputs, outputs, and op results that no fusion absorbs."""
-    fusion = fusion_analysis(graph)
-    return set(graph.inputs) | set(graph.outputs) | set(fusion.materialized)
-
-
-# --------------------------------------------------------------------------- re-exports
-
-# memory_model imports this module, so its names are re-exported lazily (no import cycle at load time)
-_MEMORY_MODEL_EXPORTS = frozenset({
-    "MemorySimulation", "ReshardLike", "Span", "TUPLE_INDEX_BYTES", "simulate", "transposed_operands",
-})
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _MEMORY_MODEL_EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module("autoshard.passes.memory_model"), name)

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from autoshard.compiler.graph import Op, OpGraph, Role, ValueId
+from autoshard.ir.graph import Op, OpGraph, Role, ValueId
 
 _TRANSPARENT = frozenset({"reshape", "transpose", "convert_element_type", "broadcast_in_dim", "copy", "copy_p",
                           "squeeze", "expand_dims", "reduce_precision"})

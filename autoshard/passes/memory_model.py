@@ -49,15 +49,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from autoshard.compiler.graph import Op, OpGraph, Role, ValueId, dtype_itemsize
-from autoshard.compiler.spec import Collective, Spec
-from autoshard.passes.liveness import (NodeId, OpIndex, OpKind, Schedule, _place_fused, _reader_positions,
+from autoshard.ir.graph import OpGraph, Role, ValueId, dtype_itemsize
+from autoshard.ir.spec import Collective, Spec
+from autoshard.passes.buffer_rules import (Span, assign_to_donated, combine_all_reduces, donation,
+                                           transposed_operands)
+from autoshard.passes.liveness import (InstructionOrder, NodeId, OpIndex, OpKind, place_fused, reader_positions,
                                        breadth_first, buffer_root, fusion_analysis, op_kind)
 
 
@@ -70,15 +72,6 @@ class ReshardLike(Protocol):
     src: Spec
     dst: Spec
     collectives: tuple[Collective, ...]
-
-
-@dataclass(frozen=True)
-class Span:
-    start: int
-    stop: int  # inclusive
-    nbytes: float
-    kind: str  # "activation", "partial sum", "resharded", "layout copy", "donation copy", "written back"
-    value: ValueId | None = None  # the value this buffer holds (a copy of), for reports
 
 
 @dataclass(frozen=True)
@@ -182,7 +175,7 @@ class _Simulation:
         forced |= {v for t in self.op_collectives for v in graph.ops[t].outputs}
         self.fusion = fusion_analysis(graph, forced, {t for t, _ in self.reads_through})
         # rule 5: strategy all-reduces (and the all-reduce of a reduce-scatter) combined into groups
-        self.groups = _combine_all_reduces(graph, sorted(self.op_collectives), self.op_collectives, op_reductions)
+        self.groups = combine_all_reduces(graph, sorted(self.op_collectives), self.op_collectives, op_reductions)
         first_group = n_ops + len(self.rs_key)
         self.ar_node = {t: first_group + g for g, members in enumerate(self.groups) for t in members}
         self.sched = self._schedule()
@@ -226,7 +219,7 @@ class _Simulation:
     def at(self, node: NodeId | None) -> int:
         return 0 if node is None else int(self.pos[node])
 
-    def _schedule(self) -> Schedule:
+    def _schedule(self) -> InstructionOrder:
         graph, n_ops = self.graph, self.n_ops
         n_nodes = n_ops + len(self.rs_key) + len(self.groups)
         preds: list[list[NodeId]] = [[] for _ in range(n_nodes)]
@@ -245,7 +238,7 @@ class _Simulation:
                    for m in self.groups]
         seq = [float(t) for t in range(n_ops)] + [self.producer.get(v, -1) + 0.5 for v, _, _ in self.rs_key]
         seq += [max(m) + 0.5 for m in self.groups]
-        return _place_fused(breadth_first(preds, weight, seq), self.fusion, range(n_ops))
+        return place_fused(breadth_first(preds, weight, seq), self.fusion, range(n_ops))
 
     def layout_groups(self) -> list[_LayoutGroup]:
         """Rule 8: transposed operand copies, shared per (source, layout). A fusion that only feeds such
@@ -302,7 +295,7 @@ class _Simulation:
             out.readers_of[root].extend(nodes)
 
         for t, op in enumerate(graph.ops):
-            positions = _reader_positions(self.sched, fusion, t)
+            positions = reader_positions(self.sched, fusion, t)
             nodes = [t] if t in fusion.instruction and t not in fusion.duplicated else list(fusion.roots.get(t, ()))
             for p, vid in enumerate(op.inputs):
                 node = self.reads_through.get((t, p))
@@ -348,9 +341,9 @@ class _Simulation:
                     spans += [Span(self.at(t), self.at(t), self.nbytes(v), "layout copy", v) for v in op.outputs]
 
         carried = {graph.outputs[k]: i for k, i in enumerate(graph.carried or ()) if i is not None}
-        copies, pools = _donation(graph, self.sched, reads.readers_of, self.provider, self.written_back, carried,
+        copies, pools = donation(graph, self.sched, reads.readers_of, self.provider, self.written_back, carried,
                                   lambda i: self.nbytes(graph.inputs[i]), self.end)
-        spans = _assign_to_donated(spans + copies, pools)
+        spans = assign_to_donated(spans + copies, pools)
         spans = [s if s.stop <= self.end else dataclasses.replace(s, stop=self.end) for s in spans]
 
         arguments: dict[str, float] = defaultdict(float)
@@ -388,117 +381,35 @@ class _Simulation:
         return spans
 
 
-def transposed_operands(op: Op, ranks: Sequence[int]) -> tuple[tuple[int, ...], bool]:
-    """Rule 8: the operands XLA:CPU copies into a canonical layout before a dot or a convolution
-    (``DotDecomposer``, ``ConvCanonicalization``), and whether the result is transposed afterwards.
+# --------------------------------------------------------------------------- plan-independent liveness
 
-    A dot wants [batch, free, contracting] x [batch, contracting, free]; without batch dimensions the
-    emitter also takes either operand transposed (``TransposeFolding``). A convolution wants NHWC input,
-    HWIO kernel and NHWC output.
+
+def liveness_intervals(graph: OpGraph) -> dict[ValueId, tuple[int, int]]:
+    """Buffer -> (first position, last position) inclusive, in XLA:CPU's breadth-first order, before any
+    plan is chosen (rules 1-3 and the reader rules of ``simulate``).
+
+    Arguments live throughout; donated state written back (carried outputs)
+    lives in its argument's buffer and is left out; other outputs live from
+    their definition to the end; a view's readers extend its buffer's life.
+    Keys are the inputs and the values of ``materialized_values`` that own a buffer.
     """
-    dims = op.params.get("dimension_numbers")
-    if op.primitive == "dot_general" and isinstance(dims, tuple) and len(dims) == 2:
-        (lc, rc), (lb, rb) = dims
-        out = []
-        for pos, (contract, batch) in enumerate(((tuple(lc), tuple(lb)), (tuple(rc), tuple(rb)))):
-            free = tuple(d for d in range(ranks[pos]) if d not in contract and d not in batch)
-            canonical = batch + free + contract if pos == 0 else batch + contract + free
-            folded = () if batch else (batch + contract + free if pos == 0 else batch + free + contract,)
-            if tuple(range(ranks[pos])) not in (canonical, *folded):
-                out.append(pos)
-        return tuple(out), False
-    if op.primitive == "conv_general_dilated" and hasattr(dims, "lhs_spec"):
-        n = len(dims.lhs_spec)
-        spatial = tuple(range(1, n - 1))
-        lhs_ok = tuple(dims.lhs_spec) == (0, n - 1) + spatial
-        rhs_ok = tuple(dims.rhs_spec) == (n - 1, n - 2) + tuple(range(n - 2))
-        out_ok = tuple(dims.out_spec) == (0, n - 1) + spatial
-        return tuple(p for p, ok in ((0, lhs_ok), (1, rhs_ok)) if not ok), not out_ok
-    return (), False
+    sim = _Simulation(graph, {}, {}, (), {}, {})
+    reads = sim.reads(sim.layout_groups())
+    live: dict[ValueId, tuple[int, int]] = {v: (0, sim.end) for v in graph.inputs}
+    for vid in sim.fusion.materialized:
+        start = sim.at(sim.provider(vid))
+        live[vid] = (start, max(start, reads.last_read[vid]))
+    carried = {graph.outputs[k] for k, i in enumerate(graph.carried or ()) if i is not None}
+    for vid in graph.outputs:
+        if vid in live and vid not in graph.inputs:
+            if vid in carried:
+                live.pop(vid)
+            else:
+                live[vid] = (live[vid][0], sim.end)
+    return live
 
 
-def _combine_all_reduces(graph: OpGraph, reducing: Sequence[OpIndex],
-                         op_collectives: Mapping[OpIndex, Sequence[Collective]],
-                         op_reductions: Mapping[OpIndex, str | None]) -> list[list[OpIndex]]:
-    """Rule 5: greedy groups in program order; a group closes at the first member that depends on it."""
-    if not reducing:
-        return []
-    producer = {v: t for t, op in enumerate(graph.ops) for v in op.outputs}
-    bit = {t: 1 << k for k, t in enumerate(reducing)}
-    upstream = [0] * len(graph.ops)  # reducing ops each op depends on (bitmask)
-    for t, op in enumerate(graph.ops):
-        mask = 0
-        for v in op.inputs:
-            p = producer.get(v)
-            if p is not None:
-                mask |= upstream[p] | bit.get(p, 0)
-        upstream[t] = mask
-
-    def key(t: OpIndex) -> tuple:
-        axes = tuple(sorted({a for c in op_collectives[t] for a in c.axes}))
-        return axes, op_reductions.get(t), graph.values[graph.ops[t].outputs[0]].dtype
-
-    remaining = list(reducing)
-    groups: list[list[OpIndex]] = []
-    while remaining:
-        k0 = key(remaining[0])
-        group: list[OpIndex] = []
-        mask = 0
-        for t in remaining:
-            if key(t) != k0:
-                continue
-            if upstream[t] & mask or len(group) >= 256:
-                break
-            group.append(t)
-            mask |= bit[t]
-        groups.append(group)
-        taken = set(group)
-        remaining = [t for t in remaining if t not in taken]
-    return groups
-
-
-def _donation(graph: OpGraph, sched: Schedule, readers_of: Mapping[ValueId, list[NodeId]],
-              provider: Callable[[ValueId], NodeId | None], written_back: Mapping[ValueId, NodeId],
-              carried_out: Mapping[ValueId, int], arg_bytes: Callable[[int], float],
-              end: int) -> tuple[list[Span], list[tuple[float, list[tuple[int, int]]]]]:
-    """Rule 6: the copies CopyInsertion adds for donated arguments, and each donated buffer's busy intervals."""
-    ancestors: list[int] = [0] * len(sched.preds)
-    for v in sched.topological:
-        mask = 0
-        for p in sched.preds[v]:
-            mask |= ancestors[p] | (1 << p)
-        ancestors[v] = mask
-    copies: list[Span] = []
-    pools: list[tuple[float, list[tuple[int, int]]]] = []
-    for out_vid, i in carried_out.items():
-        arg = graph.inputs[i]
-        writer = written_back.get(out_vid, provider(out_vid))
-        if out_vid == arg or writer is None:
-            continue
-        size = arg_bytes(i)
-        others = [r for r in readers_of.get(arg, ()) if r != writer]
-        last = max((int(sched.position[r]) for r in readers_of.get(arg, ())), default=0)
-        write = int(sched.position[writer])
-        if others and not all(ancestors[writer] >> r & 1 for r in others):
-            # the copies run one after another at the start: each frees its argument for later copies
-            k = len(copies)
-            copies.append(Span(k + 1, max(last, k + 1), size, "donation copy", arg))
-            pools.append((size, [(0, k + 1), (write, end)]))
-        else:
-            pools.append((size, [(0, last), (write, end)]))
-    return copies, pools
-
-
-def _assign_to_donated(spans: list[Span], pools: list[tuple[float, list[tuple[int, int]]]]) -> list[Span]:
-    """XLA's BufferAssigner: largest buffers first, each into the smallest donated argument buffer that is
-    free for its whole life; what finds none goes to the temp heap (returned)."""
-    pools = sorted(pools, key=lambda p: p[0])
-    heap: list[Span] = []
-    for s in sorted(spans, key=lambda s: (-s.nbytes, s.start)):
-        for size, busy in pools:
-            if size >= s.nbytes and all(s.stop < a or b < s.start for a, b in busy):
-                busy.append((s.start, s.stop))
-                break
-        else:
-            heap.append(s)
-    return heap
+def materialized_values(graph: OpGraph) -> set[ValueId]:
+    """Values that occupy memory: inputs, outputs, and op results that no fusion absorbs."""
+    fusion = fusion_analysis(graph)
+    return set(graph.inputs) | set(graph.outputs) | set(fusion.materialized)

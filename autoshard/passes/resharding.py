@@ -82,7 +82,7 @@ from typing import TypeAlias
 
 import numpy as np
 
-from autoshard.compiler.spec import Collective, CollectiveKind, MeshAxes, Spec
+from autoshard.ir.spec import Collective, CollectiveKind, MeshAxes, Spec
 from autoshard.meshes import cost
 from autoshard.meshes.logical import LogicalMesh
 

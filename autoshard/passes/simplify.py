@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autoshard.compiler.graph import Op, OpGraph, Role
+from autoshard.ir.graph import Op, OpGraph, Role
 from autoshard.passes.liveness import FUSIBLE
 from autoshard.passes.strategies.base import Strategy
 

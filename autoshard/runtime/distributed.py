@@ -1,11 +1,11 @@
-"""Multi-process runs on JAX's own distributed runtime: start-up, one plan for all, sharded inputs.
+"""Multi-process runs on JAX's own distributed runtime: start-up, process meshes, sharded inputs.
 
-Every process of a job runs the same program::
+Every process of a job runs the same program (``autoshard.distributed`` gathers the whole API)::
 
     env = initialize_from_env()                       # before anything touches a jax backend
     mesh = process_mesh((2, 4))                       # axis 0 crosses the processes
-    plan = plan_multiprocess(step, abstract_args, mesh=mesh)   # planned on process 0, sent to all
-    run = plan.apply(step, mesh)
+    plan = plan_multiprocess(step, abstract_args, mesh=mesh)   # compiler/multiprocess.py
+    run = apply_plan(plan, step, mesh, abstract_args)
     state = init_sharded(init_fn, input_shardings(plan, abstract_args, mesh)[:2])
     batch = global_batch(local_rows, batch_shardings, global_shapes)
 
@@ -18,17 +18,6 @@ it calls ``jax.distributed.initialize()`` without arguments and lets jax's
 cluster detection fill them in; else the run stays single-process. On CPU
 (``JAX_PLATFORMS=cpu``) collectives go through gloo.
 
-**One plan for all.** Process 0 traces and plans; the plan travels as its
-JSON file text through the distributed runtime's key-value store; every
-process, process 0 included, runs the plan decoded from those same bytes, and
-re-traces the step locally, which ``plan.apply`` checks against the plan's
-signature. Planning on every process instead is not safe: CP-SAT is
-deterministic only when it is not cut by its wall-clock time limit, which is
-the usual case for real models, and N processes sharing a host would each pay
-the full solve. The key-value store (not a collective) carries the plan because
-process 1 may wait minutes while process 0 solves, with an explicit timeout and
-an error message from process 0 when planning fails there.
-
 **Cluster.** ``multiprocess_cluster`` describes N processes of K devices as N
 nodes of K devices, so the inter-node (slow) link is the process boundary and
 the planner prices an axis that crosses processes at that link.
@@ -36,20 +25,14 @@ the planner prices an axis that crosses processes at that link.
 crosses processes ((2, 4) on 2 processes of 4).
 
 **Inputs.** Batch leaves are stored split over the process-crossing axes along
-their first dimension (pinned before planning, ``shard_batch=True``), so each
-process feeds only its rows: ``local_indices`` says which, ``global_batch``
-assembles the global arrays with ``jax.make_array_from_process_local_data``.
-State is created with ``init_sharded``: the initializer is jitted with the
-plan's shardings as ``out_shardings``, so no process materializes a full array.
-
-**Pipeline plans** are refused here (``MultiProcessError``): there is no
-pipeline runtime yet, let alone one whose stages map to hosts.
+their first dimension (pinned before planning), so each process feeds only its
+rows: ``local_indices`` says which, ``global_batch`` assembles the global
+arrays with ``jax.make_array_from_process_local_data``. State is created with
+``init_sharded``: the initializer is jitted with the plan's shardings as
+``out_shardings``, so no process materializes a full array.
 """
 from __future__ import annotations
 
-import hashlib
-import itertools
-import json
 import logging
 import math
 import os
@@ -63,23 +46,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from autoshard.compiler.driver import plan_graph
-from autoshard.compiler.graph import Role
-from autoshard.compiler.plan import Plan
-from autoshard.compiler.planfile import plan_from_json, plan_to_json
-from autoshard.compiler.spec import Spec
-from autoshard.compiler.trace import trace
 from autoshard.errors import PlanMismatchError, PlanningError
 from autoshard.meshes.cluster import ClusterSpec, get_cluster
-from autoshard.passes.emit import make_jax_mesh, named_sharding
-from autoshard.passes.intra_op import IntraOpOptions
 from autoshard.runtime.launch import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from autoshard.runtime.spmd import make_jax_mesh, named_sharding
 
 log = logging.getLogger(__name__)
 
 Source = Literal["autoshard", "jax", "scheduler", "single", "initialized"]
-PLAN_KEY_PREFIX = "autoshard/plan/"
-_ERROR_MARK = b"autoshard-error:"
 
 
 class MultiProcessError(PlanningError):
@@ -230,99 +204,10 @@ def axes_crossing_processes(mesh: Mesh) -> tuple[str, ...]:
     return tuple(out)
 
 
-# ---- one plan for every process --------------------------------------------------------
-
-
-def check_runs_multiprocess(plan: Plan) -> None:
-    """Raise MultiProcessError for a plan the multi-process runtime cannot run (pipeline plans)."""
-    if plan.stages or plan.num_microbatches > 1 or plan.schedule not in ("spmd", ""):
-        raise MultiProcessError(
-            f"plan '{plan.name}' is a pipeline plan ({len(plan.stages)} stages, {plan.num_microbatches} microbatches, "
-            f"schedule {plan.schedule!r}); pipeline plans do not run across processes yet (there is no pipeline "
-            "runtime). Plan with num_stages=1 (one SPMD stage over the whole mesh) for a multi-process job.")
-
-
-def _pinned_batch_specs(graph: Any, mesh: Mesh) -> dict[int, Spec]:
-    """Batch leaves split along dim 0 over the axes that cross processes, where those divide dim 0."""
-    axes = axes_crossing_processes(mesh)
-    if not axes:
-        return {}
-    ways = math.prod(mesh.shape[a] for a in axes)
-    pinned: dict[int, Spec] = {}
-    for i, vid in enumerate(graph.inputs):
-        value = graph.values[vid]
-        if value.role is Role.BATCH and value.rank >= 1 and value.shape[0] % ways == 0:
-            pinned[i] = Spec((tuple(axes),) + ((),) * (value.rank - 1))
-    return pinned
-
-
-# Plans are exchanged under keys numbered by call: every process calls plan_multiprocess in the same
-# order (as with any collective), so the n-th call on each process reads the n-th plan.
-_plan_calls = itertools.count()
-
-
-def _kv_client() -> Any:
-    from jax._src.distributed import global_state  # the runtime's client; no public handle in jax 0.10
-
-    if global_state.client is None:
-        raise MultiProcessError("jax.distributed is not initialized: call initialize_from_env() first")
-    return global_state.client
-
-
-def plan_multiprocess(fn: Callable[..., Any], args: Sequence[Any], *, mesh: Mesh,
-                      cluster: ClusterSpec | str | None = None, memory_budget: float | None = None,
-                      options: IntraOpOptions | None = None, shard_batch: bool = True,
-                      timeout_s: float = 3600.0) -> Plan:
-    """Plan ``fn(*args)`` on process 0 and give every process the same Plan (see the module docstring).
-
-    ``args`` may be ``jax.ShapeDtypeStruct``s; ``cluster`` defaults to
-    ``multiprocess_cluster()``. Every process must call this in the same order.
-    """
-    cluster = multiprocess_cluster() if cluster is None else cluster
-    multi = jax.process_count() > 1
-    key = f"{PLAN_KEY_PREFIX}{next(_plan_calls)}"
-    if jax.process_index() == 0:
-        try:
-            graph = trace(fn, *args)
-            opts = options or IntraOpOptions()
-            if shard_batch:
-                opts = replace(opts, pinned_inputs={**_pinned_batch_specs(graph, mesh), **opts.pinned_inputs})
-            planned = plan_graph(graph, mesh=mesh, cluster=cluster, memory_budget=memory_budget, options=opts,
-                                 name=getattr(fn, "__name__", "autoshard"))
-            check_runs_multiprocess(planned.plan)
-            payload = json.dumps(plan_to_json(planned.plan)).encode()
-        except Exception as err:
-            if multi:
-                _kv_client().key_value_set_bytes(key, _ERROR_MARK + f"{type(err).__name__}: {err}".encode())
-            raise
-        if multi:
-            _kv_client().key_value_set_bytes(key, payload)
-    else:
-        try:
-            payload = _kv_client().blocking_key_value_get_bytes(key, int(timeout_s * 1000))
-        except Exception as err:  # the runtime raises its own status errors
-            raise MultiProcessError(f"process {jax.process_index()} got no plan from process 0 within {timeout_s:g} s "
-                                    f"({type(err).__name__}: {err}); raise timeout_s if planning is that slow") from err
-        if payload.startswith(_ERROR_MARK):
-            raise MultiProcessError("process 0 failed to plan: " + payload[len(_ERROR_MARK):].decode())
-    plan = plan_from_json(json.loads(payload), source=f"plan from process 0 ({key})")
-    check_runs_multiprocess(plan)
-    return plan
-
-
-def plan_digest(plan: Plan) -> str:
-    """SHA-256 of the plan's file text without its clock fields: equal digests, equal plans."""
-    data = plan_to_json(plan)
-    for volatile in ("created", "planning_s"):  # when it was written, how long planning took
-        data.pop(volatile, None)
-    data.get("solver", {}).pop("solve_s", None)
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
-
-
 # ---- shardings, state, batches ------------------------------------------------------------
 
 
-def input_shardings(plan: Plan, args: Sequence[Any], mesh: Mesh) -> tuple[Any, ...]:
+def input_shardings(plan: Any, args: Sequence[Any], mesh: Mesh) -> tuple[Any, ...]:
     """The plan's NamedSharding for every leaf of ``args``, as a tuple of pytrees shaped like ``args``."""
     with_path, tree = jax.tree_util.tree_flatten_with_path(tuple(args))
     out = []
@@ -332,22 +217,6 @@ def input_shardings(plan: Plan, args: Sequence[Any], mesh: Mesh) -> tuple[Any, .
             raise PlanMismatchError(f"argument {name} has no spec in plan '{plan.name}': the step's arguments changed")
         out.append(named_sharding(plan.input_specs[name], mesh))
     return tuple(jax.tree_util.tree_unflatten(tree, out))
-
-
-def apply_plan(plan: Plan, fn: Callable[..., Any], mesh: Mesh, args: Sequence[Any]) -> Any:
-    """``plan.apply(fn, mesh)``, traced from the shapes of ``args`` (arrays or ShapeDtypeStructs).
-
-    Tracing from plain shapes matters: traced with committed, sharded arrays,
-    jax inserts ``reshard`` equations for constants (4 in the GPT example), and
-    the trace no longer matches the plan's operation count.
-    """
-    from autoshard.runtime.applied import AppliedPlan
-
-    check_runs_multiprocess(plan)
-    applied: AppliedPlan = plan.apply(fn, mesh)
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tuple(args))
-    applied._build(shapes)  # noqa: SLF001 — the same package; caches the SpmdStep built from shapes
-    return applied
 
 
 def init_sharded(init_fn: Callable[..., Any], out_shardings: Any, *args: Any,

@@ -1,7 +1,8 @@
 """Pipeline runtime: stage executables on sub-meshes, GPipe / 1F1B over microbatches.
 
-Built from a step taken apart by ``passes/layers.py`` and a list of stages
-(layer range + devices). Per stage s, each ``jax.jit``-ed on its own
+Built from a step taken apart by ``ir/split.py``, its layers (the forward
+equations of each, ``passes/layers.py``) and a list of stages (layer range +
+devices). Per stage s, each ``jax.jit``-ed on its own
 ``jax.sharding.Mesh`` over its devices:
 
 - ``forward``: the stage's equations (its layers, plus the batch-only *free*
@@ -44,7 +45,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeAlias
+from typing import Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -54,12 +55,12 @@ from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autoshard.errors import PlanningError
-from autoshard.passes.layers import Forward, Layer, StepParts, VarId
+from autoshard.ir.split import Forward, StepParts, VarId
+from autoshard.runtime.schedules import PipelineSchedule, schedule_actions
 
 log = logging.getLogger(__name__)
 
-Schedule: TypeAlias = Literal["1f1b", "gpipe"]
-Action: TypeAlias = tuple[Literal["F", "B"], int, int]  # (kind, stage, microbatch)
+LayerEqns: TypeAlias = tuple[int, ...]  # the forward equation indices of one layer
 
 
 class PipelineError(PlanningError):
@@ -73,59 +74,6 @@ class StageLayout:
     first_layer: int
     last_layer: int  # inclusive
     device_indices: tuple[int, ...]
-
-
-# ---------------------------------------------------------------------------
-# Schedules
-
-
-def schedule_actions(kind: Schedule, num_stages: int, num_microbatches: int) -> list[Action]:
-    """Dispatch order of forward (F) and backward (B) actions for GPipe or 1F1B.
-
-    1F1B: stage s runs min(S - s - 1, B) warm-up forwards, then alternates one
-    forward and one backward, then drains its backwards. The per-stage lists
-    are merged by simulating time steps (every stage runs its next action when
-    its inputs are ready), which is a valid order for one controller.
-    """
-    s_n, b_n = num_stages, num_microbatches
-    if kind == "gpipe":
-        return ([("F", s, m) for m in range(b_n) for s in range(s_n)]
-                + [("B", s, m) for m in range(b_n) for s in reversed(range(s_n))])
-    if kind != "1f1b":
-        raise ValueError(f"schedule must be '1f1b' or 'gpipe'; got {kind!r}")
-    per_stage: list[list[Action]] = []
-    for s in range(s_n):
-        warm = min(s_n - s - 1, b_n)
-        seq: list[Action] = [("F", s, m) for m in range(warm)]
-        f, b = warm, 0
-        while b < b_n:
-            if f < b_n:
-                seq.append(("F", s, f))
-                f += 1
-            seq.append(("B", s, b))
-            b += 1
-        per_stage.append(seq)
-    done: set[Action] = set()
-    order: list[Action] = []
-    cursor = [0] * s_n
-    while len(order) < 2 * s_n * b_n:
-        ready = []
-        for s in range(s_n):
-            if cursor[s] == len(per_stage[s]):
-                continue
-            kind_, _, m = act = per_stage[s][cursor[s]]
-            deps = [("F", s - 1, m)] if kind_ == "F" and s > 0 else []
-            if kind_ == "B":
-                deps = [("F", s, m)] + ([("B", s + 1, m)] if s + 1 < s_n else [])
-            if all(d in done for d in deps):
-                ready.append(act)
-        if not ready:
-            raise RuntimeError(f"1F1B schedule deadlocked at {order[-3:]}")  # a bug, not a user error
-        for act in ready:
-            order.append(act)
-            done.add(act)
-            cursor[act[1]] += 1
-    return order
 
 
 # ---------------------------------------------------------------------------
@@ -157,14 +105,14 @@ class StageProgram:
         return run
 
 
-def stage_programs(forward: Forward, layers: Sequence[Layer], ranges: Sequence[tuple[int, int]]
+def stage_programs(forward: Forward, layers: Sequence[LayerEqns], ranges: Sequence[tuple[int, int]]
                    ) -> list[StageProgram]:
     """Assign the forward's equations to stages and find what crosses each boundary."""
     num_stages = len(ranges)
     stage_of: dict[int, int] = {}
     for s, (a, b) in enumerate(ranges):
         for layer in layers[a: b + 1]:
-            for i in layer.eqns:
+            for i in layer:
                 stage_of[i] = s
     producer = {v: i for i, e in enumerate(forward.eqns) for v in e.outs}
     diff_pos = {v: k for k, (v, d) in enumerate(zip(forward.invars, forward.diff)) if d}
@@ -284,14 +232,14 @@ def _split_leading(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
 class PipelineStep:
     """A pipelined train step: call it like the original function ``(params, opt_state, batch) -> outputs``."""
 
-    def __init__(self, parts: StepParts, layers: Sequence[Layer], stages: Sequence[StageLayout],
-                 num_microbatches: int, schedule: Schedule, *, split_inputs: Sequence[bool], in_tree: Any,
+    def __init__(self, parts: StepParts, layers: Sequence[LayerEqns], stages: Sequence[StageLayout],
+                 num_microbatches: int, schedule: PipelineSchedule, *, split_inputs: Sequence[bool], in_tree: Any,
                  out_tree: Any, out_paths: Sequence[str] = (), devices: Sequence[jax.Device] | None = None,
                  recompute: bool = False, compiler_options: dict[str, Any] | None = None) -> None:
         """``parts`` is the step traced at one microbatch (batch leaves cut to 1/B, see
-        ``layers.microbatch_shapes``); ``layers`` index its forward equations; ``split_inputs`` marks the
+        ``ir.split.microbatch_shapes``); ``layers`` are the forward equation indices of each layer; ``split_inputs`` marks the
         flat step inputs that are batch leaves, split into ``num_microbatches`` slices."""
-        self.parts, self.layers, self.layouts = parts, tuple(layers), tuple(stages)
+        self.parts, self.layers, self.layouts = parts, tuple(tuple(x) for x in layers), tuple(stages)
         self.num_microbatches, self.schedule = int(num_microbatches), schedule
         self.in_tree, self.out_tree = in_tree, out_tree
         devices = list(devices if devices is not None else jax.devices())
@@ -405,7 +353,7 @@ class PipelineStep:
         return flat[src] if src is not None else self.parts.operand_consts[k]
 
     def run_flat(self, flat: Sequence[Any]) -> list[Any]:
-        parts, fwd = self.parts, self.parts.forward
+        fwd = self.parts.forward
         num_stages, num_mb = len(self.programs), self.num_microbatches
         params = [[jax.device_put(self._leaf_value(flat, k), _replicated(self.meshes[p.index]))
                    for k in p.param_leaves] for p in self.programs]

@@ -1,5 +1,13 @@
 """SPMD runtime: one ``jax.jit`` of the traced graph with the plan's shardings.
 
+``Annotations`` is the one shape in which layouts reach the runtime: a spec
+per flat input and output, and per op the specs of its outputs and the
+layouts its inputs are resharded through (only where they differ from how the
+producer left them). ``passes/emit.py`` builds it from the solver's result for
+a Plan, ``plans/applied.py`` from a Plan for this runtime; this module and
+the pipeline runtime are the only places that turn specs into
+``jax.sharding`` objects (``named_sharding``, ``make_jax_mesh``).
+
 Inputs and outputs get ``in_shardings``/``out_shardings`` from the plan; every
 op output is pinned with ``with_sharding_constraint`` to the spec the plan
 chose, and inputs that the plan reshards are constrained to the consumer's
@@ -8,14 +16,50 @@ state (parameters, optimizer state) is donated.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from autoshard.compiler.graph import Op, OpGraph
-from autoshard.passes.emit import Annotations, named_sharding
+from autoshard.ir.graph import Op, OpGraph
+from autoshard.ir.spec import Spec
+from autoshard.meshes.logical import LogicalMesh
+
+
+@dataclass(frozen=True)
+class Annotations:
+    input_specs: tuple[Spec, ...]
+    output_specs: tuple[Spec, ...]
+    op_out_specs: Mapping[int, tuple[Spec, ...]]  # op index -> spec of each output
+    # op index -> {input position: layouts to pin in order, the last being the spec the op reads}
+    op_in_reshards: Mapping[int, Mapping[int, tuple[Spec, ...]]]
+    # flat output index -> layouts to pin before returning (state written back to its storage layout)
+    output_reshards: Mapping[int, tuple[Spec, ...]] = field(default_factory=dict)
+
+
+def partition_spec(spec: Spec) -> PartitionSpec:
+    return PartitionSpec(*spec.partition_entries())
+
+
+def named_sharding(spec: Spec, mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, partition_spec(spec))
+
+
+def make_jax_mesh(logical: LogicalMesh | tuple[int, ...], axis_names: Sequence[str] | None = None,
+                  devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A jax Mesh with Auto axis types (GSPMD-style planning; see JAX-NOTES) over ``devices``."""
+    if isinstance(logical, LogicalMesh):
+        shape, names = logical.shape, logical.axis_names
+    else:
+        shape, names = tuple(logical), tuple(axis_names or ())
+    devices = list(devices) if devices is not None else jax.devices()[: int(np.prod(shape))]
+    if len(devices) != int(np.prod(shape)):
+        raise ValueError(f"mesh {shape} needs {int(np.prod(shape))} devices, got {len(devices)}")
+    grid = np.asarray(devices, dtype=object).reshape(shape)
+    return Mesh(grid, tuple(names), axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
 
 
 class SpmdStep:
@@ -68,6 +112,12 @@ class SpmdStep:
     def __call__(self, *args: Any) -> Any:
         out = self.jitted(*self.flatten_args(args))
         return jax.tree_util.tree_unflatten(self.graph.out_tree, out)
+
+    def call_placed(self, args: Sequence[Any]) -> Any:
+        """Call with ``args`` moved to the planned input shardings first where they are elsewhere."""
+        placed = [x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
+                  for x, s in zip(self.flatten_args(args), self.in_shardings)]
+        return jax.tree_util.tree_unflatten(self.graph.out_tree, self.jitted(*placed))
 
     def lower(self, *args: Any) -> Any:
         return self.jitted.lower(*self.flatten_args(args))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import autoshard
-from autoshard.compiler.plan import Plan
+from autoshard.plans.plan import Plan
 from autoshard.compiler.verify import MEMORY_TOLERANCE, verify_compiled
 from autoshard.passes.intra_op import IntraOpOptions
 from examples import gpt, mlp

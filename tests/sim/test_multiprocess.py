@@ -32,7 +32,7 @@ from autoshard.meshes.cluster import PRESETS
 from autoshard.meshes.logical import make_logical_mesh
 from autoshard.passes.intra_op import IntraOpOptions
 from autoshard.runtime import launch as launch_mod
-from autoshard.runtime.distributed import (MultiProcessError, check_runs_multiprocess, detect,
+from autoshard.distributed import (MultiProcessError, check_runs_multiprocess, detect,
                                            multiprocess_cluster)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,7 +151,7 @@ FAILING_SCRIPT = """
     (folder / f"p{index}.pid").write_text(str(os.getpid()))
     child = subprocess.Popen(["sleep", "120"])          # a grandchild in the same process group
     (folder / f"g{index}.pid").write_text(str(child.pid))
-    from autoshard.runtime.distributed import initialize_from_env
+    from autoshard.distributed import initialize_from_env
     env = initialize_from_env()
     import jax
     print(f"process {jax.process_index()} of {jax.process_count()} ready", flush=True)
@@ -181,10 +181,10 @@ def test_failing_process_stops_the_job(tmp_path: Path) -> None:
 
 PLAN_FAILS_SCRIPT = """
     import os, sys, time
-    from autoshard.runtime.distributed import initialize_from_env
+    from autoshard.distributed import initialize_from_env
     env = initialize_from_env()
     import jax, jax.numpy as jnp
-    from autoshard.runtime.distributed import multiprocess_cluster, plan_multiprocess, process_mesh
+    from autoshard.distributed import multiprocess_cluster, plan_multiprocess, process_mesh
     def step(w, x):
         loss, grad = jax.value_and_grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
         return w - 0.1 * grad, loss

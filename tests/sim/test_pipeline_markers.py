@@ -8,15 +8,11 @@ import numpy as np
 import optax
 
 import autoshard
+from mlp_steps import mlp_loss, train_step
 
 
 def _step(loss_fn, tx):
-    def step(params, opt_state, batch):
-        loss, grads = autoshard.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return step
+    return train_step(tx, loss_fn)
 
 
 def _compare(step, params, tx, batch, **options):
@@ -41,13 +37,7 @@ def _data(width=16, batch=16, depth=4):
 
 
 def test_layer_markers_decide_the_cuts(devices8):
-    def loss(params, batch):
-        x = batch["x"]
-        for i, w in enumerate(params["w"]):
-            x = jnp.tanh(x @ w)
-            if i < len(params["w"]) - 1:
-                x = autoshard.layer_boundary(x)
-        return jnp.mean((x - batch["y"]) ** 2)
+    loss = mlp_loss
 
     params, batch = _data()
     params.pop("shared")

@@ -22,12 +22,13 @@ import numpy as np
 import pytest
 
 from autoshard import cli
-from autoshard.baselines import Baseline, plan_baseline
+from autoshard.compiler.baselines import Baseline, plan_baseline
 from autoshard.compiler.ceiling import BatchProbe, args_at_batch, batch_ceiling, batch_multiple
 from autoshard.compiler.driver import plan_step
-from autoshard.compiler.planfile import load_plan
-from autoshard.passes.emit import make_jax_mesh
-from autoshard.compiler.trace import trace
+from autoshard.plans.applied import annotations_for
+from autoshard.plans.plan import load_plan
+from autoshard.runtime.spmd import make_jax_mesh
+from autoshard.ir.trace import trace
 from autoshard.passes.intra_op import IntraOpOptions, memory_profile
 from autoshard.runtime.spmd import SpmdStep
 from examples import gpt
@@ -57,7 +58,7 @@ def test_round_trip_apply_on_a_second_mesh_gives_the_same_numbers(gpt_planned, d
     host = jax.device_get(work.args)  # numpy copies: each run places (and donates) its own buffers
     first = make_jax_mesh((2, 4), ("x", "y"), devices8)
     second = make_jax_mesh((2, 4), ("x", "y"), devices8[::-1])  # another Mesh object, other device order
-    original = SpmdStep(planned.graph, planned.annotations, first)
+    original = SpmdStep(planned.graph, annotations_for(planned.plan, planned.graph), first)
     want = original(*original.place(*host))
     got = load_plan(path).apply(work.step, second)(*host)
     assert jax.tree.structure(want) == jax.tree.structure(got)

@@ -30,8 +30,8 @@ from jax.extend import core as jcore
 from jax._src.lax.parallel import all_gather_invariant
 from jax.sharding import PartitionSpec as P
 
-from autoshard.compiler.graph import Op, Role, Value
-from autoshard.compiler.spec import Collective, Spec
+from autoshard.ir.graph import Op, Role, Value
+from autoshard.ir.spec import Collective, Spec
 from autoshard.meshes.cluster import get_cluster
 from autoshard.meshes.logical import LogicalMesh, make_logical_mesh
 from autoshard.passes.strategies import RULES, Strategy, localize_params, strategies_for

@@ -122,12 +122,12 @@ def test_axis_of_size_one_is_free():
 
 def test_roofline():
     cluster = one_node(8)  # 1 TFLOP/s, 1 TB/s
-    assert cost.compute_s(cluster, 4e12, 1e9) == pytest.approx(4.0)  # compute-bound
-    assert cost.compute_s(cluster, 1e9, 3e12) == pytest.approx(3.0)  # memory-bound
+    assert cost.roofline_s(cluster, 4e12, 1e9) == pytest.approx(4.0)  # compute-bound
+    assert cost.roofline_s(cluster, 1e9, 3e12) == pytest.approx(3.0)  # memory-bound
     a100 = PRESETS["1x8-a100"]
-    assert cost.compute_s(a100, 312e12, 0, "bfloat16") == pytest.approx(1.0)
-    assert cost.compute_s(a100, 156e12, 0, "float32") == pytest.approx(1.0)
-    assert cost.compute_s(a100, 156e12, 0, "int8") == pytest.approx(1.0)  # unknown dtype: float32's rate
+    assert cost.roofline_s(a100, 312e12, 0, "bfloat16") == pytest.approx(1.0)
+    assert cost.roofline_s(a100, 156e12, 0, "float32") == pytest.approx(1.0)
+    assert cost.roofline_s(a100, 156e12, 0, "int8") == pytest.approx(1.0)  # unknown dtype: float32's rate
 
 
 # ----------------------------------------------------------------------------- logical meshes

@@ -1,4 +1,4 @@
-"""The intra-op ILP solver (passes/ilp.py): a hand-built problem with its total worked out,
+"""The intra-op ILP solver (passes/ilp/): a hand-built problem with its total worked out,
 random small problems against brute force, memory infeasibility, determinism and the hint."""
 from __future__ import annotations
 

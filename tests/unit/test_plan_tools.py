@@ -18,19 +18,20 @@ from rich.console import Console
 from plan_helpers import hand_plan
 
 from autoshard import cli
-from autoshard.baselines import Baseline, baseline_pins, batch_spec, divisible_axes, largest_dim_spec, node_axes
+from autoshard.passes.classic import Baseline, baseline_pins, batch_spec, divisible_axes, largest_dim_spec, node_axes
 from autoshard.compiler.ceiling import BatchProbe, MemoryModel, args_at_batch
-from autoshard.compiler.export import flax_rules, flax_rules_python
-from autoshard.compiler.graph import Role
-from autoshard.compiler.planfile import PlanFileError, check_mesh, load_plan, plan_to_json
-from autoshard.compiler.spec import Spec
-from autoshard.compiler.trace import trace
-from autoshard.compiler.validate import Severity, validate_plan
+from autoshard.plans.export import flax_rules, flax_rules_python
+from autoshard.ir.graph import Role
+from autoshard.plans.plan import load_plan
+from autoshard.plans.planfile import PlanFileError, check_mesh
+from autoshard.ir.spec import Spec
+from autoshard.ir.trace import trace
+from autoshard.plans.validate import validate_plan
 from autoshard.errors import PlanMismatchError
 from autoshard.meshes.cluster import get_cluster
 from autoshard.meshes.logical import make_logical_mesh
 from autoshard.passes.megatron import roles_from_names, megatron_roles
-from autoshard.report import pipeline_schedule
+from autoshard.figures import pipeline_schedule
 from examples import gpt, mlp, moe
 
 
@@ -67,7 +68,7 @@ def test_plan_file_round_trip_keeps_every_field(gpt_tiny, tmp_path):
 
 
 def _pipeline_stages(graph) -> tuple:
-    from autoshard.compiler.stage_plan import PipelineStage, StageMemory
+    from autoshard.plans.stage_plan import PipelineStage, StageMemory
 
     params = [graph.values[v].path for v in graph.inputs if graph.values[v].role == Role.PARAM]
     return tuple(PipelineStage(
@@ -79,7 +80,7 @@ def _pipeline_stages(graph) -> tuple:
 
 
 def test_pipeline_plan_file_round_trip(gpt_tiny, tmp_path):
-    from autoshard.compiler.stage_plan import PipelineSummary
+    from autoshard.plans.stage_plan import PipelineSummary
 
     summary = PipelineSummary(num_microbatches=4, schedule="1f1b", step_s=0.02, first_microbatch_latency_s=6e-3,
                               bottleneck_s=3e-3, bubble_fraction=0.2, layers=2, cost_model="roofline",
@@ -371,7 +372,7 @@ def test_verify_flags_figures_off_by_more_than_ten_percent():
 
 
 def test_data_parallel_baselines_keep_the_batch_split_in_every_op(gpt_tiny):
-    from autoshard.baselines import plan_baseline
+    from autoshard.compiler.baselines import plan_baseline
     from autoshard.passes.intra_op import IntraOpOptions
 
     work, graph = gpt_tiny

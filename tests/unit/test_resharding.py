@@ -11,7 +11,7 @@ import itertools
 import numpy as np
 import pytest
 
-from autoshard.compiler.spec import Spec
+from autoshard.ir.spec import Spec
 from autoshard.meshes.cluster import get_cluster
 from autoshard.meshes.logical import LogicalMesh, make_logical_mesh
 from autoshard.passes import resharding

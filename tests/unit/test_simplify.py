@@ -5,10 +5,11 @@ import dataclasses
 
 import numpy as np
 
-from autoshard.compiler.trace import trace
+from autoshard.ir.trace import trace
 from autoshard.meshes.cluster import get_cluster
 from autoshard.meshes.logical import make_logical_mesh
-from autoshard.passes.intra_op import IntraOpOptions, _build, _Problem
+from autoshard.passes.cost_graph import CostGraph, IntraOpOptions
+from autoshard.passes.intra_op import build_problem
 from autoshard.passes.simplify import find_tandem_repeats, layer_free_path, repeat_aliases
 
 
@@ -42,8 +43,8 @@ def _problem(num_layers: int):
     work = gpt.workload(cfg, abstract=True)
     graph = trace(work.step, *work.args)
     mesh = make_logical_mesh(get_cluster("cpu-8"), (2, 4))
-    pb = _Problem(graph, mesh, IntraOpOptions())
-    problem, _ = _build(pb)
+    pb = CostGraph(graph, mesh, IntraOpOptions())
+    problem = build_problem(pb)
     return graph, pb, problem
 
 

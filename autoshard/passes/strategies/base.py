@@ -25,13 +25,13 @@ import itertools
 import logging
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
 import numpy as np
 
-from autoshard.compiler.graph import Op, Value
-from autoshard.compiler.spec import Collective, MeshAxes, Spec
+from autoshard.ir.graph import Op, Value
+from autoshard.ir.spec import Collective, MeshAxes, Spec
 from autoshard.meshes import cost
 from autoshard.meshes.logical import LogicalMesh
 
@@ -146,7 +146,7 @@ def _dedupe(strategies: list[Strategy]) -> list[Strategy]:
 def op_compute_s(op: Op, mesh: LogicalMesh, parallelism: int, dtype: str) -> float:
     """Roofline time of one device doing 1/parallelism of the op."""
     parallelism = max(1, parallelism)
-    return cost.compute_s(mesh.cluster, op.flops / parallelism, op.bytes_accessed / parallelism, dtype)
+    return cost.roofline_s(mesh.cluster, op.flops / parallelism, op.bytes_accessed / parallelism, dtype)
 
 
 def replicated_strategy(op: Op, ins: Sequence[Value], outs: Sequence[Value], mesh: LogicalMesh) -> Strategy:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autoshard.compiler.graph import Op, Value
+from autoshard.ir.graph import Op, Value
 from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes.strategies.base import Factor, Strategy, factor_strategies, register
 

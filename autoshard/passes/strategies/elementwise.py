@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autoshard.compiler.graph import Op, Value
+from autoshard.ir.graph import Op, Value
 from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes.strategies.base import Factor, Strategy, elementwise_factors, factor_strategies, register
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autoshard.compiler.graph import Op, Value
+from autoshard.ir.graph import Op, Value
 from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes.strategies.base import Factor, Reduction, Strategy, factor_strategies, register
 from autoshard.passes.strategies.elementwise import pointwise_rule

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from autoshard.compiler.graph import Op, Value
+from autoshard.ir.graph import Op, Value
 from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes.strategies.base import (
     Factor, Shape, Strategy, factor_strategies, register, register_localizer,

@@ -13,8 +13,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from autoshard.compiler.plan import GIB, Plan, fmt_bytes
-from autoshard.compiler.spec import Spec
+from autoshard.plans.plan import GIB, Plan, fmt_bytes
+from autoshard.ir.spec import Spec
 from autoshard.meshes.cluster import ClusterSpec
 
 MAX_LISTED = 8  # divisibility problems listed one by one; the rest are counted
@@ -41,7 +41,7 @@ class Finding:
 def _versions(plan_versions: Mapping[str, str]) -> list[Finding]:
     import jax
 
-    from autoshard import __version__
+    from autoshard.version import __version__
 
     found: list[Finding] = []
     if not plan_versions:

@@ -49,30 +49,29 @@ batch, refined at the estimate).
 """
 from __future__ import annotations
 
-import enum
 import logging
-import math
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import jax
-import numpy as np
 
 from autoshard.compiler.ceiling import BatchProbe, batch_ceiling
-from autoshard.compiler.driver import MeshLike, PlannedStep, candidate_meshes, plan_graph
+from autoshard.compiler.driver import PlannedStep, plan_graph, plan_on
 from autoshard.compiler.explain import op_explanations
-from autoshard.compiler.graph import OpGraph, Role, ValueId
-from autoshard.compiler.plan import Plan
-from autoshard.compiler.spec import MeshAxes, Spec
-from autoshard.compiler.trace import trace
+from autoshard.compiler.target import ClusterLike, MeshLike, Target, resolve_target
 from autoshard.errors import InfeasibleMemoryError, PlanningError
-from autoshard.meshes.cluster import ClusterSpec, get_cluster
-from autoshard.meshes.logical import LogicalMesh
+from autoshard.ir.graph import OpGraph, Role, ValueId
+from autoshard.ir.spec import Spec
+from autoshard.ir.trace import trace
+from autoshard.passes.classic import (ALL_BASELINES, Baseline, baseline_pins, batch_spec, divisible_axes,
+                                      largest_dim_spec, node_axes)
 from autoshard.passes.intra_op import IntraOpOptions
 from autoshard.passes.megatron import MegatronRoles, megatron_roles
+from autoshard.plans.plan import Plan
+
+__all__ = ["ALL_BASELINES", "Baseline", "Candidate", "Comparison", "baseline_pins", "batch_spec", "compare",
+           "divisible_axes", "largest_dim_spec", "node_axes", "plan_baseline"]
 
 log = logging.getLogger(__name__)
 
@@ -80,159 +79,14 @@ UNBOUNDED_BYTES = 1e30  # a budget no plan reaches: baselines that do not fit ar
 Progress = Callable[[str], None]
 
 
-class Baseline(str, enum.Enum):
-    DP = "dp"
-    FSDP = "fsdp"
-    ZERO2 = "zero2"
-    HSDP = "hsdp"
-    TP = "megatron-tp"
-    DP_TP = "dp-tp"
-
-    @property
-    def label(self) -> str:
-        return _LABELS[self]
-
-
-_LABELS = {Baseline.DP: "DP", Baseline.FSDP: "FSDP/ZeRO-3", Baseline.ZERO2: "ZeRO-2", Baseline.HSDP: "HSDP",
-           Baseline.TP: "Megatron TP", Baseline.DP_TP: "DP x TP"}
-ALL_BASELINES: tuple[Baseline, ...] = tuple(Baseline)
-
-
-# ----------------------------------------------------------------------------- layouts
-
-
-def divisible_axes(size: int, axes: Sequence[str], sizes: Mapping[str, int]) -> MeshAxes:
-    """The most devices from ``axes`` (kept in mesh order) whose product divides ``size``; () if none."""
-    axes = [a for a in axes if sizes[a] > 1]
-    best: MeshAxes = ()
-    best_n = 1
-    for mask in range(1, 1 << len(axes)):
-        chosen = tuple(a for i, a in enumerate(axes) if mask >> i & 1)
-        n = math.prod(sizes[a] for a in chosen)
-        # ties: prefer the inner axes (later in the mesh), which are the faster links
-        if size % n == 0 and (n > best_n or (n == best_n and chosen > best)):
-            best, best_n = chosen, n
-    return best
-
-
-def largest_dim_spec(shape: Sequence[int], axes: Sequence[str], sizes: Mapping[str, int]) -> Spec:
-    """Split the largest dimension that ``axes`` divide (FSDP's flat-shard analogue); replicated if none."""
-    dims: list[MeshAxes] = [()] * len(shape)
-    total = math.prod(sizes[a] for a in axes if sizes[a] > 1)
-    order = sorted(range(len(shape)), key=lambda d: (-shape[d], d))
-    for d in order:  # all the axes on one dimension, the largest that takes them
-        if total > 1 and shape[d] % total == 0:
-            dims[d] = tuple(a for a in axes if sizes[a] > 1)
-            return Spec(tuple(dims))
-    for d in order:  # else as many devices as divide the largest dimension that takes any
-        chosen = divisible_axes(shape[d], axes, sizes)
-        if chosen:
-            dims[d] = chosen
-            return Spec(tuple(dims))
-    return Spec(tuple(dims))
-
-
-def batch_spec(shape: Sequence[int], axes: Sequence[str], sizes: Mapping[str, int]) -> Spec:
-    """Split dim 0 (the batch) over as many of ``axes`` as divide it."""
-    if not shape:
-        return Spec(())
-    return Spec((divisible_axes(shape[0], axes, sizes),) + ((),) * (len(shape) - 1))
-
-
-def _crosses_nodes(mesh: LogicalMesh, axis: int) -> bool:
-    grid = np.asarray(mesh.device_indices).reshape(mesh.shape)
-    moved = np.moveaxis(grid, axis, -1).reshape(-1, mesh.shape[axis]) // mesh.cluster.devices_per_node
-    return bool((moved != moved[:, :1]).any())
-
-
-def node_axes(mesh: LogicalMesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(intra-node axes, axes that cross nodes); on one node the last axis plays the node."""
-    crossing = tuple(a.name for i, a in enumerate(mesh.axes) if a.size > 1 and _crosses_nodes(mesh, i))
-    inside = tuple(a.name for a in mesh.axes if a.size > 1 and a.name not in crossing)
-    if not crossing:
-        return mesh.axis_names[-1:], mesh.axis_names[:-1]
-    return inside, crossing
-
-
-# ----------------------------------------------------------------------------- pins
-
-
-def _mirror_params(graph: OpGraph, param_specs: Mapping[int, Spec]) -> dict[int, Spec]:
-    """Optimizer-state leaves that mirror a parameter (same shape, path ending in its path) get its spec."""
-    by_suffix: dict[tuple[str, tuple[int, ...]], Spec] = {}
-    for i, spec in param_specs.items():
-        value = graph.values[graph.inputs[i]]
-        suffix = re.sub(r"^\[\d+\]", "", value.path or "")
-        by_suffix[(suffix, value.shape)] = spec
-    out: dict[int, Spec] = {}
-    for i, vid in enumerate(graph.inputs):
-        value = graph.values[vid]
-        if value.role != Role.OPT_STATE:
-            continue
-        for (suffix, shape), spec in by_suffix.items():
-            if suffix and value.shape == shape and (value.path or "").endswith(suffix):
-                out[i] = spec
-                break
-    return out
-
-
-def baseline_pins(graph: OpGraph, mesh: LogicalMesh, kind: Baseline,
-                  roles: MegatronRoles | None = None) -> dict[int, Spec]:
-    """The storage spec of every flat input under a classic strategy (see the module docstring)."""
-    sizes = dict(zip(mesh.axis_names, mesh.shape))
-    all_axes = tuple(a for a in mesh.axis_names if sizes[a] > 1)
-    inside, _crossing = node_axes(mesh)
-    data_axes: tuple[str, ...] = all_axes
-    if kind == Baseline.TP:
-        data_axes = ()
-    elif kind == Baseline.DP_TP:
-        data_axes = all_axes[:1] if len(all_axes) > 1 else ()
-    model_axes = all_axes if kind == Baseline.TP else all_axes[-1:]
-    pins: dict[int, Spec] = {}
-    state: dict[int, Spec] = {}
-    for i, vid in enumerate(graph.inputs):
-        value = graph.values[vid]
-        replicated = Spec.replicated(value.rank)
-        if value.role == Role.BATCH:
-            pins[i] = batch_spec(value.shape, data_axes, sizes)
-        elif value.role == Role.PARAM:
-            if kind == Baseline.FSDP:
-                pins[i] = largest_dim_spec(value.shape, all_axes, sizes)
-            elif kind == Baseline.HSDP:
-                pins[i] = largest_dim_spec(value.shape, inside, sizes)
-            else:
-                pins[i] = replicated
-        elif value.role == Role.OPT_STATE:
-            if kind in (Baseline.FSDP, Baseline.ZERO2):
-                pins[i] = largest_dim_spec(value.shape, all_axes, sizes)
-            elif kind == Baseline.HSDP:
-                pins[i] = largest_dim_spec(value.shape, inside, sizes)
-            else:
-                pins[i] = replicated
-        else:
-            pins[i] = replicated
-    if kind in (Baseline.TP, Baseline.DP_TP):
-        roles = roles or megatron_roles(graph)
-        for i, dim in {**roles.column, **roles.row, **roles.bias}.items():
-            shape = graph.values[graph.inputs[i]].shape
-            axes = divisible_axes(shape[dim], model_axes, sizes)
-            dims = [()] * len(shape)
-            dims[dim] = axes
-            state[i] = Spec(tuple(dims))
-        pins.update(state)
-        pins.update(_mirror_params(graph, state))
-    return pins
-
-
 # ----------------------------------------------------------------------------- planning
 
 
-def _logical_mesh(mesh: MeshLike, cluster: ClusterSpec | str | None) -> LogicalMesh:
+def baseline_target(mesh: MeshLike, cluster: ClusterLike = None, memory_budget: float | None = None) -> Target:
+    """The Target of a baseline: like any plan's, but the mesh must be given."""
     if mesh is None:
         raise PlanningError("baselines need a mesh: pass mesh=(2, 4) or a jax Mesh")
-    num = mesh.devices.size if isinstance(mesh, jax.sharding.Mesh) else int(np.prod(mesh))
-    spec = get_cluster(cluster, num_devices=num)
-    return candidate_meshes(mesh, spec, num)[0]
+    return resolve_target(mesh, cluster, memory_budget)
 
 
 def data_axes(graph: OpGraph, pins: Mapping[int, Spec]) -> tuple[str, ...]:
@@ -252,29 +106,34 @@ def batch_splits(graph: OpGraph, batch_dims: Mapping[ValueId, tuple[int, ...]], 
     return {vid: (dims, axes) for vid, dims in batch_dims.items() if dims and vid not in inputs}
 
 
-def plan_baseline(graph: OpGraph, kind: Baseline, *, mesh: MeshLike, cluster: ClusterSpec | str | None = None,
+def plan_baseline(graph: OpGraph, kind: Baseline, *, mesh: MeshLike, cluster: ClusterLike = None,
                   memory_budget: float | None = None, options: IntraOpOptions | None = None,
                   roles: MegatronRoles | None = None, explain: bool = True,
                   batch_dims: Mapping[ValueId, tuple[int, ...]] | None = None) -> PlannedStep:
-    """The ``kind`` baseline on ``mesh`` as a Plan named after it.
+    """The ``kind`` baseline on ``mesh`` as a Plan named after it (see ``baseline_on``)."""
+    return baseline_on(graph, kind, baseline_target(mesh, cluster, memory_budget), options, roles=roles,
+                       explain=explain, batch_dims=batch_dims)
+
+
+def baseline_on(graph: OpGraph, kind: Baseline, target: Target, options: IntraOpOptions | None = None, *,
+                roles: MegatronRoles | None = None, explain: bool = True,
+                batch_dims: Mapping[ValueId, tuple[int, ...]] | None = None) -> PlannedStep:
+    """The ``kind`` baseline on the target's mesh.
 
     ``batch_dims`` (per value, the dims that grow with the batch: ``BatchProbe.batch_dims``) keeps
     the batch split over the baseline's data axes in every op; without it only the storage is fixed.
     Planned under the memory budget; when its layouts cannot fit, it is planned
     without one and returned with ``plan.fits`` False.
     """
-    logical = _logical_mesh(mesh, cluster)
-    pins = baseline_pins(graph, logical, kind, roles)
+    pins = baseline_pins(graph, target.meshes[0], kind, roles)
     splits = batch_splits(graph, batch_dims, data_axes(graph, pins)) if batch_dims else {}
     opts = replace(options or IntraOpOptions(), pinned_inputs=pins, required_splits=splits)
     try:
-        return plan_graph(graph, mesh=mesh, cluster=logical.cluster, memory_budget=memory_budget, options=opts,
-                          name=kind.label, explain=explain)
+        return plan_on(graph, target, opts, name=kind.label, explain=explain)
     except InfeasibleMemoryError:
-        budget = float(memory_budget if memory_budget is not None else logical.cluster.memory_per_device_bytes)
-        planned = plan_graph(graph, mesh=mesh, cluster=logical.cluster, memory_budget=UNBOUNDED_BYTES,
-                             options=opts, name=kind.label, explain=explain)
-        return replace(planned, plan=replace(planned.plan, memory_budget_bytes=budget))
+        unbounded = replace(target, memory_budget_bytes=UNBOUNDED_BYTES)
+        planned = plan_on(graph, unbounded, opts, name=kind.label, explain=explain)
+        return replace(planned, plan=replace(planned.plan, memory_budget_bytes=target.memory_budget_bytes))
 
 
 # ----------------------------------------------------------------------------- comparison
@@ -342,7 +201,7 @@ def _hint_options(options: IntraOpOptions, best: PlannedStep | None) -> IntraOpO
 
 
 def compare(fn: Callable[..., Any], args: Sequence[Any], mesh: MeshLike = None,
-            cluster: ClusterSpec | str | None = None,
+            cluster: ClusterLike = None,
             *, memory_budget: float | None = None, options: IntraOpOptions | None = None,
             baselines: Sequence[Baseline] = ALL_BASELINES, progress: Progress | None = None) -> Comparison:
     """autoshard and every classic baseline on ``mesh``: modeled time, memory, fit, batch ceiling.
@@ -361,21 +220,19 @@ def compare(fn: Callable[..., Any], args: Sequence[Any], mesh: MeshLike = None,
         say("choosing the mesh")
         mesh = plan_graph(graph, cluster=cluster, memory_budget=memory_budget, options=options,
                           explain=False).logical_mesh.shape
-    logical = _logical_mesh(mesh, cluster)
-    budget = float(memory_budget if memory_budget is not None else logical.cluster.memory_per_device_bytes)
+    target = baseline_target(mesh, cluster, memory_budget)
+    budget = target.memory_budget_bytes
     roles = megatron_roles(graph)
     batch_dims = probe.batch_dims()
     planned: dict[Baseline, PlannedStep] = {}
     for kind in baselines:
         say(f"planning {kind.label}")
-        planned[kind] = plan_baseline(graph, kind, mesh=mesh, cluster=logical.cluster, memory_budget=budget,
-                                      options=options, roles=roles, explain=False, batch_dims=batch_dims)
+        planned[kind] = baseline_on(graph, kind, target, options, roles=roles, explain=False, batch_dims=batch_dims)
     fitting = [p for p in planned.values() if p.plan.fits]
     best = min(fitting, key=lambda p: p.plan.step_s, default=None)
     say("planning autoshard" + (f" (hinted with {best.plan.name})" if best else ""))
     try:
-        auto = plan_graph(graph, mesh=mesh, cluster=logical.cluster, memory_budget=budget,
-                          options=_hint_options(options, best), name="autoshard")
+        auto = plan_on(graph, target, _hint_options(options, best), name="autoshard")
     except PlanningError as err:
         if best is None or isinstance(err, InfeasibleMemoryError):
             raise
@@ -404,15 +261,3 @@ def compare(fn: Callable[..., Any], args: Sequence[Any], mesh: MeshLike = None,
         seconds=time.perf_counter() - start,
     )
     return result
-
-
-def classic_layouts(graph: OpGraph, mesh: LogicalMesh) -> list[dict[int, Spec]]:
-    """Every classic strategy's storage layouts: starting points for autoshard's own search
-    (``IntraOpOptions.start_layouts``), so it begins in each strategy's basin."""
-    layouts = []
-    for kind in ALL_BASELINES:
-        try:
-            layouts.append(baseline_pins(graph, mesh, kind))
-        except Exception as err:  # noqa: BLE001 — a start is optional; the search goes on without it
-            log.debug("no %s start layout: %s", kind.label, err)
-    return layouts

@@ -24,7 +24,8 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from autoshard.compiler.graph import Op, OpGraph, Role, Value, ValueId
+from autoshard.ir.flops import op_flops
+from autoshard.ir.graph import Op, OpGraph, Role, Value, ValueId
 from autoshard.errors import PlanningError
 
 log = logging.getLogger(__name__)
@@ -32,17 +33,6 @@ log = logging.getLogger(__name__)
 INLINED = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
                      "custom_vjp_call_jaxpr", "remat2", "checkpoint", "remat"})
 BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-# Ops whose FLOPs we count as one per output element.
-ZERO_FLOP = frozenset({
-    "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice",
-    "dynamic_update_slice", "concatenate", "pad", "gather", "iota", "convert_element_type", "copy", "copy_p",
-    "rev", "select_n", "stop_gradient", "random_bits", "random_seed", "random_wrap", "random_unwrap",
-    "sharding_constraint", "optimization_barrier", "split", "squeeze",
-})
-REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-                        "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "scatter-add",
-                        "scatter_add", "reduce_precision"})
-
 
 class TracingError(PlanningError):
     """The step could not be traced; the message says what to change."""
@@ -50,8 +40,11 @@ class TracingError(PlanningError):
 
 def _dtype_name(aval: Any) -> str:
     dtype = getattr(aval, "dtype", None)
-    if dtype is None:
-        return "float32"
+    if dtype is None:  # a Python scalar argument: the dtype jax gives it
+        try:
+            dtype = jax.numpy.result_type(aval)
+        except TypeError:
+            return "float32"
     try:
         return np.dtype(dtype).name
     except TypeError:  # extended dtypes such as PRNG keys
@@ -60,28 +53,6 @@ def _dtype_name(aval: Any) -> str:
 
 def _shape(aval: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in getattr(aval, "shape", ()))
-
-
-def _elements(shape: Sequence[int]) -> int:
-    return int(np.prod(shape, dtype=np.int64)) if shape else 1
-
-
-def dot_general_flops(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_numbers: Any) -> float:
-    """2 · batch · M · N · K for ``lax.dot_general``."""
-    (lc, rc), (lb, _rb) = dimension_numbers
-    contract = _elements([lhs_shape[d] for d in lc])
-    batch = _elements([lhs_shape[d] for d in lb])
-    lhs_free = _elements([s for d, s in enumerate(lhs_shape) if d not in lc and d not in lb])
-    rhs_free = _elements([s for d, s in enumerate(rhs_shape) if d not in rc and d not in _rb])
-    return 2.0 * batch * lhs_free * rhs_free * contract
-
-
-def conv_flops(rhs_shape: Sequence[int], out_shape: Sequence[int], params: Any) -> float:
-    """2 · output elements · (kernel elements per output feature) for ``lax.conv_general_dilated``."""
-    dn = params["dimension_numbers"]
-    out_feature_dim = dn.rhs_spec[0]
-    per_output = _elements(rhs_shape) / max(1, rhs_shape[out_feature_dim])
-    return 2.0 * _elements(out_shape) * per_output
 
 
 class _Builder:
@@ -135,8 +106,9 @@ class _Builder:
         name = eqn.primitive.name
         in_vals = [self.values[v] for v in ins]
         out_vals = [self.values[v] for v in outs]
-        bodies = tuple(trace_jaxpr(j) for j in _bodies(eqn))
-        flops = _flops(name, eqn.params, in_vals, out_vals, bodies)
+        bodies = tuple(trace_jaxpr(j) for j in control_flow_bodies(eqn))
+        flops = op_flops(name, eqn.params, [v.shape for v in in_vals], [v.shape for v in out_vals],
+                         [b.total_flops for b in bodies])
         nbytes = float(sum(v.nbytes for v in in_vals) + sum(v.nbytes for v in out_vals))
         return Op(len(self.ops), name, dict(eqn.params), tuple(ins), tuple(outs), flops, nbytes,
                   prim=eqn.primitive, bodies=bodies, source=_source(eqn))
@@ -152,7 +124,7 @@ def _inline_body(eqn: Any) -> tuple[jcore.Jaxpr, Sequence[Any]] | None:
     return None
 
 
-def _bodies(eqn: Any) -> list[jcore.ClosedJaxpr | jcore.Jaxpr]:
+def control_flow_bodies(eqn: Any) -> list[jcore.ClosedJaxpr | jcore.Jaxpr]:
     name = eqn.primitive.name
     if name == "scan":
         return [eqn.params["jaxpr"]]
@@ -161,24 +133,6 @@ def _bodies(eqn: Any) -> list[jcore.ClosedJaxpr | jcore.Jaxpr]:
     if name == "cond":
         return list(eqn.params["branches"])
     return []
-
-
-def _flops(name: str, params: Any, ins: list[Value], outs: list[Value], bodies: tuple[OpGraph, ...]) -> float:
-    if name == "dot_general":
-        return dot_general_flops(ins[0].shape, ins[1].shape, params["dimension_numbers"])
-    if name == "conv_general_dilated":
-        return conv_flops(ins[1].shape, outs[0].shape, params)
-    if name == "scan":
-        return float(params["length"]) * bodies[0].total_flops
-    if name == "while":
-        return sum(b.total_flops for b in bodies)  # trip count unknown statically: one iteration
-    if name == "cond":
-        return max((b.total_flops for b in bodies), default=0.0)
-    if name in ZERO_FLOP:
-        return 0.0
-    if name in REDUCTIONS:
-        return float(max((v.size for v in ins), default=0))
-    return float(sum(v.size for v in outs))
 
 
 def _source(eqn: Any) -> str:
@@ -217,7 +171,7 @@ def _opt_state_leaf_mask(args: tuple[Any, ...]) -> list[bool]:
     return mask
 
 
-def _signature(tree: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], str], ...]]:
+def signature(tree: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], str], ...]]:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     return treedef, tuple((_shape(x), _dtype_name(x)) for x in leaves)
 
@@ -231,11 +185,11 @@ def carried_pairs(args: tuple[Any, ...], out_shape: Any) -> dict[int, int]:
     arg_offsets = np.cumsum([0] + [len(jax.tree_util.tree_leaves(a)) for a in args])
     outs = list(out_shape) if isinstance(out_shape, (tuple, list)) else [out_shape]
     out_offsets = np.cumsum([0] + [len(jax.tree_util.tree_leaves(o)) for o in outs])
-    arg_sigs = [_signature(a) for a in args]
+    arg_sigs = [signature(a) for a in args]
     used: set[int] = set()
     pairs: dict[int, int] = {}
     for j, out in enumerate(outs):
-        sig = _signature(out)
+        sig = signature(out)
         if not sig[1]:
             continue
         for i, arg_sig in enumerate(arg_sigs):
@@ -293,7 +247,7 @@ def trace(fn: Callable[..., Any], *args: Any) -> OpGraph:
         values=b.values, ops=tuple(b.ops), inputs=tuple(in_ids), outputs=tuple(out_ids), constants=b.constants,
         in_tree=in_tree, out_tree=out_tree,
         output_paths=tuple(jax.tree_util.keystr(p) for p, _ in out_with_path),
-        carried=tuple(pairs.get(k) for k in range(len(out_ids))),
+        carried=tuple(pairs.get(k) for k in range(len(out_ids))), jaxpr=closed,
     )
     log.info("traced %s in %.2fs: %d ops", getattr(fn, "__name__", "step"), time.perf_counter() - start, len(b.ops))
     return graph

@@ -12,22 +12,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from autoshard.compiler.spec import Spec
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
-def _fmt_s(seconds: float) -> str:
-    if seconds >= 1:
-        return f"{seconds:.3g} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.3g} ms"
-    return f"{seconds * 1e6:.3g} µs"
+from autoshard.ir.spec import Spec
+from autoshard.plans.ledger import fmt_bytes, fmt_s
 
 
 @dataclass(frozen=True)
@@ -45,9 +31,9 @@ class StageMemory:
         return self.params_bytes + self.grads_bytes + self.opt_state_bytes + self.activations_bytes
 
     def __str__(self) -> str:
-        return (f"peak {_fmt_bytes(self.peak_bytes)} = params {_fmt_bytes(self.params_bytes)} + grads "
-                f"{_fmt_bytes(self.grads_bytes)} + optimizer {_fmt_bytes(self.opt_state_bytes)} + activations "
-                f"{_fmt_bytes(self.activations_bytes)} ({self.in_flight} microbatch"
+        return (f"peak {fmt_bytes(self.peak_bytes)} = params {fmt_bytes(self.params_bytes)} + grads "
+                f"{fmt_bytes(self.grads_bytes)} + optimizer {fmt_bytes(self.opt_state_bytes)} + activations "
+                f"{fmt_bytes(self.activations_bytes)} ({self.in_flight} microbatch"
                 f"{'es' if self.in_flight != 1 else ''} in flight)")
 
 
@@ -76,8 +62,8 @@ class PipelineStage:
         return (f"stage {self.index}: layers {self.first_layer}-{self.last_layer} on {self.submesh[0]}x"
                 f"{self.submesh[1]} (devices {span}), {self.num_params} parameter arrays "
                 f"{'replicated' if all(s.is_replicated for s in self.param_specs.values()) else 'sharded'}; "
-                f"{_fmt_s(self.time_s)}/microbatch (compute {_fmt_s(self.compute_s)}, sync+apply "
-                f"{_fmt_s(self.sync_s)}/step), send {_fmt_s(self.transfer_out_s)}; {self.memory}")
+                f"{fmt_s(self.time_s)}/microbatch (compute {fmt_s(self.compute_s)}, sync+apply "
+                f"{fmt_s(self.sync_s)}/step), send {fmt_s(self.transfer_out_s)}; {self.memory}")
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -103,10 +89,10 @@ class PipelineSummary:
 
     def __str__(self) -> str:
         line = (f"pipeline          {self.schedule}, B={self.num_microbatches} microbatches over {self.layers} "
-                f"layers: step {_fmt_s(self.step_s)}, first microbatch {_fmt_s(self.first_microbatch_latency_s)}, "
-                f"bottleneck {_fmt_s(self.bottleneck_s)}/microbatch, bubble {self.bubble_fraction:.1%}")
+                f"layers: step {fmt_s(self.step_s)}, first microbatch {fmt_s(self.first_microbatch_latency_s)}, "
+                f"bottleneck {fmt_s(self.bottleneck_s)}/microbatch, bubble {self.bubble_fraction:.1%}")
         if self.spmd_step_s is not None:
-            line += f"; best SPMD-only plan ({self.spmd_mesh}) {_fmt_s(self.spmd_step_s)}"
+            line += f"; best SPMD-only plan ({self.spmd_mesh}) {fmt_s(self.spmd_step_s)}"
         return line
 
     def to_dict(self) -> dict[str, Any]:

@@ -10,86 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from autoshard.compiler.spec import Spec
+from autoshard.ir.spec import Spec
 from autoshard.meshes.cluster import ClusterSpec
+from autoshard.plans import planfile
+from autoshard.plans.applied import AppliedPlan
+from autoshard.plans.ledger import GIB, Ledger, OpExplanation, SolverInfo, fmt_bytes, fmt_s
 
-GIB = 1024**3
-
-
-def fmt_bytes(n: float) -> str:
-    """1.5 GiB, 12.3 MiB, 640 B: for people."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
-def fmt_s(seconds: float) -> str:
-    """3.2 ms, 41 µs, 1.2 s: for people."""
-    if seconds == 0:
-        return "0"
-    if abs(seconds) >= 1:
-        return f"{seconds:.3g} s"
-    if abs(seconds) >= 1e-3:
-        return f"{seconds * 1e3:.3g} ms"
-    return f"{seconds * 1e6:.3g} µs"
-
-
-@dataclass(frozen=True)
-class Ledger:
-    compute_s: float
-    comm_s: float  # collectives inside op strategies (partial-sum reductions)
-    reshard_s: float  # resharding between ops, including state written back to its storage layout
-    bubble_s: float  # pipeline bubbles (0 for SPMD)
-    peak_memory_bytes: float  # per device
-    memory_by_kind: Mapping[str, float]  # per device at the peak: param, opt_state, batch, activation, resharded, ...
-    collective_bytes: Mapping[str, float]  # predicted per-device bytes by collective kind
-    compute_lower_bound_s: float  # total FLOPs / (devices x peak)
-
-    @property
-    def step_s(self) -> float:
-        return self.compute_s + self.comm_s + self.reshard_s + self.bubble_s
-
-
-@dataclass(frozen=True)
-class SolverInfo:
-    status: str
-    gap: float
-    solve_s: float
-    num_nodes: int
-    num_classes: int
-    num_variables: int
-    num_constraints: int
-    num_edges: int
-
-
-@dataclass(frozen=True)
-class Choice:
-    """One strategy of one op, priced locally in seconds (see compiler/explain.py)."""
-
-    strategy: str  # e.g. "S(x)R x RS(y) -> S(x)S(y) @ {x,y}"
-    compute_s: float
-    comm_s: float  # collectives the strategy itself needs
-    reshard_s: float  # to read its inputs from their producers' layouts and give consumers theirs
-
-    @property
-    def total_s(self) -> float:
-        return self.compute_s + self.comm_s + self.reshard_s
-
-
-@dataclass(frozen=True)
-class OpExplanation:
-    """Why an op got its strategy: the chosen one and the cheapest alternatives, priced locally."""
-
-    primitive: str
-    source: str  # file:line (function), when jax knows it
-    shapes: str  # "f32[24,8,48] x f32[48,48] -> f32[24,8,48]"
-    chosen: Choice
-    alternatives: tuple[Choice, ...]  # cheapest first
-    num_strategies: int  # how many the rule table offered
-
+__all__ = ["GIB", "Ledger", "OpExplanation", "Plan", "SolverInfo", "fmt_bytes", "fmt_s", "load_plan"]
 
 @dataclass(frozen=True)
 class Plan:
@@ -118,7 +48,7 @@ class Plan:
     explanations: Mapping[int, OpExplanation] = field(default_factory=dict)  # op index -> why its strategy
     origin: Mapping[str, str] = field(default_factory=dict)  # how to rebuild the step, e.g. {target, config}
     baselines: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # compared strategies -> figures
-    pipeline: Any = None  # compiler/stage_plan.PipelineSummary when stages is non-empty: B, latency, bubble, ...
+    pipeline: Any = None  # plans/stage_plan.PipelineSummary when stages is non-empty: B, latency, bubble, ...
 
     @property
     def step_s(self) -> float:
@@ -128,16 +58,17 @@ class Plan:
     def fits(self) -> bool:
         return self.ledger.peak_memory_bytes <= self.memory_budget_bytes
 
-    def save(self, path: Any) -> None:
-        """Write the plan as a versioned JSON file (see compiler/planfile.py)."""
-        from autoshard.compiler.planfile import save_plan
+    def save(self, path: str | Path) -> None:
+        """Write the plan as a versioned JSON file (see plans/planfile.py)."""
+        planfile.write_json(planfile.plan_to_json(self), path)
 
-        save_plan(self, path)
+    @classmethod
+    def from_json(cls, data: Any, source: str = "plan") -> "Plan":
+        """A plan from the JSON of a plan file; ``PlanFileError`` names a missing or mistyped field."""
+        return cls(**planfile.plan_fields(data, source))
 
-    def apply(self, fn: Any, mesh: Any) -> Any:
+    def apply(self, fn: Any, mesh: Any) -> AppliedPlan:
         """A callable that runs ``fn`` with this plan on ``mesh`` (a jax Mesh of the plan's shape)."""
-        from autoshard.runtime.applied import AppliedPlan
-
         return AppliedPlan(self, fn, mesh)
 
     def param_specs(self) -> dict[str, Spec]:
@@ -194,3 +125,8 @@ class Plan:
             for path, spec in others:
                 lines.append(f"    {path:60} {str(self.input_shapes[path][0]):22} {spec}")
         return "\n".join(line for line in lines if line)
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan file written by ``Plan.save``."""
+    return Plan.from_json(planfile.read_json(path), str(path))

@@ -9,19 +9,18 @@ violations from the problem alone (tests call it on every solve);
 smallest budget under which a plan exists.
 
 This module is the solver boundary: the problem and solution types, their
-validation, ``evaluate``, ``brute_force``, the typed errors, and the entry
-points ``solve`` and ``min_peak_memory``. The CP-SAT model they drive (presolve
-P1-P4, one builder per constraint family (a)-(f), the objective and its scaling,
-the hint, the min-peak model) lives in ``passes/ilp_cpsat.py``, whose docstring
-writes out the formulation and its legend.
+validation, ``evaluate``, ``brute_force`` and the memory error. The CP-SAT model
+(one builder per constraint family (a)-(f), the objective and its scaling, the
+hint, the min-peak model) and the entry points ``solve`` and ``min_peak_memory``
+live in ``passes/ilp/cpsat.py``, whose docstring writes out the formulation and
+its legend; the presolve P1-P4 in ``passes/ilp/presolve.py``.
 
-``solve`` first improves the hint by local search (``passes/ilp_search.py``) and
+``solve`` first improves the hint by local search (``passes/ilp/search.py``) and
 gives it to CP-SAT; if it evaluates better than the solver's plan, or the solver
 found none in time, the hint is returned: the result is never worse than the hint.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -29,18 +28,10 @@ from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
 import numpy as np
-from ortools.sat.python import cp_model
 
 from autoshard.errors import InfeasibleMemoryError, PlanningError
-from autoshard.passes.ilp_cpsat import (
-    _add_edge_costs, _add_hint, _add_memory_budget, _add_one_hot, _decode, _forbidden_error, _min_peak,
-    _model_ticks, _new_model, _presolve, _run, _set_objective, _ticks_per_s, _timeout_error,
-)
 
-__all__ = [
-    "Evaluation", "IlpProblem", "IlpSolution", "InfeasibleMemoryError", "PlanningError",
-    "brute_force", "evaluate", "min_peak_memory", "solve",
-]
+__all__ = ["Evaluation", "IlpProblem", "IlpSolution", "brute_force", "evaluate", "format_bytes", "memory_error"]
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +175,7 @@ def evaluate(problem: IlpProblem, choices: np.ndarray) -> Evaluation:
         budget = problem.memory_budget_bytes
         if budget is not None and _over_budget(total, budget):
             violations.append(f"over budget at liveness point {p} by {total - budget:.0f} bytes "
-                              f"({_format_bytes(total)} > {_format_bytes(budget)})")
+                              f"({format_bytes(total)} > {format_bytes(budget)})")
     return Evaluation(node_s + edge_s, node_s, edge_s, tuple(memory), tuple(violations))
 
 
@@ -228,20 +219,20 @@ def brute_force(problem: IlpProblem, max_combinations: int = _BRUTE_FORCE_LIMIT)
                             "forbidden choice and pair; the strategy rules are inconsistent")
     if best[1] is None:
         assert budget is not None
-        raise _memory_error(problem, budget, lowest[0], lowest[1])
+        raise memory_error(problem, budget, lowest[0], lowest[1])
     choices = best[1].astype(np.int64)
     return IlpSolution(choices, evaluate(problem, choices).objective_s, "optimal", 0.0,
                        time.perf_counter() - start, 0, 0)
 
 
-def _format_bytes(nbytes: float) -> str:
+def format_bytes(nbytes: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(nbytes) >= 0.1 * size:
             return f"{nbytes / size:.2f} {unit}"
     return f"{nbytes:.0f} B"
 
 
-def _memory_error(problem: IlpProblem, budget: float, smallest: float,
+def memory_error(problem: IlpProblem, budget: float, smallest: float,
                   choices: np.ndarray) -> InfeasibleMemoryError:
     """The error for "nothing fits in ``budget``", given the plan that peaks lowest."""
     memory = evaluate(problem, choices).memory_bytes
@@ -252,75 +243,8 @@ def _memory_error(problem: IlpProblem, budget: float, smallest: float,
         terms = [(float(nbytes[choices[node]]), node) for node, nbytes in problem.memory_points[point]]
         if terms:
             top_bytes, top = max(terms)
-            where += f", where the largest term is {problem.node_names[top]!r} with {_format_bytes(top_bytes)}"
+            where += f", where the largest term is {problem.node_names[top]!r} with {format_bytes(top_bytes)}"
     return InfeasibleMemoryError(
-        f"no plan fits in {_format_bytes(budget)} per device; the smallest budget that fits is "
-        f"{_format_bytes(smallest)} ({where}); raise memory_budget or use more devices",
+        f"no plan fits in {format_bytes(budget)} per device; the smallest budget that fits is "
+        f"{format_bytes(smallest)} ({where}); raise memory_budget or use more devices",
         smallest, budget_bytes=budget, liveness_point=point)
-
-
-# ---------------------------------------------------------------------------------------------
-# entry points (the CP-SAT model: passes/ilp_cpsat.py)
-
-
-def min_peak_memory(problem: IlpProblem) -> float:
-    """The smallest ``memory_budget_bytes`` under which :func:`solve` finds a plan (bytes rounded up)."""
-    return float(_min_peak(problem)[0])
-
-
-def _infeasible(problem: IlpProblem) -> PlanningError:
-    if problem.memory_budget_bytes is None:
-        return _forbidden_error(problem)
-    smallest, choices = _min_peak(problem)
-    return _memory_error(problem, problem.memory_budget_bytes, float(smallest), choices)
-
-
-def solve(problem: IlpProblem) -> IlpSolution:
-    """Pick one strategy per node minimising node + edge seconds under the memory budget."""
-    start = time.perf_counter()
-    red = _presolve(problem)
-    model = _new_model(problem, red)
-    _add_one_hot(model)
-    ticks_per_s = _ticks_per_s(red)
-    edge_vars = _add_edge_costs(model, ticks_per_s)
-    budget = problem.memory_budget_bytes
-    if budget is not None and not _add_memory_budget(model, budget):
-        raise _infeasible(problem)
-    _set_objective(model, ticks_per_s, edge_vars)
-    if problem.hint is not None:
-        from autoshard.passes.ilp_search import local_search  # imports this module: keep it lazy
-
-        improved = local_search(problem, np.asarray(problem.hint), seed=problem.seed)
-        problem = dataclasses.replace(problem, hint=improved)
-        _add_hint(model, np.asarray(problem.hint), edge_vars)
-    built = time.perf_counter()
-    solver, status = _run(model, problem)
-    proto = model.proto
-    log.debug("ilp: %d nodes (%d free), %d edges kept of %d; build %.2fs (%d variables, %d constraints), "
-              "CP-SAT %.2fs: %s", problem.num_nodes, int((model.first_var >= 0).sum()), len(red.edges),
-              len(problem.edges), built - start, len(proto.variables), len(proto.constraints),
-              time.perf_counter() - built, solver.status_name(status))
-    if status == cp_model.INFEASIBLE:
-        raise _infeasible(problem)
-    found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
-    choices = _decode(model, solver) if found else None
-    result = evaluate(problem, choices) if found else None
-    if result is not None and result.violations:
-        raise RuntimeError("internal error: the ILP plan violates its problem: " + "; ".join(result.violations))
-    if problem.hint is not None:  # never worse than the hint, even after a time-out
-        hinted = evaluate(problem, np.asarray(problem.hint))
-        if not hinted.violations and (result is None or hinted.objective_s < result.objective_s):
-            log.debug("ilp: returning the hint (%.6gs); the solver's plan: %s", hinted.objective_s,
-                      "none" if result is None else f"{result.objective_s:.6g}s")
-            choices, result = np.asarray(problem.hint, dtype=np.int64).copy(), hinted
-    if choices is None or result is None:
-        raise _timeout_error(problem, "plan")
-    gap = 0.0
-    if status != cp_model.OPTIMAL:
-        gap_s = (_model_ticks(model, edge_vars, ticks_per_s, choices) - solver.best_objective_bound) / ticks_per_s
-        if result.objective_s > 0:
-            gap = max(gap_s, 0.0) / result.objective_s
-        elif gap_s > 0:
-            gap = np.inf
-    return IlpSolution(choices, result.objective_s, "optimal" if status == cp_model.OPTIMAL else "feasible",
-                       gap, time.perf_counter() - start, len(proto.variables), len(proto.constraints))

@@ -44,12 +44,17 @@ from typing import Any
 
 import jax
 
-from autoshard.compiler.graph import OpGraph
-from autoshard.compiler.plan import Choice, Ledger, OpExplanation, Plan, SolverInfo
-from autoshard.compiler.spec import Spec
-from autoshard.compiler.stage_plan import PipelineStage, PipelineSummary, StageMemory
 from autoshard.errors import PlanMismatchError, PlanningError
+from autoshard.ir.graph import OpGraph
+from autoshard.ir.spec import Spec
 from autoshard.meshes.cluster import ClusterSpec, ClusterSpecError
+from autoshard.plans.ledger import Choice, Ledger, OpExplanation, SolverInfo
+from autoshard.plans.stage_plan import PipelineStage, PipelineSummary, StageMemory
+from autoshard.version import __version__
+
+# Functions here read a Plan's fields (``plans/plan.py`` imports this module, so it takes the plan as
+# a plain object: ``PlanLike``); ``plan_fields`` returns the keyword arguments of ``Plan``.
+PlanLike = Any
 
 FORMAT = "autoshard-plan"
 VERSION = 2
@@ -63,9 +68,7 @@ def _specs_json(specs: Mapping[Any, Spec]) -> dict[str, list[list[str]]]:
     return {str(k): s.to_json() for k, s in specs.items()}
 
 
-def plan_to_json(plan: Plan) -> dict[str, Any]:
-    from autoshard import __version__
-
+def plan_to_json(plan: PlanLike) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -206,8 +209,8 @@ def _shapes(data: Any, where: str, *, roles: bool) -> tuple[dict[str, tuple[tupl
     return shapes, found_roles
 
 
-def save_plan(plan: Plan, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(plan_to_json(plan), indent=1, sort_keys=False))
+def write_json(data: Mapping[str, Any], path: str | Path) -> None:
+    Path(path).write_text(json.dumps(data, indent=1, sort_keys=False))
 
 
 def _field(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -233,7 +236,17 @@ def _spec(data: Any, axis_names: Sequence[str], where: str) -> Spec:
     return spec
 
 
-def plan_from_json(data: Any, source: str = "plan") -> Plan:
+def plan_fields(data: Any, source: str = "plan") -> dict[str, Any]:
+    """The keyword arguments of ``Plan`` read from a plan file's JSON (every field checked)."""
+    try:
+        return _plan_fields(data, source)
+    except (KeyError, ValueError, TypeError) as err:
+        if isinstance(err, PlanningError):
+            raise
+        raise PlanFileError(f"{source} is malformed: {type(err).__name__}: {err}") from None
+
+
+def _plan_fields(data: Any, source: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise PlanFileError(f"{source}: not a plan (expected a JSON object)")
     if data.get("format") != FORMAT:
@@ -279,7 +292,7 @@ def plan_from_json(data: Any, source: str = "plan") -> Plan:
     sol = _field(data, "solver", dict, source)
     ledger = Ledger(**_record(Ledger, {k: v for k, v in led.items() if k != "step_s"}, f"{source}: ledger"))
     solver = SolverInfo(**_record(SolverInfo, sol, f"{source}: solver"))
-    return Plan(
+    return dict(
         mesh_shape=shape, axis_names=names, cluster=cluster, input_specs=in_specs, output_specs=out_specs,
         input_roles=input_roles, input_shapes=input_shapes, op_out_specs=op_out, op_in_reshards=op_in,
         ledger=ledger, solver=solver, planning_s=dict(data.get("planning_s", {})),
@@ -330,7 +343,8 @@ def _dict(data: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
     return value
 
 
-def load_plan(path: str | Path) -> Plan:
+def read_json(path: str | Path) -> Any:
+    """The JSON of a plan file; ``PlanFileError`` when it is missing or does not parse."""
     path = Path(path)
     if not path.exists():
         raise PlanFileError(f"plan file {path} does not exist")
@@ -338,12 +352,7 @@ def load_plan(path: str | Path) -> Plan:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise PlanFileError(f"plan file {path} is not valid JSON (truncated or hand-edited?): {err}") from None
-    try:
-        return plan_from_json(data, str(path))
-    except (KeyError, ValueError, TypeError) as err:
-        if isinstance(err, PlanningError):
-            raise
-        raise PlanFileError(f"plan file {path} is malformed: {type(err).__name__}: {err}") from None
+    return data
 
 
 def read_header(path: str | Path) -> dict[str, str]:
@@ -357,7 +366,7 @@ def read_header(path: str | Path) -> dict[str, str]:
     return {k: str(data[k]) for k in ("version", "autoshard_version", "jax_version", "created") if k in data}
 
 
-def check_signature(plan: Plan, graph: OpGraph) -> None:
+def check_signature(plan: PlanLike, graph: OpGraph) -> None:
     """Raise PlanMismatchError naming each input whose path, shape or dtype differs from the plan's."""
     got = {graph.values[v].path: (graph.values[v].shape, graph.values[v].dtype) for v in graph.inputs}
     problems: list[str] = []
@@ -382,7 +391,7 @@ def check_signature(plan: Plan, graph: OpGraph) -> None:
                                 + "\n  ".join(problems[:20] + more))
 
 
-def check_mesh(plan: Plan, shape: Sequence[int], axis_names: Sequence[str]) -> None:
+def check_mesh(plan: PlanLike, shape: Sequence[int], axis_names: Sequence[str]) -> None:
     problems = []
     if tuple(axis_names) != plan.axis_names:
         problems.append(f"mesh axes are {tuple(axis_names)}, the plan's are {plan.axis_names}")

@@ -1,9 +1,9 @@
-"""The CP-SAT model behind :func:`autoshard.passes.ilp.solve`: presolve, one builder per
-constraint family, objective, hint, and the min-peak model of :func:`~autoshard.passes.ilp.min_peak_memory`.
+"""The CP-SAT model and the entry points :func:`solve` and :func:`min_peak_memory`: one builder per
+constraint family, the objective, the hint, and the min-peak model.
 
-``passes/ilp.py`` holds the plain-data boundary (``IlpProblem`` in, ``IlpSolution`` out,
-``evaluate``, ``brute_force``) and the entry points, which drive the functions here; this
-module never sees jax. The formulation, in the order the builders add it:
+``passes/ilp/problem.py`` holds the plain-data boundary (``IlpProblem`` in, ``IlpSolution`` out,
+``evaluate``, ``brute_force``), ``passes/ilp/presolve.py`` the reductions P1-P4; this module never
+sees jax. The formulation, in the order the builders add it:
 
 Legend (single-letter names are used in this module only)
 ---------------------------------------------------------
@@ -59,23 +59,25 @@ Solving: CP-SAT with ``time_limit_s``, ``seed`` and ``num_workers``. One worker 
 default) is deterministic unless the time limit cuts the search; several run CP-SAT's
 parallel portfolio, which is not (and its interleaved deterministic mode was 5x slower
 on the tests' 80-node problem). The hint is given to CP-SAT (s and y, so it is complete);
-``ilp.solve`` returns it when it evaluates better than the solver's plan, or the solver
+``solve`` returns it when it evaluates better than the solver's plan, or the solver
 found none in time: the result is never worse than the hint.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TypeAlias
 
 import numpy as np
 from ortools.sat.python import cp_model
 
 from autoshard.errors import PlanningError
-
-if TYPE_CHECKING:  # ilp.py imports this module; at run time only the problem's fields are read
-    from autoshard.passes.ilp import IlpProblem, NodeIndex
+from autoshard.passes.ilp.presolve import Reduced, presolve
+from autoshard.passes.ilp.problem import IlpProblem, IlpSolution, NodeIndex, evaluate, memory_error
+from autoshard.passes.ilp.search import local_search
 
 log = logging.getLogger(__name__)
 
@@ -83,90 +85,6 @@ VarIndex: TypeAlias = int  # index of a variable in the CP-SAT model proto
 
 _TICKS_FOR_LARGEST_COST = 1e9
 _ROW_WEIGHTS = np.random.default_rng(0).uniform(0.5, 1.5, size=4096)  # fingerprints of edge-matrix rows
-
-
-# ---------------------------------------------------------------------------------------------
-# presolve (P1-P4)
-
-
-@dataclass
-class _Reduced:
-    """The problem after presolve, over the strategies still allowed."""
-    allowed: list[np.ndarray]  # per node: original strategy indices still allowed (sorted)
-    node_cost: list[np.ndarray]  # per node: seconds over `allowed`, cheapest = 0
-    edges: list[tuple[NodeIndex, NodeIndex, np.ndarray]]  # (u, v, R) over allowed x allowed; inf = forbidden
-    point_terms: list[list[tuple[NodeIndex, np.ndarray]]]  # per point: int64 bytes over allowed, min = 0
-    point_const: list[int]  # per point: whole bytes fixed by presolve (K rounded up + shifted minima)
-
-
-def _no_strategy_error(problem: IlpProblem, node: int) -> PlanningError:
-    neighbours = sorted({problem.node_names[v if u == node else u] for u, v in problem.edges if node in (u, v)})
-    return PlanningError(
-        f"node {problem.node_names[node]!r} has no allowed strategy: each of its {len(problem.node_costs[node])} "
-        f"strategies is forbidden by its own cost or by forbidden pairs on its edges (neighbours: "
-        f"{', '.join(map(repr, neighbours[:8])) or 'none'}); check the strategy rules for these ops")
-
-
-def _presolve(problem: IlpProblem) -> _Reduced:
-    cost = [np.array(c, dtype=np.float64) for c in problem.node_costs]
-    merged: dict[tuple[int, int], np.ndarray] = {}
-    for (u, v), matrix in zip(problem.edges, problem.edge_costs):
-        matrix = np.asarray(matrix, dtype=np.float64)
-        if u > v:
-            u, v, matrix = v, u, matrix.T
-        merged[(u, v)] = merged[(u, v)] + matrix if (u, v) in merged else matrix.copy()
-    for i, c in enumerate(cost):
-        if not np.isfinite(c).any():
-            raise _no_strategy_error(problem, i)
-    changed = True
-    while changed:  # P1 + P2 until nothing moves
-        changed = False
-        for (u, v) in list(merged):
-            matrix = merged[(u, v)]
-            ok = np.isfinite(matrix) & np.isfinite(cost[u])[:, None] & np.isfinite(cost[v])[None, :]
-            for node, dead in ((u, ~ok.any(axis=1)), (v, ~ok.any(axis=0))):
-                dead &= np.isfinite(cost[node])
-                if dead.any():
-                    cost[node][dead] = np.inf
-                    changed = True
-                if not np.isfinite(cost[node]).any():
-                    raise _no_strategy_error(problem, node)
-            left_u, left_v = np.flatnonzero(np.isfinite(cost[u])), np.flatnonzero(np.isfinite(cost[v]))
-            if len(left_u) == 1:
-                cost[v] = cost[v] + matrix[left_u[0], :]
-            elif len(left_v) == 1:
-                cost[u] = cost[u] + matrix[:, left_v[0]]
-            else:
-                continue
-            del merged[(u, v)]
-            changed = True
-    allowed = [np.flatnonzero(np.isfinite(c)) for c in cost]
-    edges = []
-    for (u, v), matrix in merged.items():  # P3
-        sub = matrix[np.ix_(allowed[u], allowed[v])]
-        finite = np.isfinite(sub)
-        row_min = np.where(finite, sub, np.inf).min(axis=1)
-        sub = sub - row_min[:, None]
-        col_min = np.where(finite, sub, np.inf).min(axis=0)
-        sub = sub - col_min[None, :]
-        cost[u][allowed[u]] += row_min
-        cost[v][allowed[v]] += col_min
-        if not finite.all() or sub.any():
-            edges.append((u, v, sub))
-    node_cost = [cost[i][allowed[i]] - cost[i][allowed[i]].min() for i in range(len(cost))]  # P4
-    point_terms, point_const = [], []
-    for p, terms in enumerate(problem.memory_points):
-        const = math.ceil(problem.point_constant(p))
-        kept = []
-        for node, nbytes in terms:
-            whole = np.ceil(np.asarray(nbytes, dtype=np.float64)[allowed[node]]).astype(np.int64)
-            low = int(whole.min())
-            const += low
-            if (whole > low).any():
-                kept.append((node, whole - low))
-        point_terms.append(kept)
-        point_const.append(const)
-    return _Reduced(allowed, node_cost, edges, point_terms, point_const)
 
 
 def _to_ticks(seconds: np.ndarray, ticks_per_s: float) -> np.ndarray:
@@ -177,7 +95,7 @@ def _to_ticks(seconds: np.ndarray, ticks_per_s: float) -> np.ndarray:
     return ticks
 
 
-def _ticks_per_s(red: _Reduced) -> float:
+def _ticks_per_s(red: Reduced) -> float:
     """q: the largest finite reduced cost becomes _TICKS_FOR_LARGEST_COST ticks."""
     largest = max([float(c.max()) for c in red.node_cost]
                   + [float(m[np.isfinite(m)].max(initial=0.0)) for _, _, m in red.edges], default=0.0)
@@ -192,7 +110,7 @@ def _ticks_per_s(red: _Reduced) -> float:
 class _Model:
     """A CP-SAT model under construction and where each node's booleans s[i, .] live in it."""
     cp: cp_model.CpModel
-    red: _Reduced
+    red: Reduced
     names: tuple[str, ...]
     first_var: np.ndarray  # per node: proto index of s[i, 0]; -1 for a node fixed by presolve
     num_vars: int = 0
@@ -244,7 +162,7 @@ def _add_linear(model: _Model, name: str, variables: list[int], coeffs: list[int
     constraint.linear.domain.extend([lower, upper])
 
 
-def _new_model(problem: IlpProblem, red: _Reduced) -> _Model:
+def _new_model(problem: IlpProblem, red: Reduced) -> _Model:
     model = _Model(cp_model.CpModel(), red, problem.node_names, np.full(problem.num_nodes, -1, dtype=np.int64))
     for i, allowed in enumerate(red.allowed):
         if len(allowed) > 1:
@@ -424,7 +342,7 @@ def _forbidden_error(problem: IlpProblem) -> PlanningError:
 
 def _min_peak(problem: IlpProblem) -> tuple[int, np.ndarray]:
     """Smallest peak over plans free of forbidden choices, in the solver's whole bytes, and that plan."""
-    model = _new_model(problem, red := _presolve(problem))
+    model = _new_model(problem, red := presolve(problem))
     _add_one_hot(model)
     _add_forbidden_pairs(model)
     peak = _add_peak_memory(model)
@@ -442,3 +360,68 @@ def _min_peak(problem: IlpProblem) -> tuple[int, np.ndarray]:
     per_point = [red.point_const[p] + sum(int(b[position[node]]) for node, b in terms)
                  for p, terms in enumerate(red.point_terms)]
     return max(per_point, default=0), choices
+
+
+# ---------------------------------------------------------------------------------------------
+# entry points
+
+
+def min_peak_memory(problem: IlpProblem) -> float:
+    """The smallest ``memory_budget_bytes`` under which :func:`solve` finds a plan (bytes rounded up)."""
+    return float(_min_peak(problem)[0])
+
+
+def _infeasible(problem: IlpProblem) -> PlanningError:
+    if problem.memory_budget_bytes is None:
+        return _forbidden_error(problem)
+    smallest, choices = _min_peak(problem)
+    return memory_error(problem, problem.memory_budget_bytes, float(smallest), choices)
+
+
+def solve(problem: IlpProblem) -> IlpSolution:
+    """Pick one strategy per node minimising node + edge seconds under the memory budget."""
+    start = time.perf_counter()
+    red = presolve(problem)
+    model = _new_model(problem, red)
+    _add_one_hot(model)
+    ticks_per_s = _ticks_per_s(red)
+    edge_vars = _add_edge_costs(model, ticks_per_s)
+    budget = problem.memory_budget_bytes
+    if budget is not None and not _add_memory_budget(model, budget):
+        raise _infeasible(problem)
+    _set_objective(model, ticks_per_s, edge_vars)
+    if problem.hint is not None:
+        improved = local_search(problem, np.asarray(problem.hint), seed=problem.seed)
+        problem = dataclasses.replace(problem, hint=improved)
+        _add_hint(model, np.asarray(problem.hint), edge_vars)
+    built = time.perf_counter()
+    solver, status = _run(model, problem)
+    proto = model.proto
+    log.debug("ilp: %d nodes (%d free), %d edges kept of %d; build %.2fs (%d variables, %d constraints), "
+              "CP-SAT %.2fs: %s", problem.num_nodes, int((model.first_var >= 0).sum()), len(red.edges),
+              len(problem.edges), built - start, len(proto.variables), len(proto.constraints),
+              time.perf_counter() - built, solver.status_name(status))
+    if status == cp_model.INFEASIBLE:
+        raise _infeasible(problem)
+    found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    choices = _decode(model, solver) if found else None
+    result = evaluate(problem, choices) if found else None
+    if result is not None and result.violations:
+        raise RuntimeError("internal error: the ILP plan violates its problem: " + "; ".join(result.violations))
+    if problem.hint is not None:  # never worse than the hint, even after a time-out
+        hinted = evaluate(problem, np.asarray(problem.hint))
+        if not hinted.violations and (result is None or hinted.objective_s < result.objective_s):
+            log.debug("ilp: returning the hint (%.6gs); the solver's plan: %s", hinted.objective_s,
+                      "none" if result is None else f"{result.objective_s:.6g}s")
+            choices, result = np.asarray(problem.hint, dtype=np.int64).copy(), hinted
+    if choices is None or result is None:
+        raise _timeout_error(problem, "plan")
+    gap = 0.0
+    if status != cp_model.OPTIMAL:
+        gap_s = (_model_ticks(model, edge_vars, ticks_per_s, choices) - solver.best_objective_bound) / ticks_per_s
+        if result.objective_s > 0:
+            gap = max(gap_s, 0.0) / result.objective_s
+        elif gap_s > 0:
+            gap = np.inf
+    return IlpSolution(choices, result.objective_s, "optimal" if status == cp_model.OPTIMAL else "feasible",
+                       gap, time.perf_counter() - start, len(proto.variables), len(proto.constraints))

@@ -18,7 +18,7 @@ import collections
 
 import numpy as np
 
-from autoshard.passes.ilp import IlpProblem, evaluate
+from autoshard.passes.ilp.problem import IlpProblem, evaluate
 
 _FORBIDDEN = 1e30  # stands for inf inside the search; never chosen when any finite option exists
 

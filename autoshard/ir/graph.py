@@ -101,6 +101,7 @@ class OpGraph:
     out_tree: Any = None  # PyTreeDef of the output
     output_paths: tuple[str, ...] = ()  # pytree path of each output leaf
     carried: tuple[int | None, ...] = ()  # per output leaf: the flat input index it updates (state), or None
+    jaxpr: Any = field(default=None, repr=False, compare=False)  # the ClosedJaxpr a step was traced from
 
     # ---- queries -----------------------------------------------------------
     def value(self, vid: ValueId) -> Value:
@@ -180,3 +181,9 @@ class OpGraph:
             for vid, val in zip(op.outputs, outs):
                 env[vid] = val
         return [env[v] for v in self.outputs]
+
+
+def same_structure(a: OpGraph, b: OpGraph) -> bool:
+    """Whether two traces (of one step at two batch sizes, say) have the same ops on the same value ids."""
+    return len(a.ops) == len(b.ops) and all(x.primitive == y.primitive and x.inputs == y.inputs
+                                            and x.outputs == y.outputs for x, y in zip(a.ops, b.ops))

@@ -40,8 +40,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from autoshard.compiler.plan import Plan
-from autoshard.compiler.spec import Spec
+from autoshard.plans.plan import Plan
+from autoshard.ir.spec import Spec
 
 FORMAT = "autoshard-flax-rules"
 VERSION = 1
@@ -117,7 +117,7 @@ def _specs_py(name: str, specs: Mapping[str, list[Entry]]) -> list[str]:
 def flax_rules_python(data: Mapping[str, Any]) -> str:
     """The export as an importable Python module (``PARAM_SPECS``, ``LOGICAL_AXES``, ``RULES``, helpers)."""
     lines = [
-        f'"""Parameter layouts exported by autoshard ({FORMAT} v{VERSION}); see autoshard.compiler.export."""',
+        f'"""Parameter layouts exported by autoshard ({FORMAT} v{VERSION}); see autoshard.plans.export."""',
         "import jax",
         "from jax.sharding import NamedSharding, PartitionSpec as P",
         "",

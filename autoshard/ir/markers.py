@@ -4,7 +4,7 @@
 functions. They run the differentiation inside one ``jax.jit`` named
 ``autoshard_value_and_grad`` (``VG_NAME``), so the traced step shows a single
 equation whose operands are the loss arguments and whose results are
-``(loss, *grad leaves)``: the pipeline planner (``passes/layers.py``) finds
+``(loss, *grad leaves)``: the step splitter (``ir/split.py``) finds
 the loss computation there, the optimizer update after it, and needs no
 global registry. The loss itself runs under ``jax.named_scope`` (``LOSS_SCOPE``).
 

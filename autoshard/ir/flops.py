@@ -1,0 +1,70 @@
+"""The one FLOP counter of a jax equation, shared by the OpGraph tracer and the step splitter.
+
+Dots and convolutions count 2 · multiply-adds exactly; data movement (reshapes,
+slices, gathers, converts, ...) counts nothing; reductions count one per input
+element; everything else one per output element. Control flow counts its
+bodies: ``scan`` its body times ``length``, ``while`` one iteration of its
+condition and body (the trip count is not static), ``cond`` its most expensive
+branch.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+# Ops that move data without arithmetic.
+ZERO_FLOP = frozenset({
+    "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice",
+    "dynamic_update_slice", "concatenate", "pad", "gather", "iota", "convert_element_type", "copy", "copy_p",
+    "rev", "select_n", "stop_gradient", "random_bits", "random_seed", "random_wrap", "random_unwrap",
+    "sharding_constraint", "optimization_barrier", "split",
+})
+# Ops that count one FLOP per input element.
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+                        "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "scatter-add",
+                        "scatter_add", "reduce_precision"})
+
+
+def elements(shape: Sequence[int]) -> int:
+    return int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+
+
+def dot_general_flops(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_numbers: Any) -> float:
+    """2 · batch · M · N · K for ``lax.dot_general``."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    contract = elements([lhs_shape[d] for d in lc])
+    batch = elements([lhs_shape[d] for d in lb])
+    lhs_free = elements([s for d, s in enumerate(lhs_shape) if d not in lc and d not in lb])
+    rhs_free = elements([s for d, s in enumerate(rhs_shape) if d not in rc and d not in rb])
+    return 2.0 * batch * lhs_free * rhs_free * contract
+
+
+def conv_flops(rhs_shape: Sequence[int], out_shape: Sequence[int], params: Mapping[str, Any]) -> float:
+    """2 · output elements · (kernel elements per output feature) for ``lax.conv_general_dilated``."""
+    dn = params["dimension_numbers"]
+    out_feature_dim = dn.rhs_spec[0]
+    per_output = elements(rhs_shape) / max(1, rhs_shape[out_feature_dim])
+    return 2.0 * elements(out_shape) * per_output
+
+
+def op_flops(name: str, params: Mapping[str, Any], in_shapes: Sequence[Sequence[int]],
+             out_shapes: Sequence[Sequence[int]], body_flops: Sequence[float] = ()) -> float:
+    """FLOPs of one equation; ``body_flops`` are its control-flow bodies' totals, in jax's order
+    (scan: the body; while: condition, body; cond: the branches)."""
+    if name == "dot_general":
+        return dot_general_flops(in_shapes[0], in_shapes[1], params["dimension_numbers"])
+    if name == "conv_general_dilated":
+        return conv_flops(in_shapes[1], out_shapes[0], params)
+    if name == "scan":
+        return float(params["length"]) * float(sum(body_flops))
+    if name == "while":
+        return float(sum(body_flops))  # trip count unknown statically: one iteration
+    if name == "cond":
+        return float(max(body_flops, default=0.0))
+    if name in ZERO_FLOP:
+        return 0.0
+    if name in REDUCTIONS:
+        return float(max((elements(s) for s in in_shapes), default=0))
+    return float(sum(elements(s) for s in out_shapes))

@@ -1,0 +1,58 @@
+"""Run a Plan on a set of devices: ``plan.apply(fn, mesh)``; and the one conversion of a plan to annotations.
+
+``annotations_for(plan, graph)`` turns a plan's per-path specs and per-op
+reshards into the flat ``runtime.spmd.Annotations`` the SPMD runtime reads;
+``@autoshard`` and ``plan.apply`` both run through it. ``AppliedPlan`` traces
+the step again on its first call; the trace must match the plan's signature
+(argument paths, shapes, dtypes, operation count) and the mesh its axes, else
+PlanMismatchError says what differs.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from autoshard.errors import PlanMismatchError
+from autoshard.ir.graph import OpGraph
+from autoshard.ir.trace import trace
+from autoshard.plans.planfile import PlanLike, check_mesh, check_signature
+from autoshard.runtime.spmd import Annotations, SpmdStep
+
+
+def annotations_for(plan: PlanLike, graph: OpGraph) -> Annotations:
+    """The plan's layouts in the runtime's shape, in ``graph``'s flat input and output order."""
+    in_specs = tuple(plan.input_specs[graph.values[v].path] for v in graph.inputs)
+    missing = [p for p in graph.output_paths if p not in plan.output_specs]
+    if missing:
+        raise PlanMismatchError(f"the step's outputs {missing[:3]} have no spec in the plan: its return value changed")
+    out_specs = tuple(plan.output_specs[p] for p in graph.output_paths)
+    return Annotations(in_specs, out_specs, dict(plan.op_out_specs), dict(plan.op_in_reshards),
+                       dict(plan.output_reshards))
+
+
+class AppliedPlan:
+    """A callable running ``fn`` with ``plan``'s shardings on ``mesh``."""
+
+    def __init__(self, plan: PlanLike, fn: Callable[..., Any], mesh: Mesh) -> None:
+        check_mesh(plan, tuple(mesh.devices.shape), tuple(mesh.axis_names))
+        self.plan, self.fn, self.mesh = plan, fn, mesh
+        self.step: SpmdStep | None = None
+
+    def prepare(self, args: tuple[Any, ...]) -> SpmdStep:
+        """Trace ``fn`` at the shapes of ``args`` and build the SPMD step once (later calls reuse it)."""
+        if self.step is None:
+            # Trace from shapes: tracing committed, sharded arrays makes jax add reshard ops of its own.
+            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+            graph = trace(self.fn, *shapes)
+            check_signature(self.plan, graph)
+            self.step = SpmdStep(graph, annotations_for(self.plan, graph), self.mesh)
+        return self.step
+
+    def __call__(self, *args: Any) -> Any:
+        return self.prepare(args).call_placed(args)
+
+    def lower(self, *args: Any) -> Any:
+        return self.prepare(args).lower(*args)

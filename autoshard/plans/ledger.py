@@ -1,0 +1,86 @@
+"""The parts of a Plan that are plain records: the ledger, solver statistics, explanations; formatting.
+
+``Ledger`` is what the cost model predicts for one step (time split, per-device memory by kind,
+collective bytes, the compute lower bound); ``SolverInfo`` how the ILP fared; ``Choice`` and
+``OpExplanation`` why an op got its strategy (``compiler/explain.py`` fills them). ``fmt_bytes`` and
+``fmt_s`` format numbers for people.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+GIB = 1024**3
+
+
+def fmt_bytes(n: float) -> str:
+    """1.5 GiB, 12.3 MiB, 640 B: for people."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_s(seconds: float) -> str:
+    """3.2 ms, 41 µs, 1.2 s: for people."""
+    if seconds == 0:
+        return "0"
+    if abs(seconds) >= 1:
+        return f"{seconds:.3g} s"
+    if abs(seconds) >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} µs"
+
+
+@dataclass(frozen=True)
+class Ledger:
+    compute_s: float
+    comm_s: float  # collectives inside op strategies (partial-sum reductions)
+    reshard_s: float  # resharding between ops, including state written back to its storage layout
+    bubble_s: float  # pipeline bubbles (0 for SPMD)
+    peak_memory_bytes: float  # per device
+    memory_by_kind: Mapping[str, float]  # per device at the peak: param, opt_state, batch, activation, resharded, ...
+    collective_bytes: Mapping[str, float]  # predicted per-device bytes by collective kind
+    compute_lower_bound_s: float  # total FLOPs / (devices x peak)
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.comm_s + self.reshard_s + self.bubble_s
+
+
+@dataclass(frozen=True)
+class SolverInfo:
+    status: str
+    gap: float
+    solve_s: float
+    num_nodes: int
+    num_classes: int
+    num_variables: int
+    num_constraints: int
+    num_edges: int
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One strategy of one op, priced locally in seconds (see compiler/explain.py)."""
+
+    strategy: str  # e.g. "S(x)R x RS(y) -> S(x)S(y) @ {x,y}"
+    compute_s: float
+    comm_s: float  # collectives the strategy itself needs
+    reshard_s: float  # to read its inputs from their producers' layouts and give consumers theirs
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.comm_s + self.reshard_s
+
+
+@dataclass(frozen=True)
+class OpExplanation:
+    """Why an op got its strategy: the chosen one and the cheapest alternatives, priced locally."""
+
+    primitive: str
+    source: str  # file:line (function), when jax knows it
+    shapes: str  # "f32[24,8,48] x f32[48,48] -> f32[24,8,48]"
+    chosen: Choice
+    alternatives: tuple[Choice, ...]  # cheapest first
+    num_strategies: int  # how many the rule table offered
