@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -25,7 +25,6 @@ from autoshard.compiler.driver import PlannedStep, plan_step
 from autoshard.compiler.pipeline_driver import PipelinePlanned, plan_pipeline
 from autoshard.ir.trace import signature
 from autoshard.meshes.cluster import ClusterSpec
-from autoshard.passes.classic import classic_layouts
 from autoshard.passes.intra_op import IntraOpOptions
 from autoshard.plans.applied import annotations_for
 from autoshard.plans.plan import Plan, load_plan
@@ -48,12 +47,6 @@ class AutoshardConfig:
     options: IntraOpOptions | None = None  # solver knobs
 
 
-def with_classic_starts(options: IntraOpOptions | None) -> IntraOpOptions:
-    """Search options that also start from every classic strategy's layouts (see passes/classic.py)."""
-    options = options or IntraOpOptions()
-    return options if options.start_layouts is not None else replace(options, start_layouts=classic_layouts)
-
-
 class AutoshardedFunction:
     """The decorated train step. Calls are cached per input signature, like ``jax.jit``."""
 
@@ -69,7 +62,7 @@ class AutoshardedFunction:
             cfg = self.config
             shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x)), args)
             common = dict(mesh=cfg.mesh, cluster=cfg.cluster, memory_budget=cfg.memory_budget,
-                          options=with_classic_starts(cfg.options))
+                          options=cfg.options)
             if cfg.num_stages == 1:
                 planned = plan_step(self.fn, shapes, **common)
             else:
@@ -145,6 +138,6 @@ def plan(fn: Callable[..., Any], *args: Any, mesh: Mesh | tuple[int, ...] | None
     """
     if num_stages == 1:
         return plan_step(fn, args, mesh=mesh, cluster=cluster, memory_budget=memory_budget,
-                     options=with_classic_starts(options)).plan
+                     options=options).plan
     return plan_pipeline(fn, args, mesh=mesh, cluster=cluster, memory_budget=memory_budget, num_stages=num_stages,
                          num_microbatches=num_microbatches, schedule=schedule, options=options).plan

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autoshard.api import with_classic_starts
 from autoshard.compiler.driver import plan_graph
 from autoshard.ir.trace import trace
 from autoshard.errors import PlanningError
@@ -111,7 +110,7 @@ def run(depths: Sequence[int] = DEPTHS, meshes: Sequence[tuple[str, tuple[int, .
         options: IntraOpOptions | None = None, progress: Callable[[str], None] | None = None,
         base_config: str = BASE_CONFIG, batch_size: int | None = BATCH_SIZE) -> list[ScalingPoint]:
     say = progress or (lambda _msg: None)
-    options = options or with_classic_starts(IntraOpOptions())
+    options = options or IntraOpOptions()
     points: list[ScalingPoint] = []
     for layers in depths:
         config = dataclasses.replace(gpt.CONFIGS[base_config], num_layers=layers)
@@ -160,7 +159,7 @@ def hotspots(layers: int, cluster: str, mesh: tuple[int, ...], options: IntraOpO
     profiler = cProfile.Profile()
     profiler.enable()
     graph = trace(workload.step, *workload.args)
-    plan_graph(graph, mesh=mesh, cluster=cluster, options=options or with_classic_starts(IntraOpOptions()),
+    plan_graph(graph, mesh=mesh, cluster=cluster, options=options or IntraOpOptions(),
                explain=False)
     profiler.disable()
     stats = pstats.Stats(profiler).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
@@ -204,7 +203,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     console = Console()
     start = time.perf_counter()
-    points = run(args.layers, options=with_classic_starts(IntraOpOptions(time_limit_s=args.time_limit)),
+    points = run(args.layers, options=IntraOpOptions(time_limit_s=args.time_limit),
                  progress=lambda msg: console.print(f"[dim]{time.perf_counter() - start:7.1f}s {msg}[/dim]"))
     console.print(render_rich(scaling_table(points)))
     console.print(render_rich(scaling_fit_table(points)))

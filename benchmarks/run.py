@@ -35,7 +35,6 @@ from pathlib import Path  # noqa: E402
 
 from rich.console import Console  # noqa: E402
 
-from autoshard.api import with_classic_starts  # noqa: E402
 from autoshard.passes.intra_op import IntraOpOptions  # noqa: E402
 from benchmarks import planning_scaling  # noqa: E402
 from benchmarks.machine import LoadSampler, Machine, describe  # noqa: E402
@@ -231,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = IntraOpOptions(time_limit_s=args.time_limit)
     points: list[planning_scaling.ScalingPoint] = []
     spots: tuple[planning_scaling.Hotspot, ...] = ()
-    scaling_options = with_classic_starts(IntraOpOptions())  # what @autoshard and autoshard.plan use
+    scaling_options = IntraOpOptions()  # what @autoshard and autoshard.plan use
     with LoadSampler() as load:
         results = run_cells(cells, options, jobs=args.jobs, progress=lambda cell, msg: say(f"{cell}: {msg}"))
         console.print(render_rich(quality_table(results)))

@@ -47,8 +47,11 @@ class IntraOpOptions:
     # a previous plan's chosen strategy per node (IntraOpResult.node_strategies, e.g. the best baseline's):
     # the ILP hint starts from it instead of the greedy data-parallel plan where the specs match
     hint: Sequence[Strategy] | None = None
+    # also start the search from every classic strategy's storage layouts (passes/classic.py); skipped when
+    # every input is pinned (a baseline), since no layout start could move them
+    classic_starts: bool = True
     # extra starting points for the search: storage layouts (flat input index -> Spec) as functions of the
-    # graph and mesh, e.g. the classic strategies' (the API passes autoshard.compiler.baselines.baseline_pins)
+    # graph and mesh
     start_layouts: Callable[[OpGraph, LogicalMesh], Sequence[Mapping[int, Spec]]] | None = None
     # value id -> (dims, mesh axes): an op output listed must be split over all those axes, on those dims; a
     # strategy that does not is forbidden (the data-parallel baselines keep the batch split through the step)

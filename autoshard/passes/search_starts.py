@@ -4,9 +4,11 @@
 perturbation rounds) from each of several greedy starts and keeps the best valid one; it becomes the
 ILP hint, so the plan is never worse than it under the model. The starts: the
 batch split over all axes, each axis, or none, with state replicated or sharded
-(:func:`_greedy_hint`); everything replicated (:func:`_replicated_start`); the
-``start_layouts`` option's storage layouts (:func:`_layout_start`); a previous
-plan's strategies (:func:`hint_from`).
+(:func:`_greedy_hint`); everything replicated (:func:`_replicated_start`); every
+classic strategy's storage layouts (``passes/classic.py``, unless
+``classic_starts=False``) and the ``start_layouts`` option's (:func:`_layout_start`);
+a previous plan's strategies (:func:`hint_from`). Every entry point searches
+from the same starts.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import numpy as np
 
 from autoshard.ir.graph import Role
 from autoshard.ir.spec import Spec
+from autoshard.passes.classic import classic_layouts
 from autoshard.passes.cost_graph import ClassEdge, CostGraph, MemoryPoints
 from autoshard.passes.ilp.problem import IlpProblem, evaluate
 from autoshard.passes.ilp.search import local_search
@@ -67,9 +70,9 @@ def _replicated_start(cg: CostGraph) -> np.ndarray | None:
 def best_start(cg: CostGraph, class_cost: list[np.ndarray], edges: list[ClassEdge],
                points: MemoryPoints, start: np.ndarray | None) -> np.ndarray:
     """The best of several greedy starts after ICM: batch over all axes / each axis / none, state
-    replicated or sharded, and the ``start_layouts`` (the classic strategies' layouts when the API
-    asks). One start only reaches one basin: on the GPT example the best plan differs
-    from the data-parallel start in most classes, which no local move finds."""
+    replicated or sharded, the classic strategies' layouts and the ``start_layouts``. One start only
+    reaches one basin: on the GPT example the best plan differs from the data-parallel start in most
+    classes, which no local move finds."""
     probe = IlpProblem(
         node_names=tuple(str(c) for c in range(cg.classes.num_classes)), node_costs=tuple(class_cost),
         edges=tuple((u, v) for u, v, _ in edges), edge_costs=tuple(m for _, _, m in edges),
@@ -80,9 +83,13 @@ def best_start(cg: CostGraph, class_cost: list[np.ndarray], edges: list[ClassEdg
     variants = [(None, batch_axes, shard_state) for batch_axes in batch_choices for shard_state in (False, True)]
     if start is not None:  # a previous plan (options.hint) is one more start, not a seed of every start
         variants.append((start, None, False))
-    if cg.options.start_layouts is not None:  # a layout start fixes its own batch and state layouts
-        variants += [(_layout_start(cg, layout, start), None, False)
-                     for layout in cg.options.start_layouts(cg.graph, cg.mesh)]
+    layouts: list[Mapping[int, Spec]] = []
+    if cg.options.classic_starts and len(cg.options.pinned_inputs) < cg.num_inputs:
+        layouts += classic_layouts(cg.graph, cg.mesh)
+    if cg.options.start_layouts is not None:
+        layouts += cg.options.start_layouts(cg.graph, cg.mesh)
+    # a layout start fixes its own batch and state layouts
+    variants += [(_layout_start(cg, layout, start), None, False) for layout in layouts]
     replicated = _replicated_start(cg)
     if replicated is not None:  # everything replicated: no communication at all (small models want it)
         variants.append((replicated, None, False))

@@ -72,3 +72,15 @@ def test_decorator_lower_traces_once(make_jaxpr_calls):
     wrapped.lower(*_shapes())  # plans and lowers; nothing is compiled
     wrapped.lower(*_shapes())  # the same signature: cached
     assert calls["n"] == 1 and make_jaxpr_calls["n"] == 1
+
+
+def test_plan_and_decorator_search_the_same_way():
+    """autoshard.plan and @autoshard plan from the same starts (the classic layouts included): same plan."""
+    options = autoshard.api.IntraOpOptions(time_limit_s=1.0)
+    step, _ = _counted(marker=False)
+    planned = autoshard.plan(step, *_shapes(), mesh=(2, 4), cluster="1x8-a100", options=options)
+    wrapped = autoshard.autoshard(step, mesh=(2, 4), cluster="1x8-a100", options=options)
+    wrapped.lower(*_shapes())
+    assert wrapped.plan.input_specs == planned.input_specs
+    assert wrapped.plan.op_out_specs == planned.op_out_specs
+    assert wrapped.plan.step_s == planned.step_s
