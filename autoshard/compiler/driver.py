@@ -45,10 +45,13 @@ def build_plan(graph: OpGraph, result: IntraOpResult, budget: float, timings: di
     dtype = next((values[v].dtype for v in graph.inputs if "float" in values[v].dtype), "float32")
     bound = graph.total_flops / (mesh.num_devices * cluster.peak_flops(dtype))
     ann = annotations_from(result)
+    compute_bound, memory_bound = result.bound_split_s()
     ledger = Ledger(
         compute_s=result.compute_s, comm_s=result.comm_s, reshard_s=result.reshard_s, bubble_s=0.0,
         peak_memory_bytes=result.peak_bytes, memory_by_kind=dict(result.memory_by_role),
         collective_bytes=result.collective_bytes_by_kind(), compute_lower_bound_s=bound,
+        flops_per_device=result.flops_per_device, hbm_bytes_per_device=result.hbm_bytes_per_device,
+        compute_bound_s=compute_bound, memory_bound_s=memory_bound,
     )
     s = result.ilp
     return Plan(

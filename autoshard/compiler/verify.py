@@ -1,10 +1,12 @@
-"""Check a plan against what XLA compiled: predicted vs compiled collectives and memory.
+"""Check a plan against what XLA compiled: collectives, memory, FLOPs and HBM bytes, predicted vs compiled.
 
-The plan's ledger predicts per-device bytes for each collective kind and the
-per-device peak memory. ``verify`` compiles the planned step, reads the
-optimized HLO (``compiler/hlo.py``) and ``memory_analysis()``, and reports
-each figure side by side with its relative error. A figure off by more than
-its tolerance is flagged: either the cost model or the emitter is wrong.
+The plan's ledger predicts per-device bytes for each collective kind, the
+per-device peak memory, and the per-device FLOPs and HBM bytes of one step.
+``verify`` compiles the planned step, reads the optimized HLO
+(``compiler/hlo.py``), ``memory_analysis()`` and ``cost_analysis()`` (loop
+bodies times their trip counts), and reports each figure side by side with its
+relative error. A figure off by more than its tolerance is flagged: either the
+cost model or the emitter is wrong.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from autoshard.plans.plan import Plan
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 COLLECTIVE_TOLERANCE = 0.10
 MEMORY_TOLERANCE = 0.15
+FLOPS_TOLERANCE = 0.05
+HBM_BYTES_TOLERANCE = 0.20
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,12 @@ def compare(plan: Plan, summary: CompiledSummary) -> FidelityReport:
     rows.append(FidelityRow("all collective bytes", total_p, total_c, COLLECTIVE_TOLERANCE))
     rows.append(FidelityRow("peak memory bytes", plan.ledger.peak_memory_bytes, float(summary.peak_bytes),
                             MEMORY_TOLERANCE))
+    if summary.flops is not None and plan.ledger.flops_per_device:
+        rows.append(FidelityRow("flops per device", plan.ledger.flops_per_device, summary.flops, FLOPS_TOLERANCE,
+                                immaterial_bytes=0.0))
+    if summary.bytes_accessed is not None and plan.ledger.hbm_bytes_per_device:
+        rows.append(FidelityRow("hbm bytes per device", plan.ledger.hbm_bytes_per_device, summary.bytes_accessed,
+                                HBM_BYTES_TOLERANCE))
     return FidelityReport(tuple(rows), summary)
 
 

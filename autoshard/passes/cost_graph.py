@@ -24,6 +24,7 @@ import numpy as np
 from autoshard.ir.graph import OpGraph, Role, Value, ValueId, dtype_itemsize
 from autoshard.ir.spec import Spec
 from autoshard.meshes.logical import LogicalMesh
+from autoshard.passes.hbm_traffic import compute_dtype, op_traffic, strategy_compute_s, strategy_hbm_bytes
 from autoshard.passes.memory_model import liveness_intervals, materialized_values
 from autoshard.passes.resharding import reshard_cost_matrix, spec_options
 from autoshard.passes.simplify import NodeClasses, build_classes, op_token
@@ -109,11 +110,28 @@ class CostGraph:
             for k, vid in enumerate(op.outputs):
                 self.producer[vid] = (self.num_inputs + j, k)
         self.sizes = dict(zip(mesh.axis_names, mesh.shape))
+        self.traffic = op_traffic(graph)
         self._edge_cache: dict[tuple, np.ndarray] = {}
+        self._compute_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    def op_work(self, j: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per strategy of op ``j`` (its own list, not its class's): fused compute seconds and HBM bytes."""
+        op, strategies = self.graph.ops[j], self.strategies[self.num_inputs + j]
+        key = (id(strategies), self.traffic[j], compute_dtype(op, self.graph))
+        if key not in self._compute_cache:
+            hbm = np.array([strategy_hbm_bytes(self.graph, op, self.traffic[j], s.in_specs, s.out_specs, self.sizes)
+                            for s in strategies])
+            flops = np.array([s.flops for s in strategies])
+            self._compute_cache[key] = (strategy_compute_s(self.mesh.cluster, flops, hbm, key[2]), hbm)
+        return self._compute_cache[key]
 
     # per-node views indexed by class strategy
     def node_cost(self, node: int) -> np.ndarray:
-        own = np.array([s.cost_s for s in self.strategies[node]])
+        """Fused compute plus the strategy's own collectives, per strategy of the node's class."""
+        strategies = self.strategies[node]
+        own = np.array([s.comm_s for s in strategies])
+        if node >= self.num_inputs:
+            own = own + self.op_work(node - self.num_inputs)[0]
         return own[self.classes.strategy_map[node]]
 
     def out_specs(self, node: int, pos: int) -> list[Spec]:

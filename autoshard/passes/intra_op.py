@@ -26,6 +26,7 @@ from autoshard.ir.spec import Collective, Spec
 from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes.cost_graph import (CostGraph, IntraOpOptions, class_costs_and_edges, class_name,
                                          memory_points, node_strategies)
+from autoshard.passes.hbm_traffic import collective_hbm_bytes, compute_dtype, local_slice_hbm_bytes
 from autoshard.passes.ilp import IlpProblem, evaluate, solve
 from autoshard.passes.memory_model import simulate
 from autoshard.passes.resharding import reshard
@@ -85,6 +86,35 @@ class IntraOpResult:
     memory_profile: np.ndarray  # per-device live bytes at each program point
     memory_by_role: Mapping[str, float]  # at the peak
     ilp: IlpStats
+    op_compute_s: tuple[float, ...] = ()  # per op: fused roofline seconds of its chosen strategy
+    op_hbm_bytes: tuple[float, ...] = ()  # per op: per-device HBM bytes it reads and writes
+
+    @property
+    def flops_per_device(self) -> float:
+        """FLOPs one device runs per step (XLA's count: transcendentals and data movement are not FLOPs)."""
+        return float(sum(s.flops for s in self.node_strategies[len(self.graph.inputs):]))
+
+    @property
+    def hbm_bytes_per_device(self) -> float:
+        """Bytes one device moves through HBM per step: the ops' fused traffic and the collectives'."""
+        sizes = dict(zip(self.mesh.axis_names, self.mesh.shape))
+        slices = {(r.op_index, r.value, r.dst): local_slice_hbm_bytes(self.graph, r.op_index, r.value, r.dst, sizes,
+                                                                      bool(r.collectives)) for r in self.reshards}
+        return (float(sum(self.op_hbm_bytes)) + sum(collective_hbm_bytes(c, self.mesh) for c in self.collectives())
+                + float(sum(slices.values())))
+
+    def bound_split_s(self) -> tuple[float, float]:
+        """(compute-bound, memory-bound) seconds: the ops whose roofline is set by FLOPs, by bytes."""
+        cluster = self.mesh.cluster
+        compute = memory = 0.0
+        for j, op in enumerate(self.graph.ops):
+            seconds = self.op_compute_s[j] if self.op_compute_s else 0.0
+            flops_s = self.op_strategy(j).flops / cluster.peak_flops(compute_dtype(op, self.graph))
+            if flops_s >= seconds * (1 - 1e-12):
+                compute += seconds
+            else:
+                memory += seconds
+        return compute, memory
 
     @property
     def step_s(self) -> float:
@@ -184,12 +214,17 @@ def decode(cg: CostGraph, choices: np.ndarray, stats: IlpStats) -> IntraOpResult
         else:
             output_specs.append(value_specs.get(vid, Spec.replicated(graph.values[vid].rank)))
     profile, by_role = memory_profile(graph, value_specs, cg.sizes, reshards, chosen[cg.num_inputs:])
+    own = [int(cls.strategy_map[cg.num_inputs + j][choices[cls.node_class[cg.num_inputs + j]]])
+           for j in range(len(graph.ops))]
+    work = [cg.op_work(j) for j in range(len(graph.ops))]
+    op_compute = tuple(float(w[0][a]) for w, a in zip(work, own))
+    op_bytes = tuple(float(w[1][a]) for w, a in zip(work, own))
     return IntraOpResult(
         graph=graph, mesh=cg.mesh, node_strategies=chosen, value_specs=value_specs, input_specs=input_specs,
         output_specs=tuple(output_specs), reshards=tuple(reshards),
-        compute_s=float(sum(s.compute_s for s in chosen)), comm_s=float(sum(s.comm_s for s in chosen)),
+        compute_s=float(sum(op_compute)), comm_s=float(sum(s.comm_s for s in chosen)),
         reshard_s=float(sum(r.seconds for r in {(r.value, r.src, r.chain): r for r in reshards}.values())),
-        memory_profile=profile, memory_by_role=by_role, ilp=stats,
+        memory_profile=profile, memory_by_role=by_role, ilp=stats, op_compute_s=op_compute, op_hbm_bytes=op_bytes,
     )
 
 
