@@ -20,6 +20,7 @@ from autoshard.ir.graph import OpGraph
 from autoshard.ir.trace import trace
 from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes.emit import annotations_from
+from autoshard.passes.hbm_traffic import compute_lower_bound_s
 from autoshard.passes.intra_op import IntraOpOptions, IntraOpResult, plan_intra_op
 from autoshard.plans.ledger import Ledger, SolverInfo
 from autoshard.plans.plan import Plan
@@ -42,8 +43,7 @@ def build_plan(graph: OpGraph, result: IntraOpResult, budget: float, timings: di
     in_paths = [values[v].path or f"[{i}]" for i, v in enumerate(graph.inputs)]
     out_paths = list(graph.output_paths) or [f"out[{i}]" for i in range(len(graph.outputs))]
     cluster = mesh.cluster
-    dtype = next((values[v].dtype for v in graph.inputs if "float" in values[v].dtype), "float32")
-    bound = graph.total_flops / (mesh.num_devices * cluster.peak_flops(dtype))
+    bound = compute_lower_bound_s(graph, cluster, mesh.num_devices)
     ann = annotations_from(result)
     compute_bound, memory_bound = result.bound_split_s()
     ledger = Ledger(

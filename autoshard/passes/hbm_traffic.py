@@ -38,6 +38,7 @@ from autoshard.meshes.cost import roofline_s
 from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes.buffer_rules import transposed_operands
 from autoshard.passes.liveness import Fusion, OpKind, fusion_analysis, op_kind
+from autoshard.passes.strategies.base import op_dtype
 
 CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 
@@ -57,11 +58,8 @@ class OpTraffic:
 
 
 def compute_dtype(op: Op, graph: OpGraph) -> str:
-    """The dtype whose peak an op runs at: its operands' for a contraction, its result's otherwise."""
-    values = graph.values
-    if op.primitive in CONTRACTIONS and op.inputs:
-        return values[op.inputs[0]].dtype
-    return values[op.outputs[0]].dtype if op.outputs else "float32"
+    """The peak an op runs at (``strategies.base.op_dtype``)."""
+    return op_dtype(op, [graph.values[v] for v in op.inputs], [graph.values[v] for v in op.outputs])
 
 
 def op_traffic(graph: OpGraph, fusion: Fusion | None = None) -> list[OpTraffic]:
@@ -150,6 +148,37 @@ def local_slice_hbm_bytes(graph: OpGraph, op_index: int, value: ValueId, dst: Sp
     if has_collectives or op_index < 0 or op_kind(graph.ops[op_index]) != OpKind.OPAQUE:
         return 0.0
     return 2.0 * _shard_bytes(graph.values[value].nbytes, dst, sizes)
+
+
+@dataclass(frozen=True)
+class GraphCosts:
+    """Per op of a graph run on one device (every array whole): what the roofline needs."""
+
+    flops: np.ndarray
+    hbm_bytes: np.ndarray  # fused traffic (module docstring)
+    peak_flops: np.ndarray  # FLOP/s of each op's compute dtype on the cluster
+
+    def seconds(self, cluster: ClusterSpec) -> np.ndarray:
+        return np.maximum(self.flops / self.peak_flops, self.hbm_bytes / cluster.memory_bandwidth_bytes_per_s)
+
+
+def graph_costs(graph: OpGraph, cluster: ClusterSpec) -> GraphCosts:
+    """FLOPs, fused HBM bytes and peak of every op of ``graph`` on one device, nothing split."""
+    traffic = op_traffic(graph)
+    flops, nbytes, peaks = [], [], []
+    for op, tr in zip(graph.ops, traffic):
+        ins = [Spec.replicated(graph.values[v].rank) for v in op.inputs]
+        outs = [Spec.replicated(graph.values[v].rank) for v in op.outputs]
+        flops.append(op.flops)
+        nbytes.append(strategy_hbm_bytes(graph, op, tr, ins, outs, {}))
+        peaks.append(cluster.peak_flops(compute_dtype(op, graph)))
+    return GraphCosts(np.asarray(flops, dtype=float), np.asarray(nbytes, dtype=float), np.asarray(peaks, dtype=float))
+
+
+def compute_lower_bound_s(graph: OpGraph, cluster: ClusterSpec, num_devices: int) -> float:
+    """The step's FLOPs spread perfectly over ``num_devices``, each op at its compute dtype's peak."""
+    seconds = sum(op.flops / cluster.peak_flops(compute_dtype(op, graph)) for op in graph.ops)
+    return float(seconds) / max(1, num_devices)
 
 
 def strategy_compute_s(cluster: ClusterSpec, flops: np.ndarray, hbm_bytes: np.ndarray, dtype: str) -> np.ndarray:

@@ -145,11 +145,26 @@ def _dedupe(strategies: list[Strategy]) -> list[Strategy]:
 
 
 def op_dtype(op: Op, ins: Sequence[Value], outs: Sequence[Value]) -> str:
-    """The dtype whose peak the op runs at: a contraction's operands' (bf16 dots at the bf16 peak, even
-    with an f32 result), else its result's."""
+    """The peak an op runs at (a key of ``ClusterSpec.peak_flops_per_s``): a contraction runs at its
+    operands' dtype (bf16 dots at the bf16 peak, even with an f32 result), a float32 one at
+    ``"tfloat32"`` unless it asks for ``precision=HIGHEST`` (the cluster falls back to float32 when it
+    has no TF32 rate); any other op at its result's dtype."""
     if op.primitive in ("dot_general", "conv_general_dilated") and ins:
-        return ins[0].dtype
+        dtype = ins[0].dtype
+        if dtype == "float32" and not _highest_precision(op):
+            return "tfloat32"
+        return dtype
     return outs[0].dtype if outs else "float32"
+
+
+def _highest_precision(op: Op) -> bool:
+    precision = op.params.get("precision")
+    names = [str(p) for p in (precision if isinstance(precision, (tuple, list)) else (precision,)) if p is not None]
+    if not names:
+        import jax  # the global default applies when the op names none
+
+        names = [str(jax.config.jax_default_matmul_precision or "")]
+    return any("HIGHEST" in n.upper() or n.lower() in ("highest", "float32", "fp32") for n in names)
 
 
 def op_compute_s(op: Op, mesh: LogicalMesh, parallelism: int, dtype: str) -> float:
