@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
+from autoshard.ir.spec import Collective
 from autoshard.meshes.cluster import ClusterSpec, LinkLevel
 from autoshard.meshes.logical import LogicalMesh, MeshAxis
 
@@ -141,6 +142,26 @@ def all_to_all_s(mesh: LogicalMesh, axes: Sequence[str] | str, nbytes: float) ->
         direct += ((a.size - 1) / before * nbytes / a.link.bandwidth_bytes_per_s
                    + (a.size - 1) * after * a.link.latency_s)
     return min(hierarchical, direct)
+
+
+_BY_KIND = {"all-reduce": "all_reduce_s", "all-gather": "all_gather_s", "reduce-scatter": "reduce_scatter_s",
+            "all-to-all": "all_to_all_s"}
+
+
+def collective_s(mesh: LogicalMesh, collective: Collective) -> float:
+    """Seconds of one collective (its ``nbytes`` as HLO shows it) under this model; a collective-permute
+    is one point-to-point message on the slowest link among its axes."""
+    if collective.kind == "collective-permute":
+        links = [mesh.axis(a).link for a in collective.axes if mesh.axis(a).size > 1]
+        slowest = min(links, key=lambda link: link.bandwidth_bytes_per_s, default=None)
+        return 0.0 if slowest is None else point_to_point_s(collective.nbytes, slowest)
+    return globals()[_BY_KIND[collective.kind]](mesh, collective.axes, collective.nbytes)
+
+
+def latency_s(mesh: LogicalMesh, collective: Collective) -> float:
+    """The part of ``collective_s`` that does not depend on the bytes: what a combined collective pays
+    once for all its members (XLA's all-reduce combiner)."""
+    return collective_s(mesh, Collective(collective.kind, collective.axes, 0.0))
 
 
 def send_s(cluster: ClusterSpec, nbytes: float, *, cross_node: bool) -> float:

@@ -23,8 +23,10 @@ import numpy as np
 
 from autoshard.ir.graph import OpGraph, Role, Value, ValueId, dtype_itemsize
 from autoshard.ir.spec import Spec
+from autoshard.meshes import cost
 from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes.hbm_traffic import compute_dtype, op_traffic, strategy_compute_s, strategy_hbm_bytes
+from autoshard.passes.liveness import OpKind, op_kind
 from autoshard.passes.memory_model import liveness_intervals, materialized_values
 from autoshard.passes.resharding import reshard_cost_matrix, spec_options
 from autoshard.passes.simplify import NodeClasses, build_classes, op_token
@@ -58,6 +60,19 @@ class IntraOpOptions:
     # strategy that does not is forbidden (the data-parallel baselines keep the batch split through the step)
     required_splits: Mapping[ValueId, tuple[tuple[int, ...], tuple[str, ...]]] = field(default_factory=dict)
 
+
+
+def late_reductions(graph: OpGraph) -> frozenset[int]:
+    """Ops whose results reach no contraction, reduction or other unfusible op: the partial sums they
+    reduce (the gradients of a data-parallel step) are independent of each other, and XLA's all-reduce
+    combiner issues them as one collective (``passes/buffer_rules.combine_all_reduces``)."""
+    consumers = graph.consumers()
+    feeds: list[bool] = [False] * len(graph.ops)
+    index = {id(op): t for t, op in enumerate(graph.ops)}
+    for t in range(len(graph.ops) - 1, -1, -1):
+        users = [c for v in graph.ops[t].outputs for c in consumers.get(v, ())]
+        feeds[t] = any(op_kind(c) in (OpKind.OPAQUE, OpKind.REDUCTION) or feeds[index[id(c)]] for c in users)
+    return frozenset(t for t in range(len(graph.ops)) if not feeds[t])
 
 
 def input_strategies(graph: OpGraph, mesh: LogicalMesh, options: IntraOpOptions) -> list[list[Strategy]]:
@@ -111,8 +126,10 @@ class CostGraph:
                 self.producer[vid] = (self.num_inputs + j, k)
         self.sizes = dict(zip(mesh.axis_names, mesh.shape))
         self.traffic = op_traffic(graph)
+        self.late = late_reductions(graph)
         self._edge_cache: dict[tuple, np.ndarray] = {}
         self._compute_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self.budget_probes: dict[tuple[float, float], float] = {}  # intra_op: smallest budgets already found
 
     def op_work(self, j: int) -> tuple[np.ndarray, np.ndarray]:
         """Per strategy of op ``j`` (its own list, not its class's): fused compute seconds and HBM bytes."""
@@ -125,13 +142,22 @@ class CostGraph:
             self._compute_cache[key] = (strategy_compute_s(self.mesh.cluster, flops, hbm, key[2]), hbm)
         return self._compute_cache[key]
 
+    def comm_s(self, j: int, strategy: Strategy) -> float:
+        """The strategy's own collectives; for a late reduction (``late_reductions``) without their
+        latency, which the combined all-reduce pays once for all of them."""
+        if j not in self.late or not strategy.collectives:
+            return strategy.comm_s
+        return max(0.0, strategy.comm_s - sum(cost.latency_s(self.mesh, c) for c in strategy.collectives))
+
     # per-node views indexed by class strategy
     def node_cost(self, node: int) -> np.ndarray:
         """Fused compute plus the strategy's own collectives, per strategy of the node's class."""
         strategies = self.strategies[node]
-        own = np.array([s.comm_s for s in strategies])
-        if node >= self.num_inputs:
-            own = own + self.op_work(node - self.num_inputs)[0]
+        if node < self.num_inputs:
+            own = np.array([s.comm_s for s in strategies])
+        else:
+            j = node - self.num_inputs
+            own = np.array([self.comm_s(j, s) for s in strategies]) + self.op_work(j)[0]
         return own[self.classes.strategy_map[node]]
 
     def out_specs(self, node: int, pos: int) -> list[Spec]:

@@ -371,6 +371,12 @@ def min_peak_memory(problem: IlpProblem) -> float:
     return float(_min_peak(problem)[0])
 
 
+def min_peak_plan(problem: IlpProblem) -> tuple[float, np.ndarray]:
+    """(smallest peak, a plan that reaches it): the least memory any plan free of forbidden choices needs."""
+    peak, choices = _min_peak(problem)
+    return float(peak), choices
+
+
 def _infeasible(problem: IlpProblem) -> PlanningError:
     if problem.memory_budget_bytes is None:
         return _forbidden_error(problem)

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 NodeIndex: TypeAlias = int
 MemoryTerm: TypeAlias = tuple[NodeIndex, np.ndarray]  # (node, bytes per strategy)
-SolveStatus: TypeAlias = Literal["optimal", "feasible"]
+SolveStatus: TypeAlias = Literal["optimal", "feasible", "least-memory", "start"]
 
 _BRUTE_FORCE_LIMIT = 1_000_000
 _BYTES_REL_TOL = 1e-12  # float summation slack when comparing bytes with the budget
