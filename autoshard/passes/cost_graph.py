@@ -26,6 +26,7 @@ from autoshard.ir.spec import Spec
 from autoshard.meshes import cost
 from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes.hbm_traffic import compute_dtype, op_traffic, strategy_compute_s, strategy_hbm_bytes
+from autoshard.passes.ilp.problem import SharedCharge
 from autoshard.passes.liveness import OpKind, op_kind
 from autoshard.passes.memory_model import liveness_intervals, materialized_values
 from autoshard.passes.resharding import reshard_cost_matrix, spec_options
@@ -237,6 +238,30 @@ def class_costs_and_edges(cg: CostGraph) -> tuple[list[np.ndarray], list[ClassEd
         else:
             pair_cost[key] = m.copy()
     return class_cost, [(u, v, m) for (u, v), m in pair_cost.items() if np.any(m != 0)]
+
+
+def combined_latency_charges(cg: CostGraph) -> list[SharedCharge]:
+    """One shared charge per kind of combined collective: the latency that the late reductions
+    (``late_reductions``: priced without it in ``node_cost``) over the same axes, with the same reduction,
+    pay once together, charged when any class chooses a strategy that runs one."""
+    members: dict[tuple, dict[int, np.ndarray]] = {}
+    latency: dict[tuple, float] = {}
+    cls = cg.classes
+    for j in sorted(cg.late):
+        node = cg.num_inputs + j
+        strategies, own = cg.strategies[node], cls.strategy_map[node]
+        c = int(cls.node_class[node])
+        for a, i in enumerate(own):
+            s = strategies[i]
+            for col in s.collectives:
+                if col.kind not in ("all-reduce", "reduce-scatter"):
+                    continue
+                key = (col.kind, col.axes, s.reduction)
+                mask = members.setdefault(key, {}).setdefault(c, np.zeros(len(own), dtype=bool))
+                mask[a] = True
+                latency[key] = max(latency.get(key, 0.0), cost.latency_s(cg.mesh, col))
+    return [SharedCharge(f"combined {key[0]}[{','.join(key[1])}]", latency[key], tuple(members[key].items()))
+            for key in members if latency[key] > 0]
 
 
 def forbid_unsplit(cg: CostGraph, class_cost: list[np.ndarray]) -> None:

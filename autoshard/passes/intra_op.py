@@ -27,7 +27,7 @@ from autoshard.meshes.logical import LogicalMesh
 from autoshard.meshes import cost
 from autoshard.passes.buffer_rules import combine_all_reduces
 from autoshard.passes.cost_graph import (CostGraph, IntraOpOptions, class_costs_and_edges, class_name,
-                                         memory_points, node_strategies)
+                                         combined_latency_charges, memory_points, node_strategies)
 from autoshard.passes.hbm_traffic import collective_hbm_bytes, compute_dtype, local_slice_hbm_bytes
 from autoshard.passes.ilp import IlpProblem, IlpSolution, evaluate, min_peak_plan, solve
 from autoshard.plans.ledger import fmt_bytes
@@ -153,11 +153,12 @@ def build_problem(cg: CostGraph, budget_bytes: float | None = None) -> IlpProble
     """The ILP of a cost graph under ``budget_bytes`` (default: the options', else the device memory),
     hinted with the best search start (``passes/search_starts.py``) that fits it."""
     class_cost, edges = class_costs_and_edges(cg)
+    charges = tuple(combined_latency_charges(cg))
     points = memory_points(cg)
     budget = budget_bytes if budget_bytes is not None else cg.options.memory_budget_bytes
     if budget is None:
         budget = cg.mesh.cluster.memory_per_device_bytes
-    hint = best_start(cg, class_cost, edges, points, hint_from(cg, cg.options.hint), float(budget))
+    hint = best_start(cg, class_cost, edges, points, hint_from(cg, cg.options.hint), float(budget), charges)
     return IlpProblem(
         node_names=tuple(class_name(cg, c) for c in range(cg.classes.num_classes)),
         node_costs=tuple(class_cost),
@@ -166,6 +167,7 @@ def build_problem(cg: CostGraph, budget_bytes: float | None = None) -> IlpProble
         memory_points=points,
         memory_budget_bytes=float(budget),
         hint=hint,
+        charges=charges,
         time_limit_s=cg.options.time_limit_s,
         seed=cg.options.seed,
     )
