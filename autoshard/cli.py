@@ -299,7 +299,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                           f"devices, compiled in {compile_s:.1f}s"))
     flagged = [line.what for line in fidelity_lines(report) if line.flagged]
     if flagged:
-        console.print(f"[bold red]{len(flagged)} figure(s) off by more than 10%[/bold red]: {', '.join(flagged)}")
+        console.print(f"[bold red]{len(flagged)} figure(s) off by more than their tolerance[/bold red]: "
+                      f"{', '.join(flagged)}")
         return 1
     return 0
 

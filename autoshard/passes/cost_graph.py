@@ -241,9 +241,10 @@ def class_costs_and_edges(cg: CostGraph) -> tuple[list[np.ndarray], list[ClassEd
 
 
 def combined_latency_charges(cg: CostGraph) -> list[SharedCharge]:
-    """One shared charge per kind of combined collective: the latency that the late reductions
-    (``late_reductions``: priced without it in ``node_cost``) over the same axes, with the same reduction,
-    pay once together, charged when any class chooses a strategy that runs one."""
+    """One shared charge per combined reduction: the latency that the late reductions (``late_reductions``:
+    priced without it in ``node_cost``) over the same axes, with the same reduction, pay once together,
+    charged when any class chooses a strategy that runs one. Reduce-scatters join the all-reduces' group
+    (XLA:CPU runs them as an all-reduce and a slice; the combined all-reduce carries them)."""
     members: dict[tuple, dict[int, np.ndarray]] = {}
     latency: dict[tuple, float] = {}
     cls = cg.classes
@@ -256,7 +257,7 @@ def combined_latency_charges(cg: CostGraph) -> list[SharedCharge]:
             for col in s.collectives:
                 if col.kind not in ("all-reduce", "reduce-scatter"):
                     continue
-                key = (col.kind, col.axes, s.reduction)
+                key = ("all-reduce", col.axes, s.reduction)  # XLA combines reduce-scatters with them
                 mask = members.setdefault(key, {}).setdefault(c, np.zeros(len(own), dtype=bool))
                 mask[a] = True
                 latency[key] = max(latency.get(key, 0.0), cost.latency_s(cg.mesh, col))

@@ -13,6 +13,7 @@ under the model. This module keeps the result types, the lowering
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -132,8 +133,14 @@ class IntraOpResult:
 
     def collectives(self) -> list[Collective]:
         """Collectives the plan runs: each op's own, and each distinct resharded copy once (XLA
-        computes a copy of one value in one layout once, however many ops read it)."""
-        found = [c for s in self.node_strategies for c in s.collectives]
+        computes a copy of one value in one layout once, however many ops read it). An all-reduce whose
+        result is only read split over its axes (through views) is what XLA shows as a reduce-scatter
+        (an all-reduce and a slice: ``compiler/hlo.py``), so it is reported as one, bytes unchanged."""
+        sliced = _sliced_after_all_reduce(self)
+        found = [dataclasses.replace(c, kind="reduce-scatter") if (t, k) in sliced else c
+                 for t, s in enumerate(self.node_strategies[len(self.graph.inputs):])
+                 for k, c in enumerate(s.collectives)]
+        found += [c for s in self.node_strategies[:len(self.graph.inputs)] for c in s.collectives]
         seen: set[tuple] = set()
         for site in self.reshards:
             key = (site.value, site.src, site.chain)
@@ -147,6 +154,46 @@ class IntraOpResult:
         for c in self.collectives():
             out[c.kind] += c.nbytes
         return dict(out)
+
+
+_VIEW_CHAIN = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p"})
+
+
+def _sliced_after_all_reduce(result: IntraOpResult) -> set[tuple[int, int]]:
+    """(op, collective index) of all-reduces every reader of whose result (through views) takes a layout
+    split over all the all-reduce's axes: XLA slices them right after, which it reports as reduce-scatter."""
+    graph = result.graph
+    consumers = graph.consumers()
+    index = {id(op): j for j, op in enumerate(graph.ops)}
+    carried_spec = {graph.outputs[k]: result.input_specs[i] for k, i in enumerate(graph.carried or ())
+                    if i is not None}
+    read_specs: dict[ValueId, list[Spec]] = collections.defaultdict(list)
+    for site in result.reshards:
+        read_specs[site.value].append(site.dst)
+    found: set[tuple[int, int]] = set()
+    for j, op in enumerate(graph.ops):
+        strategy = result.op_strategy(j)
+        for k, c in enumerate(strategy.collectives):
+            if c.kind != "all-reduce" or len(op.outputs) != 1:
+                continue
+            wanted, frontier, ok, reads = set(c.axes), [op.outputs[0]], True, 0
+            while frontier and ok:
+                v = frontier.pop()
+                if v in graph.outputs and carried_spec.get(v) is None:
+                    ok = False
+                    break
+                specs = list(read_specs.get(v, ())) + ([carried_spec[v]] if v in carried_spec else [])
+                for user in consumers.get(v, ()):
+                    u = index[id(user)]
+                    if user.primitive in _VIEW_CHAIN and v not in read_specs:
+                        frontier.extend(user.outputs)
+                    elif not any(site.op_index == u and site.value == v for site in result.reshards):
+                        specs.append(result.value_specs[v])
+                reads += len(specs)
+                ok = all(wanted <= set(s.used_axes) for s in specs)
+            if ok and reads:
+                found.add((j, k))
+    return found
 
 
 def build_problem(cg: CostGraph, budget_bytes: float | None = None) -> IlpProblem:
