@@ -78,6 +78,10 @@ class StrategyRow:
         led = c.plan.ledger
         return cls(c.name, c.step_s, c.peak_bytes, c.fits, c.batch_ceiling, led.compute_s, led.comm_s, led.reshard_s)
 
+    @property
+    def split(self) -> str:
+        return f"compute {fmt_s(self.compute_s)}, collectives {fmt_s(self.comm_s)}, resharding {fmt_s(self.reshard_s)}"
+
 
 @dataclass(frozen=True)
 class CompiledRow:
@@ -90,10 +94,6 @@ class CompiledRow:
     flops_error: float  # |predicted - compiled| / compiled
     bytes_error: float
     ok: bool  # FLOPs within 5% and bytes within 20%
-
-    @property
-    def split(self) -> str:
-        return f"compute {fmt_s(self.compute_s)}, collectives {fmt_s(self.comm_s)}, resharding {fmt_s(self.reshard_s)}"
 
 
 @dataclass(frozen=True)
