@@ -299,8 +299,37 @@ def cmd_verify(args: argparse.Namespace) -> int:
                           f"devices, compiled in {compile_s:.1f}s"))
     flagged = [line.what for line in fidelity_lines(report) if line.flagged]
     if flagged:
-        console.print(f"[bold red]{len(flagged)} figure(s) off by more than 10%[/bold red]: {', '.join(flagged)}")
+        console.print(f"[bold red]{len(flagged)} figure(s) off by more than their tolerance[/bold red]: "
+                      f"{', '.join(flagged)}")
         return 1
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Time the devices present; write the ClusterSpec they make (``--cluster FILE`` reads it)."""
+    from rich.progress import BarColumn
+
+    from autoshard.runtime.profile import ProfileOptions, profile_devices
+
+    out = Path(args.out) if args.out else None
+    if out is not None and not (out.parent if str(out.parent) else Path(".")).exists():
+        console.print(f"[bold red]error:[/bold red] cannot write {out}: the folder {out.parent} does not exist")
+        return 2
+    options = ProfileOptions(repeats=args.repeats)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("profiling", total=1.0)
+        profiled = profile_devices(options, lambda what, done: bar.update(task, completed=done,
+                                                                          description=f"profiling: {what}"))
+    for line in profiled.lines():
+        console.print(line, highlight=False)
+    spec = profiled.spec
+    console.print(f"profiled {spec.num_devices} device(s) in {profiled.seconds:.1f} s: intra-node "
+                  f"{spec.intra_node.bandwidth_bytes_per_s / 1e9:.3g} GB/s, {spec.intra_node.latency_s * 1e6:.3g} us; "
+                  f"inter-node {spec.inter_node.bandwidth_bytes_per_s / 1e9:.3g} GB/s", highlight=False)
+    if out is not None:
+        spec.save(out)
+        console.print(f"wrote {out} (use it with --cluster {out})", highlight=False)
     return 0
 
 
@@ -362,6 +391,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", help="plan file (made by `plan` or `compare`) or a TARGET to plan first")
     _planning_flags(p)
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("profile", help="time the devices present and write the ClusterSpec they make")
+    p.add_argument("--out", help="write the ClusterSpec here (JSON; --cluster FILE reads it)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (the median is kept)")
+    p.set_defaults(func=cmd_profile)
 
     from autoshard.runtime.launch import add_launch_parser
 

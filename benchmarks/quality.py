@@ -71,6 +71,7 @@ class StrategyRow:
     compute_s: float
     comm_s: float  # collectives inside op strategies
     reshard_s: float  # resharding between ops
+    compiled: CompiledRow | None = None  # the plan compiled with XLA and priced from what XLA compiled
 
     @classmethod
     def of(cls, c: Candidate) -> StrategyRow:
@@ -80,6 +81,19 @@ class StrategyRow:
     @property
     def split(self) -> str:
         return f"compute {fmt_s(self.compute_s)}, collectives {fmt_s(self.comm_s)}, resharding {fmt_s(self.reshard_s)}"
+
+
+@dataclass(frozen=True)
+class CompiledRow:
+    """One plan compiled by XLA: its own FLOPs, bytes accessed and collectives priced on the cell's cluster,
+    and the ledger's predictions against them."""
+
+    step_s: float  # max(FLOPs / peak, bytes / HBM) + HLO collectives at the link bandwidths
+    compute_s: float
+    collectives_s: float
+    flops_error: float  # |predicted - compiled| / compiled
+    bytes_error: float
+    ok: bool  # FLOPs within 5% and bytes within 20%
 
 
 @dataclass(frozen=True)
@@ -288,6 +302,8 @@ def run_cell(cell: Cell, cache: WorkloadCache, options: IntraOpOptions, progress
     if cell.fidelity:
         say("compiling autoshard's plan with XLA")
         result = _with_fidelity(result, plan, workload)
+        say("compiling every classic plan with XLA")
+        result = _with_compiled_prices(result, comparison, workload)
     return result
 
 
@@ -326,6 +342,37 @@ def _with_fidelity(result: CellResult, plan: Plan, workload: Workload) -> CellRe
                                                  error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"))
     rows = tuple(FidelityRow(r.what, r.predicted, r.compiled, r.rel_error, r.ok) for r in report.rows)
     return replace(result, fidelity=Fidelity(rows, time.perf_counter() - start))
+
+
+def _compiled_row(plan: Plan, workload: Workload) -> CompiledRow | None:
+    import jax
+
+    from autoshard.compiler.verify import compiled_price, verify_compiled
+    from autoshard.runtime.spmd import make_jax_mesh
+
+    if math.prod(plan.mesh_shape) > len(jax.devices()):
+        return None
+    try:
+        compiled = plan.apply(workload.step, make_jax_mesh(tuple(plan.mesh_shape), plan.axis_names)
+                              ).lower(*workload.args).compile()
+    except Exception as err:  # noqa: BLE001 — a benchmark records a failed compile and carries on
+        log.warning("compiling %s failed: %s", plan.name, err)
+        return None
+    report = verify_compiled(plan, compiled)
+    price = compiled_price(plan, report.summary)
+    rows = {r.what: r for r in report.rows}
+    flops, hbm = rows.get("flops per device"), rows.get("hbm bytes per device")
+    return CompiledRow(price.step_s, price.compute_s, price.collectives_s,
+                       flops.rel_error if flops else math.nan, hbm.rel_error if hbm else math.nan,
+                       bool(flops and hbm and flops.ok and hbm.ok))
+
+
+def _with_compiled_prices(result: CellResult, comparison: Comparison, workload: Workload) -> CellResult:
+    """Every plan of the cell (autoshard's and each classic one) compiled and priced from its HLO."""
+    auto = replace(result.autoshard, compiled=_compiled_row(comparison.autoshard.plan, workload))
+    rows = tuple(replace(row, compiled=_compiled_row(c.plan, workload))
+                 for row, c in zip(result.baselines, comparison.baselines))
+    return replace(result, autoshard=auto, baselines=rows)
 
 
 # Relative planning cost of a workload's cells, to start the longest first when cells run in parallel.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
-from autoshard.plans.plan import fmt_bytes, fmt_s
+from autoshard.plans.ledger import fmt_bytes, fmt_s
 from benchmarks.planning_scaling import Hotspot, ScalingPoint, fits_by_pass
 from benchmarks.quality import CellResult
 
@@ -99,18 +99,23 @@ def quality_table(results: Sequence[CellResult]) -> TextTable:
 def baselines_table(results: Sequence[CellResult]) -> TextTable:
     """Every strategy of every cell: step, memory, fit, batch ceiling, autoshard's speedup over it."""
     headers = ("cell", "strategy", "modeled step", "compute", "collectives", "resharding", "memory / device", "fits",
-               "batch ceiling", "autoshard speedup")
+               "batch ceiling", "autoshard speedup", "compiled, XLA-priced (compute + collectives)",
+               "FLOPs / bytes vs XLA")
     rows = []
     for r in results:
         if r.autoshard is None:
-            rows.append((str(r.cell), "—", "—", "—", "—", "—", "—", "—", "—", r.error or ""))
+            rows.append((str(r.cell), "—", "—", "—", "—", "—", "—", "—", "—", r.error or "", "—", "—"))
             continue
         for s in (r.autoshard, *r.baselines):
             speedup = s.step_s / r.autoshard.step_s if r.autoshard.step_s > 0 else math.nan
+            c = s.compiled
+            priced = f"{fmt_s(c.step_s)} ({fmt_s(c.compute_s)} + {fmt_s(c.collectives_s)})" if c else "—"
+            errors = (f"{c.flops_error:.1%} / {c.bytes_error:.1%}" + ("" if c.ok else " OFF")) if c else "—"
             rows.append((str(r.cell), s.name, fmt_s(s.step_s), fmt_s(s.compute_s), fmt_s(s.comm_s),
                          fmt_s(s.reshard_s), fmt_bytes(s.peak_bytes), "yes" if s.fits else "NO",
-                         _ceiling(s.batch_ceiling), "" if s is r.autoshard else f"{speedup:.2f}x"))
-    return TextTable("every strategy, every cell", headers, tuple(rows), frozenset({2, 3, 4, 5, 6, 8, 9}))
+                         _ceiling(s.batch_ceiling), "" if s is r.autoshard else f"{speedup:.2f}x", priced, errors))
+    return TextTable("every strategy, every cell (compiled columns: one-node cells, 8 simulated CPU devices)",
+                     headers, tuple(rows), frozenset({2, 3, 4, 5, 6, 8, 9, 10, 11}))
 
 
 def hot_ops_table(results: Sequence[CellResult]) -> TextTable:

@@ -234,11 +234,17 @@ def compare(fn: Callable[..., Any], args: Sequence[Any], mesh: MeshLike = None,
     try:
         auto = plan_on(graph, target, _hint_options(options, best), name="autoshard")
     except PlanningError as err:
-        if best is None or isinstance(err, InfeasibleMemoryError):
+        if best is None:
             raise
+        why = "no plan of its own fits" if isinstance(err, InfeasibleMemoryError) else "solver time-out"
         log.warning("autoshard's solve failed (%s); keeping %s, the best baseline that fits", err, best.plan.name)
         kept = replace(best.plan, name="autoshard",
-                       solver=replace(best.plan.solver, status=f"solver time-out; kept {best.plan.name}"))
+                       solver=replace(best.plan.solver, status=f"{why}; kept {best.plan.name}"))
+        auto = replace(best, plan=kept)
+    if best is not None and not auto.plan.fits:  # never keep a plan over the budget when a classic one fits
+        log.warning("autoshard's plan peaks over the budget; keeping %s, the best baseline that fits", best.plan.name)
+        kept = replace(best.plan, name="autoshard",
+                       solver=replace(auto.plan.solver, status=f"over budget; kept {best.plan.name}"))
         auto = replace(best, plan=kept)
     if best is not None and auto.plan.step_s > best.plan.step_s * (1 + 1e-9):
         log.warning("autoshard's solver returned %.6g s, worse than %s (%.6g s) it was hinted with; keeping %s",

@@ -20,8 +20,9 @@ from autoshard.ir.graph import OpGraph
 from autoshard.ir.trace import trace
 from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes.emit import annotations_from
+from autoshard.passes.hbm_traffic import compute_lower_bound_s
 from autoshard.passes.intra_op import IntraOpOptions, IntraOpResult, plan_intra_op
-from autoshard.plans.ledger import Ledger, SolverInfo
+from autoshard.plans.ledger import Ledger, SolverInfo, fmt_bytes
 from autoshard.plans.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -42,13 +43,15 @@ def build_plan(graph: OpGraph, result: IntraOpResult, budget: float, timings: di
     in_paths = [values[v].path or f"[{i}]" for i, v in enumerate(graph.inputs)]
     out_paths = list(graph.output_paths) or [f"out[{i}]" for i in range(len(graph.outputs))]
     cluster = mesh.cluster
-    dtype = next((values[v].dtype for v in graph.inputs if "float" in values[v].dtype), "float32")
-    bound = graph.total_flops / (mesh.num_devices * cluster.peak_flops(dtype))
+    bound = compute_lower_bound_s(graph, cluster, mesh.num_devices)
     ann = annotations_from(result)
+    compute_bound, memory_bound = result.bound_split_s()
     ledger = Ledger(
         compute_s=result.compute_s, comm_s=result.comm_s, reshard_s=result.reshard_s, bubble_s=0.0,
         peak_memory_bytes=result.peak_bytes, memory_by_kind=dict(result.memory_by_role),
         collective_bytes=result.collective_bytes_by_kind(), compute_lower_bound_s=bound,
+        flops_per_device=result.flops_per_device, hbm_bytes_per_device=result.hbm_bytes_per_device,
+        compute_bound_s=compute_bound, memory_bound_s=memory_bound,
     )
     s = result.ilp
     return Plan(
@@ -88,25 +91,31 @@ def plan_on(graph: OpGraph, target: Target, options: IntraOpOptions | None = Non
     timings = dict(timings or {})
     best: tuple[float, IntraOpResult] | None = None
     alternatives: dict[str, float] = {}
-    errors: list[InfeasibleMemoryError] = []
+    errors: list[tuple[InfeasibleMemoryError, LogicalMesh]] = []
     start = time.perf_counter()
+    several = len(target.meshes) > 1
     for logical in target.meshes:
         try:
-            result = plan_intra_op(graph, logical, options)
+            result = plan_intra_op(graph, logical, options, exact_smallest_budget=not several)
         except InfeasibleMemoryError as err:
-            errors.append(err)
+            errors.append((err, logical))
             continue
         alternatives["x".join(map(str, logical.shape))] = result.step_s
         if best is None or result.step_s < best[0] - 1e-12:
             best = (result.step_s, result)
     timings["intra-op"] = time.perf_counter() - start
     if best is None:
-        smallest = min((e.smallest_budget_bytes or float("inf")) for e in errors) if errors else None
-        if len(errors) == 1:
-            raise errors[0]
+        err, closest = min(errors, key=lambda e: e[0].smallest_budget_bytes or float("inf"))
+        if several:  # name a budget checked on the mesh that came closest
+            try:
+                plan_intra_op(graph, closest, options)
+            except InfeasibleMemoryError as checked:
+                err = checked
         raise InfeasibleMemoryError(
-            f"no mesh shape of {target.num_devices} devices fits {budget / 2**30:.3f} GiB per device; the smallest "
-            f"budget that fits is {smallest / 2**30:.3f} GiB: raise memory_budget or use more devices", smallest)
+            f"no mesh shape of {target.num_devices} devices fits {fmt_bytes(budget)} per device; the smallest "
+            f"budget that fits is {fmt_bytes(err.smallest_budget_bytes or 0.0)} (mesh "
+            f"{'x'.join(map(str, closest.shape))}): raise memory_budget or use more devices",
+            err.smallest_budget_bytes, budget_bytes=budget) if several else err
     result = best[1]
     if result.peak_bytes > budget:
         # The ILP's memory terms are per choice; resharded and layout copies depend on pairs of choices and

@@ -1,7 +1,8 @@
 """Why a plan is what it is: each op's strategy against its alternatives.
 
 ``op_explanations`` prices, for each op of a solved graph, every strategy the
-rule table offers *locally*: its own compute and collectives, plus the
+rule table offers *locally*: its own compute (the fused roofline of the cost
+model, ``passes/hbm_traffic.py``) and collectives, plus the
 resharding it would need from the layouts its producers were given and to
 the layouts its consumers read (the rest of the plan held fixed). The chosen
 strategy is usually the cheapest such; when it is not, the op is tied to
@@ -22,6 +23,8 @@ from autoshard.ir.graph import OpGraph, ValueId
 from autoshard.plans.ledger import Choice, OpExplanation
 from autoshard.ir.spec import Spec
 from autoshard.passes.liveness import FUSIBLE
+from autoshard.meshes.cost import roofline_s
+from autoshard.passes.hbm_traffic import compute_dtype, op_traffic, strategy_hbm_bytes
 from autoshard.passes.resharding import reshard
 from autoshard.passes.strategies import Strategy, strategies_for
 
@@ -61,6 +64,8 @@ def op_explanations(result, top_k: int = 5) -> dict[int, OpExplanation]:  # resu
             readers[vid].append((result.input_specs[carried], vid))
     cache: dict[tuple, list[Strategy]] = {}
     out: dict[int, OpExplanation] = {}
+    traffic = op_traffic(graph)
+    sizes = dict(zip(mesh.axis_names, mesh.shape))
     for j, op in enumerate(graph.ops):
         ins = [graph.values[v] for v in op.inputs]
         outs = [graph.values[v] for v in op.outputs]
@@ -83,7 +88,9 @@ def op_explanations(result, top_k: int = 5) -> dict[int, OpExplanation]:  # resu
                 for dst, _vid in readers.get(value.id, ()):
                     if dst != s.out_specs[k]:
                         seconds += reshard(value.shape, _itemsize(value.dtype), s.out_specs[k], dst, mesh).seconds
-            return Choice(str(s), s.compute_s, s.comm_s, seconds)
+            hbm = strategy_hbm_bytes(graph, op, traffic[j], s.in_specs, s.out_specs, sizes)
+            compute = float(roofline_s(mesh.cluster, s.flops, hbm, compute_dtype(op, graph)))
+            return Choice(str(s), compute, s.comm_s, seconds)
 
         chosen = price(chosen_s)
         if op.primitive in FUSIBLE | _VIEWS and not chosen.comm_s and not chosen.reshard_s:

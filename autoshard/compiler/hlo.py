@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable
@@ -85,7 +86,8 @@ class CompiledSummary:
     alias_bytes: int
     temp_bytes: int
     peak_bytes: int  # argument + output − alias + temp (XLA:CPU buffer assignment)
-    flops: float | None  # cost_analysis()['flops'] per device; None when XLA gives no analysis
+    flops: float | None  # cost_analysis()['flops'] per device, loop bodies times their trip counts
+    bytes_accessed: float | None = None  # cost_analysis()['bytes accessed'] per device, loops likewise
 
 
 # ----------------------------------------------------------------------------- loops
@@ -323,9 +325,68 @@ def collective_bytes_by_kind(collectives: Iterable[HloCollective]) -> dict[str, 
     return totals
 
 
+# ----------------------------------------------------------------------------- loop bodies
+
+_SIMPLE_FLOP_OPS = frozenset({
+    "add", "subtract", "multiply", "divide", "maximum", "minimum", "compare", "select", "negate", "abs",
+    "and", "or", "xor", "not", "clamp", "remainder", "sign", "floor", "ceil", "round-nearest-even",
+    "round-nearest-afz", "convert",
+})
+_NO_COST_OPS = frozenset({"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "after-all",
+                          "partition-id", "replica-id"})
+
+
+def _instruction_flops(module: HloModule, comp: Computation, inst: Instruction) -> float:
+    """FLOPs of one instruction, as HloCostAnalysis counts them for the ops that matter (estimate)."""
+    if inst.opcode == "fusion":
+        inner = module.computations.get(inst.attrs.get("calls", "").lstrip("%"))
+        return 0.0 if inner is None else sum(_instruction_flops(module, inner, i) for i in inner.instructions.values())
+    out = sum(shape_elements(inst.shape))
+    if inst.opcode == "dot":
+        lhs = comp.instructions.get(inst.operands[0]) if inst.operands else None
+        dims = [int(d) for d in re.findall(r"\d+", inst.attrs.get("lhs_contracting_dims", ""))]
+        if lhs is None:
+            return 0.0
+        lhs_dims = [int(d) for d in re.findall(r"\d+", lhs.shape.split("{")[0].split("[", 1)[-1])]
+        return 2.0 * out * math.prod(lhs_dims[d] for d in dims if d < len(lhs_dims))
+    if inst.opcode == "reduce" and inst.operands:
+        first = comp.instructions.get(inst.operands[0])
+        return float(sum(shape_elements(first.shape))) if first is not None else 0.0
+    return float(out) if inst.opcode in _SIMPLE_FLOP_OPS else 0.0
+
+
+def _instruction_bytes(comp: Computation, inst: Instruction) -> float:
+    """Operand + result bytes of one top-level instruction: what "bytes accessed" counts for it."""
+    if inst.opcode in _NO_COST_OPS:
+        return 0.0
+    return float(shape_nbytes(inst.shape) + sum(shape_nbytes(comp.instructions[o].shape)
+                                                for o in inst.operands if o in comp.instructions))
+
+
+def loop_repeats(hlo_text: str) -> tuple[float, float]:
+    """(FLOPs, bytes) that ``cost_analysis()`` leaves out: it counts a while body once, so each
+    computation that runs m > 1 times per step (a loop body, or one called from it) adds m - 1 times
+    its instructions. Fused computations are counted through their fusion instruction."""
+    module = parse_module(hlo_text)
+    runs = _multipliers(module)
+    fused = {i.attrs.get("calls", "").lstrip("%") for c in module.computations.values()
+             for i in c.instructions.values() if i.opcode == "fusion"}
+    flops = nbytes = 0.0
+    for comp in module.computations.values():
+        extra = runs.get(comp.name, 1) - 1
+        if extra <= 0 or comp.name in fused:
+            continue
+        for inst in comp.instructions.values():
+            flops += extra * _instruction_flops(module, comp, inst)
+            nbytes += extra * _instruction_bytes(comp, inst)
+    return flops, nbytes
+
+
 def summarize_compiled(compiled: Any) -> CompiledSummary:
-    """Collectives, memory and flops of ``jax.jit(f).lower(...).compile()``."""
-    collectives = tuple(read_hlo_collectives(compiled.as_text()))
+    """Collectives, memory, FLOPs and bytes accessed of ``jax.jit(f).lower(...).compile()``, loop
+    bodies counted their trip count times."""
+    text = compiled.as_text()
+    collectives = tuple(read_hlo_collectives(text))
     memory = compiled.memory_analysis()
     if memory is None:
         raise ValueError("compiled.memory_analysis() returned None: this backend gives no buffer sizes")
@@ -333,7 +394,9 @@ def summarize_compiled(compiled: Any) -> CompiledSummary:
     if isinstance(cost, (list, tuple)):  # older jax: a list of one dict
         cost = cost[0] if cost else None
     # XLA leaves out zero counters: a dict without 'flops' counted none.
-    flops = None if cost is None else float(cost.get("flops", 0.0))
+    loop_flops, loop_bytes = loop_repeats(text)
+    flops = None if cost is None else float(cost.get("flops", 0.0)) + loop_flops
+    accessed = None if cost is None else float(cost.get("bytes accessed", 0.0)) + loop_bytes
     argument, output = int(memory.argument_size_in_bytes), int(memory.output_size_in_bytes)
     alias, temp = int(memory.alias_size_in_bytes), int(memory.temp_size_in_bytes)
     return CompiledSummary(
@@ -341,5 +404,5 @@ def summarize_compiled(compiled: Any) -> CompiledSummary:
         bytes_by_kind=collective_bytes_by_kind(collectives),
         argument_bytes=argument, output_bytes=output, alias_bytes=alias, temp_bytes=temp,
         peak_bytes=argument + output - alias + temp,
-        flops=flops,
+        flops=flops, bytes_accessed=accessed,
     )

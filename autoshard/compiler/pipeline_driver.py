@@ -29,7 +29,7 @@ from autoshard.ir.spec import Spec
 from autoshard.ir.split import StepParts, batch_inputs, microbatch_shapes, split_step
 from autoshard.ir.trace import trace, trace_jaxpr
 from autoshard.meshes.cluster import ClusterSpec
-from autoshard.meshes.cost import roofline_s
+from autoshard.passes.hbm_traffic import compute_lower_bound_s, graph_costs
 from autoshard.passes.inter_op import InterOpOptions, LayerWork, PricedProblem, place_stages, price_stages
 from autoshard.passes.intra_op import IntraOpOptions
 from autoshard.passes.layers import Layer, cluster_layers
@@ -121,7 +121,7 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
     inter = InterOpOptions(schedule=schedule, num_stages=num_stages, num_microbatches=num_microbatches,
                            memory_budget_bytes=budget, min_stages=2 if num_stages is None else 1)
     t0 = time.perf_counter()
-    work = layer_work(fn, graph, parts, layers, split, global_batch, args)
+    work = layer_work(fn, graph, parts, layers, split, global_batch, args, spec)
     apply_s = leaf_apply_s(parts, spec)
     priced = price_stages(layers, leaf_bytes, 0.0, spec, num_devices, global_batch, opt_ratio, inter, work,
                           apply_s)
@@ -167,7 +167,8 @@ def trace_at(fn: Callable[..., Any], in_tree: Any, leaves: Sequence[Any]) -> OpG
 
 
 def layer_work(fn: Callable[..., Any], graph: OpGraph, parts: StepParts, layers: Sequence[Layer],
-               split: Sequence[bool], global_batch: int, args: Sequence[Any]) -> list[LayerWork] | None:
+               split: Sequence[bool], global_batch: int, args: Sequence[Any],
+               cluster: ClusterSpec) -> list[LayerWork] | None:
     """Each layer's forward + backward graph, traced at the full batch and at batch / r (r the smallest
     divisor > 1), per op split into a fixed part and a part proportional to the batch. Equal layers
     (structural hash) are traced once. None when the two traces differ (then the planner falls back to
@@ -190,24 +191,26 @@ def layer_work(fn: Callable[..., Any], graph: OpGraph, parts: StepParts, layers:
     out = []
     for layer, big, little in zip(layers, big_programs, small_programs):
         if layer.structure not in cache:
-            full, part = _train_costs(parts, big), _train_costs(small, little)
+            full, part = _train_costs(parts, big, cluster), _train_costs(small, little, cluster)
             if full.shape != part.shape:
-                part = full / ratio  # different op lists: treat everything as proportional to the batch
-            scaled = np.clip((full - part) * ratio / (ratio - 1), 0.0, None)
-            fixed = np.clip(full - scaled, 0.0, None)
-            cache[layer.structure] = LayerWork(fixed[:, 0], scaled[:, 0], fixed[:, 1], scaled[:, 1])
+                part = np.concatenate([full[:, :2] / ratio, full[:, 2:]], axis=1)  # other op lists: all scales
+            scaled = np.clip((full[:, :2] - part[:, :2]) * ratio / (ratio - 1), 0.0, None)
+            fixed = np.clip(full[:, :2] - scaled, 0.0, None)
+            cache[layer.structure] = LayerWork(fixed[:, 0], scaled[:, 0], fixed[:, 1], scaled[:, 1], full[:, 2])
         out.append(cache[layer.structure])
     return out
 
 
 def leaf_apply_s(parts: StepParts, cluster: ClusterSpec) -> list[float]:
-    """Per loss-argument leaf: seconds of the optimizer ops that read its gradient (per-op rooflines, the
-    intra-op pass's compute model, replicated as in data parallelism); ops reading none are not counted."""
+    """Per loss-argument leaf: seconds of the optimizer ops that read its gradient (per-op rooflines of the
+    fused traffic, the intra-op pass's compute model, replicated as in data parallelism); ops reading none
+    are not counted."""
     graph = trace_jaxpr(jax.extend.core.ClosedJaxpr(parts.update, []))
     first = parts.num_consts + parts.num_inputs + 1
     deps: dict[int, int] = {v: 1 << (k - first) for k, v in enumerate(graph.inputs) if k >= first}
     cost = [0.0] * len(parts.forward.invars)
-    for op in graph.ops:
+    seconds = graph_costs(graph, cluster).seconds(cluster)
+    for t, op in enumerate(graph.ops):
         mask = 0
         for v in op.inputs:
             mask |= deps.get(v, 0)
@@ -215,14 +218,13 @@ def leaf_apply_s(parts: StepParts, cluster: ClusterSpec) -> list[float]:
             deps[v] = mask
         owners = [g for g in range(parts.num_grads) if mask >> g & 1]
         if owners:
-            seconds = roofline_s(cluster, op.flops, op.bytes_accessed)
             for g in owners:
-                cost[parts.grad_for_leaf[g]] += seconds / len(owners)
+                cost[parts.grad_for_leaf[g]] += float(seconds[t]) / len(owners)
     return cost
 
 
-def _train_costs(parts: StepParts, program: StageProgram) -> np.ndarray:
-    """[ops, 2] (flops, bytes) of the program's forward + backward (vjp) graph."""
+def _train_costs(parts: StepParts, program: StageProgram, cluster: ClusterSpec) -> np.ndarray:
+    """[ops, 3] (flops, fused HBM bytes, peak FLOP/s) of the program's forward + backward (vjp) graph."""
     fwd = parts.forward
     run = program.function(fwd)
 
@@ -238,8 +240,8 @@ def _train_costs(parts: StepParts, program: StageProgram) -> np.ndarray:
         out, pullback = jax.vjp(lambda p_, a_: run(p_, d, a_), pr, ac)
         return out, pullback(ct)
 
-    graph = trace_jaxpr(jax.make_jaxpr(train)(params, data, acts, cts))
-    return np.array([(op.flops, op.bytes_accessed) for op in graph.ops], dtype=float).reshape(-1, 2)
+    costs = graph_costs(trace_jaxpr(jax.make_jaxpr(train)(params, data, acts, cts)), cluster)
+    return np.stack([costs.flops, costs.hbm_bytes, costs.peak_flops], axis=1).reshape(-1, 3)
 
 
 def _build_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer], sp: StagePlan,
@@ -287,14 +289,12 @@ def _build_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer], sp: S
         frac = 0.0
     peak_stage = max(stages, key=lambda st: st.memory.peak_bytes)
     mem = peak_stage.memory
-    total_flops = sum(layer.flops for layer in layers)
-    dtype = next((fwd.avals[v].dtype.name for v, d in zip(fwd.invars, fwd.diff) if d), "float32")
     ledger = Ledger(
         compute_s=busy * frac, comm_s=busy * (1 - frac), reshard_s=0.0, bubble_s=sp.step_time_s - busy,
         peak_memory_bytes=mem.peak_bytes,
         memory_by_kind={"param": mem.params_bytes, "grad": mem.grads_bytes, "opt_state": mem.opt_state_bytes,
                         "activation": mem.activations_bytes},
-        collective_bytes={}, compute_lower_bound_s=3 * total_flops / (cluster.num_devices * cluster.peak_flops(dtype)))
+        collective_bytes={}, compute_lower_bound_s=compute_lower_bound_s(graph, cluster, cluster.num_devices))
     summary = PipelineSummary(
         num_microbatches=sp.num_microbatches, schedule=sp.schedule, step_s=sp.step_time_s,
         first_microbatch_latency_s=sp.first_microbatch_latency_s, bottleneck_s=sp.bottleneck_s,

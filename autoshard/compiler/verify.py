@@ -1,10 +1,12 @@
-"""Check a plan against what XLA compiled: predicted vs compiled collectives and memory.
+"""Check a plan against what XLA compiled: collectives, memory, FLOPs and HBM bytes, predicted vs compiled.
 
-The plan's ledger predicts per-device bytes for each collective kind and the
-per-device peak memory. ``verify`` compiles the planned step, reads the
-optimized HLO (``compiler/hlo.py``) and ``memory_analysis()``, and reports
-each figure side by side with its relative error. A figure off by more than
-its tolerance is flagged: either the cost model or the emitter is wrong.
+The plan's ledger predicts per-device bytes for each collective kind, the
+per-device peak memory, and the per-device FLOPs and HBM bytes of one step.
+``verify`` compiles the planned step, reads the optimized HLO
+(``compiler/hlo.py``), ``memory_analysis()`` and ``cost_analysis()`` (loop
+bodies times their trip counts), and reports each figure side by side with its
+relative error. A figure off by more than its tolerance is flagged: either the
+cost model or the emitter is wrong.
 """
 from __future__ import annotations
 
@@ -12,11 +14,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoshard.compiler.hlo import CompiledSummary, summarize_compiled
+from autoshard.ir.spec import Collective
+from autoshard.meshes.cost import collective_s
+from autoshard.meshes.logical import LogicalMesh, make_logical_mesh
 from autoshard.plans.plan import Plan
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 COLLECTIVE_TOLERANCE = 0.10
 MEMORY_TOLERANCE = 0.15
+FLOPS_TOLERANCE = 0.05
+HBM_BYTES_TOLERANCE = 0.20
 
 
 @dataclass(frozen=True)
@@ -74,7 +81,55 @@ def compare(plan: Plan, summary: CompiledSummary) -> FidelityReport:
     rows.append(FidelityRow("all collective bytes", total_p, total_c, COLLECTIVE_TOLERANCE))
     rows.append(FidelityRow("peak memory bytes", plan.ledger.peak_memory_bytes, float(summary.peak_bytes),
                             MEMORY_TOLERANCE))
+    if summary.flops is not None and plan.ledger.flops_per_device:
+        rows.append(FidelityRow("flops per device", plan.ledger.flops_per_device, summary.flops, FLOPS_TOLERANCE,
+                                immaterial_bytes=0.0))
+    if summary.bytes_accessed is not None and plan.ledger.hbm_bytes_per_device:
+        rows.append(FidelityRow("hbm bytes per device", plan.ledger.hbm_bytes_per_device, summary.bytes_accessed,
+                                HBM_BYTES_TOLERANCE))
     return FidelityReport(tuple(rows), summary)
+
+
+@dataclass(frozen=True)
+class CompiledPrice:
+    """A compiled program priced by the cluster the plan was made for, from what XLA compiled alone."""
+
+    compute_s: float  # max(FLOPs / dot peak, bytes accessed / HBM bandwidth)
+    collectives_s: float  # every HLO collective (times its loop count) at the alpha-beta model's links
+    flops: float
+    bytes_accessed: float
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.collectives_s
+
+
+def _group_axes(mesh: LogicalMesh, group_size: int) -> tuple[str, ...]:
+    """The mesh axes a replica group of ``group_size`` devices spans (the smallest set whose sizes
+    multiply to it, inner axes first on ties)."""
+    names = [a.name for a in mesh.axes if a.size > 1]
+    best: tuple[str, ...] = tuple(names)
+    for mask in range(1, 1 << len(names)):
+        chosen = tuple(n for i, n in enumerate(names) if mask >> i & 1)
+        if mesh.size_of(chosen) == group_size and len(chosen) <= len(best):
+            best = chosen
+    return best
+
+
+def compiled_price(plan: Plan, summary: CompiledSummary) -> CompiledPrice:
+    """What the compiled program costs on ``plan.cluster``: its own FLOPs at the dot peak of the
+    parameters' dtype (TF32 for float32), its bytes accessed at HBM bandwidth, and its collectives."""
+    cluster = plan.cluster
+    mesh = make_logical_mesh(cluster, tuple(plan.mesh_shape), tuple(plan.axis_names))
+    dtypes = [dtype for p, (_shape, dtype) in plan.input_shapes.items() if plan.input_roles.get(p) == "param"]
+    dtype = max(set(dtypes), key=dtypes.count) if dtypes else "float32"
+    peak = cluster.peak_flops("tfloat32" if dtype == "float32" else dtype)
+    flops, nbytes = float(summary.flops or 0.0), float(summary.bytes_accessed or 0.0)
+    compute = max(flops / peak, nbytes / cluster.memory_bandwidth_bytes_per_s)
+    seconds = 0.0
+    for c in summary.collectives:
+        seconds += c.count * collective_s(mesh, Collective(c.kind, _group_axes(mesh, c.group_size), float(c.nbytes)))
+    return CompiledPrice(compute, seconds, flops, nbytes)
 
 
 def verify_compiled(plan: Plan, compiled: Any) -> FidelityReport:

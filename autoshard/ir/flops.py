@@ -41,12 +41,32 @@ def dot_general_flops(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimens
     return 2.0 * batch * lhs_free * rhs_free * contract
 
 
-def conv_flops(rhs_shape: Sequence[int], out_shape: Sequence[int], params: Mapping[str, Any]) -> float:
-    """2 · output elements · (kernel elements per output feature) for ``lax.conv_general_dilated``."""
+def _valid_taps(in_size: int, kernel: int, stride: int, pad: tuple[int, int], lhs_dilation: int,
+                rhs_dilation: int) -> int:
+    """(output position, kernel tap) pairs of one spatial dim that land on a real input element
+    (not on padding, nor on a hole of a dilated input): XLA counts only those."""
+    dilated = (in_size - 1) * lhs_dilation + 1
+    span = (kernel - 1) * rhs_dilation + 1
+    out = (dilated + pad[0] + pad[1] - span) // stride + 1
+    if out <= 0 or in_size <= 0:
+        return 0
+    pos = (np.arange(out)[:, None] * stride + np.arange(kernel)[None, :] * rhs_dilation - pad[0])
+    return int(((pos >= 0) & (pos < dilated) & (pos % lhs_dilation == 0)).sum())
+
+
+def conv_flops(lhs_shape: Sequence[int], rhs_shape: Sequence[int], out_shape: Sequence[int],
+               params: Mapping[str, Any]) -> float:
+    """2 · output batch · output features · kernel input features · valid taps for
+    ``lax.conv_general_dilated``, taps over padding or input holes left out (as XLA counts)."""
     dn = params["dimension_numbers"]
-    out_feature_dim = dn.rhs_spec[0]
-    per_output = elements(rhs_shape) / max(1, rhs_shape[out_feature_dim])
-    return 2.0 * elements(out_shape) * per_output
+    strides = params.get("window_strides") or (1,) * (len(lhs_shape) - 2)
+    padding = params.get("padding") or ((0, 0),) * (len(lhs_shape) - 2)
+    lhs_dil = params.get("lhs_dilation") or (1,) * (len(lhs_shape) - 2)
+    rhs_dil = params.get("rhs_dilation") or (1,) * (len(lhs_shape) - 2)
+    taps = 1
+    for i, (ld, rd) in enumerate(zip(dn.lhs_spec[2:], dn.rhs_spec[2:])):
+        taps *= _valid_taps(lhs_shape[ld], rhs_shape[rd], strides[i], tuple(padding[i]), lhs_dil[i], rhs_dil[i])
+    return 2.0 * out_shape[dn.out_spec[0]] * out_shape[dn.out_spec[1]] * rhs_shape[dn.rhs_spec[1]] * taps
 
 
 def op_flops(name: str, params: Mapping[str, Any], in_shapes: Sequence[Sequence[int]],
@@ -56,7 +76,7 @@ def op_flops(name: str, params: Mapping[str, Any], in_shapes: Sequence[Sequence[
     if name == "dot_general":
         return dot_general_flops(in_shapes[0], in_shapes[1], params["dimension_numbers"])
     if name == "conv_general_dilated":
-        return conv_flops(in_shapes[1], out_shapes[0], params)
+        return conv_flops(in_shapes[0], in_shapes[1], out_shapes[0], params)
     if name == "scan":
         return float(params["length"]) * float(sum(body_flops))
     if name == "while":

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jcore
 
 from autoshard.ir.flops import op_flops
@@ -238,8 +239,10 @@ def trace(fn: Callable[..., Any], *args: Any) -> OpGraph:
     pairs = carried_pairs(args, out_shape)
     roles = _input_roles(args, in_leaves, set(pairs.values()))
 
+    # XLA removes dead code before it counts or runs anything: so does the graph (all inputs kept)
+    jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
+    closed = jcore.ClosedJaxpr(jaxpr, closed.consts)
     b = _Builder()
-    jaxpr = closed.jaxpr
     in_ids = [b.new_value(var.aval, role, jax.tree_util.keystr(path))
               for var, role, (path, _) in zip(jaxpr.invars, roles, in_with_path)]
     out_ids = b.walk(jaxpr, closed.consts, in_ids)

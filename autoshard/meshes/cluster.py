@@ -2,7 +2,20 @@
 
 Every constant the cost model uses comes from a ClusterSpec: devices per node,
 nodes, a link level per scope (inside a node, between nodes), peak FLOP/s per
-dtype, memory bandwidth and memory per device. Specs load from JSON or TOML
+dtype, memory bandwidth and memory per device.
+
+Links are per device and one direction. ``inter_node.bandwidth_bytes_per_s`` is
+one device's NIC: a collective group with m members on each node drives m NICs
+in parallel (rail-optimized clusters, NCCL's channels), so it crosses nodes at
+m times that, capped by the intra-node link; a group with one member per node
+gets one NIC (``meshes/logical.py``). Multi-axis collectives are priced as the
+cheaper of that flat ring and the hierarchical algorithm (``meshes/cost.py``).
+
+Peaks: ``peak_flops_per_s`` is keyed by dtype name; dots and convolutions run
+at their operands' dtype. ``"tfloat32"``, when present, is the rate of float32
+dots at XLA's default precision on GPUs with TF32 tensor cores (A100, H100);
+float32 dots asked for ``precision=HIGHEST`` and everything else in float32 run
+at ``"float32"``. Specs load from JSON or TOML
 files with the same field names as the dataclasses; missing or negative fields
 are rejected with a message naming the field.
 """
@@ -174,17 +187,19 @@ def _validate(spec: ClusterSpec) -> None:
 
 
 def _gpu(name: str, nodes: int, per_node: int, *, nvlink_gbps: float, inter_gbit: float, bf16_tflops: float,
-         fp32_tflops: float, hbm_tbps: float, mem_gib: float) -> ClusterSpec:
+         tf32_tflops: float, fp32_tflops: float, hbm_tbps: float, mem_gib: float) -> ClusterSpec:
     return ClusterSpec(
         name=name, num_nodes=nodes, devices_per_node=per_node,
         intra_node=LinkLevel("nvlink", nvlink_gbps * 1e9, 5e-6),
         inter_node=LinkLevel("infiniband" if inter_gbit >= 100 else "ethernet", inter_gbit * GBIT_BPS, 20e-6),
-        peak_flops_per_s={"bfloat16": bf16_tflops * 1e12, "float16": bf16_tflops * 1e12, "float32": fp32_tflops * 1e12},
+        peak_flops_per_s={"bfloat16": bf16_tflops * 1e12, "float16": bf16_tflops * 1e12,
+                          "tfloat32": tf32_tflops * 1e12, "float32": fp32_tflops * 1e12},
         memory_bandwidth_bytes_per_s=hbm_tbps * 1e12, memory_per_device_bytes=mem_gib * GIB,
     )
 
 
-# Preset numbers are public datasheet figures (dense, no sparsity); fp32 on A100/H100 is the TF32 tensor-core rate.
+# Preset numbers are public datasheet figures (dense, no sparsity): A100 SXM (bf16 312, TF32 156, FP32
+# 19.5 TFLOP/s), H100 SXM (bf16 989, TF32 494, FP32 67); NVLink per device, one direction.
 PRESETS: dict[str, ClusterSpec] = {
     # 8 simulated CPU devices: modest numbers so that communication and compute both matter.
     "cpu-8": ClusterSpec(
@@ -194,14 +209,14 @@ PRESETS: dict[str, ClusterSpec] = {
         peak_flops_per_s={"float32": 50e9, "bfloat16": 50e9},
         memory_bandwidth_bytes_per_s=20e9, memory_per_device_bytes=2 * GIB,
     ),
-    "1x8-a100": _gpu("1x8-a100", 1, 8, nvlink_gbps=300, inter_gbit=200, bf16_tflops=312, fp32_tflops=156,
+    "1x8-a100": _gpu("1x8-a100", 1, 8, nvlink_gbps=300, inter_gbit=200, bf16_tflops=312, tf32_tflops=156, fp32_tflops=19.5,
                      hbm_tbps=2.0, mem_gib=80),
     # Alpa's setting: two 8-GPU nodes with a 25 Gbit/s-class link between them.
-    "2x8-a100": _gpu("2x8-a100", 2, 8, nvlink_gbps=300, inter_gbit=25, bf16_tflops=312, fp32_tflops=156,
+    "2x8-a100": _gpu("2x8-a100", 2, 8, nvlink_gbps=300, inter_gbit=25, bf16_tflops=312, tf32_tflops=156, fp32_tflops=19.5,
                      hbm_tbps=2.0, mem_gib=80),
-    "1x8-h100": _gpu("1x8-h100", 1, 8, nvlink_gbps=450, inter_gbit=400, bf16_tflops=989, fp32_tflops=494,
+    "1x8-h100": _gpu("1x8-h100", 1, 8, nvlink_gbps=450, inter_gbit=400, bf16_tflops=989, tf32_tflops=494, fp32_tflops=67,
                      hbm_tbps=3.35, mem_gib=80),
-    "4x8-h100": _gpu("4x8-h100", 4, 8, nvlink_gbps=450, inter_gbit=400, bf16_tflops=989, fp32_tflops=494,
+    "4x8-h100": _gpu("4x8-h100", 4, 8, nvlink_gbps=450, inter_gbit=400, bf16_tflops=989, tf32_tflops=494, fp32_tflops=67,
                      hbm_tbps=3.35, mem_gib=80),
     # TPU slices: ICI joins every chip of a slice; the "node" is the host (4 chips each).
     "tpu-v4-32": ClusterSpec(

@@ -9,13 +9,18 @@ per-hop latency a (the axis's link level decides both):
     all-to-all       (n-1)/n * bytes / B +  (n-1) a     bytes = the buffer (input = output size)
     point-to-point           bytes / B +        a
 
-A collective over several axes runs axis by axis (hierarchically): an
-all-gather gathers over the slowest axis first, while the buffer is smallest;
-a reduce-scatter scatters over the fastest axis first; an all-reduce is a
-reduce-scatter followed by an all-gather, both hierarchical; an all-to-all is
-the cheaper of one exchange per axis and one direct exchange over the whole
-group (see all_to_all_s). Compute is a
-roofline: max(flops / peak, bytes / memory bandwidth).
+The link of an axis (``meshes/logical.py``) is the intra-node one, or for an
+axis whose groups span nodes with m members on each node, the inter-node link
+at m times the per-device NIC bandwidth (rail-optimized: m NICs in parallel;
+at most the intra-node bandwidth). A collective over several axes is the
+cheaper of two algorithms: axis by axis (hierarchically: an all-gather gathers
+over the slowest axis first, while the buffer is smallest; a reduce-scatter
+scatters over the fastest axis first; an all-reduce is a reduce-scatter
+followed by an all-gather, both hierarchical) and one flat ring over the whole
+group at the group's link (``LogicalMesh.group_link``); an all-to-all is the
+cheaper of one exchange per axis and one direct exchange over the whole group
+(see all_to_all_s). Compute is a roofline: max(flops / peak, bytes / memory
+bandwidth).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
+from autoshard.ir.spec import Collective
 from autoshard.meshes.cluster import ClusterSpec, LinkLevel
 from autoshard.meshes.logical import LogicalMesh, MeshAxis
 
@@ -65,9 +71,18 @@ def _slowest_first(axes: list[MeshAxis]) -> list[MeshAxis]:
     return sorted(axes, key=lambda a: a.link.bandwidth_bytes_per_s)
 
 
+def _flat(found: list[MeshAxis], mesh: LogicalMesh) -> tuple[int, LinkLevel]:
+    """Size and link of one ring over the whole group of ``found`` axes."""
+    n = 1
+    for a in found:
+        n *= a.size
+    return n, mesh.group_link(tuple(a.name for a in found))
+
+
 def all_gather_s(mesh: LogicalMesh, axes: Sequence[str] | str, out_bytes: float) -> float:
-    """Gather a buffer to ``out_bytes`` per device over ``axes``; slowest axis first."""
-    order = _slowest_first(_axes(mesh, axes))
+    """Gather a buffer to ``out_bytes`` per device over ``axes``: slowest axis first, or one flat ring."""
+    found = _axes(mesh, axes)
+    order = _slowest_first(found)
     total = 1
     for a in order:
         total *= a.size
@@ -75,25 +90,35 @@ def all_gather_s(mesh: LogicalMesh, axes: Sequence[str] | str, out_bytes: float)
     for a in order:
         chunk *= a.size
         seconds += ring_all_gather_s(chunk, a.size, a.link)
+    if len(found) > 1:
+        n, link = _flat(found, mesh)
+        seconds = min(seconds, ring_all_gather_s(out_bytes, n, link))
     return seconds
 
 
 def reduce_scatter_s(mesh: LogicalMesh, axes: Sequence[str] | str, in_bytes: float) -> float:
-    """Reduce-scatter ``in_bytes`` per device over ``axes``; fastest axis first (mirror of all-gather)."""
-    order = list(reversed(_slowest_first(_axes(mesh, axes))))
+    """Reduce-scatter ``in_bytes`` per device over ``axes``: fastest axis first (mirror of all-gather),
+    or one flat ring."""
+    found = _axes(mesh, axes)
     seconds, chunk = 0.0, float(in_bytes)
-    for a in order:
+    for a in reversed(_slowest_first(found)):
         seconds += ring_reduce_scatter_s(chunk, a.size, a.link)
         chunk /= a.size
+    if len(found) > 1:
+        n, link = _flat(found, mesh)
+        seconds = min(seconds, ring_reduce_scatter_s(in_bytes, n, link))
     return seconds
 
 
 def all_reduce_s(mesh: LogicalMesh, axes: Sequence[str] | str, nbytes: float) -> float:
-    """All-reduce ``nbytes`` per device over ``axes``; one axis is a plain ring, several are hierarchical."""
+    """All-reduce ``nbytes`` per device over ``axes``: one ring per axis, or, over several axes, the
+    cheaper of the hierarchical reduce-scatter + all-gather and one flat ring over the whole group."""
     found = _axes(mesh, axes)
     if len(found) == 1:
         return ring_all_reduce_s(nbytes, found[0].size, found[0].link)
-    return reduce_scatter_s(mesh, axes, nbytes) + all_gather_s(mesh, axes, nbytes)
+    n, link = _flat(found, mesh)
+    return min(reduce_scatter_s(mesh, axes, nbytes) + all_gather_s(mesh, axes, nbytes),
+               ring_all_reduce_s(nbytes, n, link))
 
 
 def all_to_all_s(mesh: LogicalMesh, axes: Sequence[str] | str, nbytes: float) -> float:
@@ -117,6 +142,26 @@ def all_to_all_s(mesh: LogicalMesh, axes: Sequence[str] | str, nbytes: float) ->
         direct += ((a.size - 1) / before * nbytes / a.link.bandwidth_bytes_per_s
                    + (a.size - 1) * after * a.link.latency_s)
     return min(hierarchical, direct)
+
+
+_BY_KIND = {"all-reduce": "all_reduce_s", "all-gather": "all_gather_s", "reduce-scatter": "reduce_scatter_s",
+            "all-to-all": "all_to_all_s"}
+
+
+def collective_s(mesh: LogicalMesh, collective: Collective) -> float:
+    """Seconds of one collective (its ``nbytes`` as HLO shows it) under this model; a collective-permute
+    is one point-to-point message on the slowest link among its axes."""
+    if collective.kind == "collective-permute":
+        links = [mesh.axis(a).link for a in collective.axes if mesh.axis(a).size > 1]
+        slowest = min(links, key=lambda link: link.bandwidth_bytes_per_s, default=None)
+        return 0.0 if slowest is None else point_to_point_s(collective.nbytes, slowest)
+    return globals()[_BY_KIND[collective.kind]](mesh, collective.axes, collective.nbytes)
+
+
+def latency_s(mesh: LogicalMesh, collective: Collective) -> float:
+    """The part of ``collective_s`` that does not depend on the bytes: what a combined collective pays
+    once for all its members (XLA's all-reduce combiner)."""
+    return collective_s(mesh, Collective(collective.kind, collective.axes, 0.0))
 
 
 def send_s(cluster: ClusterSpec, nbytes: float, *, cross_node: bool) -> float:

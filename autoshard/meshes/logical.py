@@ -1,12 +1,20 @@
-"""Logical meshes over a cluster: named axes, each mapped to the link level it crosses.
+"""Logical meshes over a cluster: named axes, each mapped to the link its collectives run at.
 
 Devices are laid out row-major over the mesh axes (the last axis varies
 fastest), the way ``jax.make_mesh`` and ``mesh_utils`` order a single-slice
 device list. An axis whose device groups stay inside one node uses the
-intra-node link; one whose groups span nodes uses the inter-node link.
+intra-node link. A group that spans nodes with m members on each node drives
+m NICs at once (rail-optimized clusters: one NIC per device; NCCL splits a
+ring over m channels, one per rail), so its node-crossing bandwidth is m times
+the per-device inter-node bandwidth, capped by the intra-node link the ring
+also crosses: ``group_link`` gives that link for any set of axes, and each
+axis's ``link`` is its own group's. A group with one member per node gets one
+NIC. ``meshes/cost.py`` prices a collective over several axes as the cheaper
+of that one flat ring and the hierarchical algorithm, axis by axis.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,13 +64,43 @@ class LogicalMesh:
             axes = (axes,)
         return int(np.prod([self.axis(a).size for a in axes], dtype=np.int64))
 
+    def group_link(self, axes: tuple[str, ...] | str) -> LinkLevel:
+        """The link one flat ring over the device groups of ``axes`` runs at (module docstring)."""
+        return _cached_group_link(self, (axes,) if isinstance(axes, str) else tuple(axes))
+
     def __str__(self) -> str:
         return "(" + ", ".join(map(str, self.axes)) + f") on {self.cluster.name}"
 
 
+@functools.lru_cache(maxsize=4096)
+def _cached_group_link(mesh: LogicalMesh, axes: tuple[str, ...]) -> LinkLevel:
+    grid = np.asarray(mesh.device_indices).reshape(mesh.shape)
+    return group_link(mesh.cluster, grid, [mesh.axis_names.index(a) for a in axes])
+
+
+def _groups(grid: np.ndarray, dims: list[int]) -> np.ndarray:
+    """[groups, members]: the devices that differ only along ``dims``."""
+    rest = [d for d in range(grid.ndim) if d not in dims]
+    moved = np.transpose(grid, rest + dims)
+    return moved.reshape(-1, int(np.prod([grid.shape[d] for d in dims], dtype=np.int64)))
+
+
+def group_link(cluster: ClusterSpec, grid: np.ndarray, dims: list[int]) -> LinkLevel:
+    """The intra-node link, or, for groups that span nodes with m members per node, the inter-node
+    link at m times its per-device bandwidth (at most the intra-node bandwidth)."""
+    groups = _groups(grid, dims) // cluster.devices_per_node
+    if not (groups != groups[:, :1]).any():
+        return cluster.intra_node
+    members = max(int(np.unique(row, return_counts=True)[1].max()) for row in groups)
+    inter, intra = cluster.inter_node, cluster.intra_node
+    if members <= 1:
+        return inter
+    bandwidth = min(intra.bandwidth_bytes_per_s, members * inter.bandwidth_bytes_per_s)
+    return LinkLevel(f"{inter.name}x{members}", bandwidth, inter.latency_s)
+
+
 def _crosses_nodes(cluster: ClusterSpec, grid: np.ndarray, axis: int) -> bool:
-    moved = np.moveaxis(grid, axis, -1).reshape(-1, grid.shape[axis])
-    nodes = moved // cluster.devices_per_node
+    nodes = _groups(grid, [axis]) // cluster.devices_per_node
     return bool((nodes != nodes[:, :1]).any())
 
 
@@ -89,10 +127,8 @@ def make_logical_mesh(
         raise ValueError(f"mesh {shape} needs {size} devices, got {len(device_indices)} device indices")
     grid = np.asarray(device_indices).reshape(shape)
     crossing = [_crosses_nodes(cluster, grid, i) for i in range(len(shape))]
-    axes = tuple(
-        MeshAxis(name, n, cluster.inter_node if crossing[i] else cluster.intra_node, crossing[i])
-        for i, (name, n) in enumerate(zip(axis_names, shape))
-    )
+    axes = tuple(MeshAxis(name, n, group_link(cluster, grid, [i]), crossing[i])
+                 for i, (name, n) in enumerate(zip(axis_names, shape)))
     return LogicalMesh(axes=axes, cluster=cluster, device_indices=tuple(int(d) for d in device_indices))
 
 

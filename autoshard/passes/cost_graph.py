@@ -23,7 +23,11 @@ import numpy as np
 
 from autoshard.ir.graph import OpGraph, Role, Value, ValueId, dtype_itemsize
 from autoshard.ir.spec import Spec
+from autoshard.meshes import cost
 from autoshard.meshes.logical import LogicalMesh
+from autoshard.passes.hbm_traffic import compute_dtype, op_traffic, strategy_compute_s, strategy_hbm_bytes
+from autoshard.passes.ilp.problem import SharedCharge
+from autoshard.passes.liveness import OpKind, op_kind
 from autoshard.passes.memory_model import liveness_intervals, materialized_values
 from autoshard.passes.resharding import reshard_cost_matrix, spec_options
 from autoshard.passes.simplify import NodeClasses, build_classes, op_token
@@ -57,6 +61,19 @@ class IntraOpOptions:
     # strategy that does not is forbidden (the data-parallel baselines keep the batch split through the step)
     required_splits: Mapping[ValueId, tuple[tuple[int, ...], tuple[str, ...]]] = field(default_factory=dict)
 
+
+
+def late_reductions(graph: OpGraph) -> frozenset[int]:
+    """Ops whose results reach no contraction, reduction or other unfusible op: the partial sums they
+    reduce (the gradients of a data-parallel step) are independent of each other, and XLA's all-reduce
+    combiner issues them as one collective (``passes/buffer_rules.combine_all_reduces``)."""
+    consumers = graph.consumers()
+    feeds: list[bool] = [False] * len(graph.ops)
+    index = {id(op): t for t, op in enumerate(graph.ops)}
+    for t in range(len(graph.ops) - 1, -1, -1):
+        users = [c for v in graph.ops[t].outputs for c in consumers.get(v, ())]
+        feeds[t] = any(op_kind(c) in (OpKind.OPAQUE, OpKind.REDUCTION) or feeds[index[id(c)]] for c in users)
+    return frozenset(t for t in range(len(graph.ops)) if not feeds[t])
 
 
 def input_strategies(graph: OpGraph, mesh: LogicalMesh, options: IntraOpOptions) -> list[list[Strategy]]:
@@ -109,11 +126,39 @@ class CostGraph:
             for k, vid in enumerate(op.outputs):
                 self.producer[vid] = (self.num_inputs + j, k)
         self.sizes = dict(zip(mesh.axis_names, mesh.shape))
+        self.traffic = op_traffic(graph)
+        self.late = late_reductions(graph)
         self._edge_cache: dict[tuple, np.ndarray] = {}
+        self._compute_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self.budget_probes: dict[tuple[float, float], float] = {}  # intra_op: smallest budgets already found
+
+    def op_work(self, j: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per strategy of op ``j`` (its own list, not its class's): fused compute seconds and HBM bytes."""
+        op, strategies = self.graph.ops[j], self.strategies[self.num_inputs + j]
+        key = (id(strategies), self.traffic[j], compute_dtype(op, self.graph))
+        if key not in self._compute_cache:
+            hbm = np.array([strategy_hbm_bytes(self.graph, op, self.traffic[j], s.in_specs, s.out_specs, self.sizes)
+                            for s in strategies])
+            flops = np.array([s.flops for s in strategies])
+            self._compute_cache[key] = (strategy_compute_s(self.mesh.cluster, flops, hbm, key[2]), hbm)
+        return self._compute_cache[key]
+
+    def comm_s(self, j: int, strategy: Strategy) -> float:
+        """The strategy's own collectives; for a late reduction (``late_reductions``) without their
+        latency, which the combined all-reduce pays once for all of them."""
+        if j not in self.late or not strategy.collectives:
+            return strategy.comm_s
+        return max(0.0, strategy.comm_s - sum(cost.latency_s(self.mesh, c) for c in strategy.collectives))
 
     # per-node views indexed by class strategy
     def node_cost(self, node: int) -> np.ndarray:
-        own = np.array([s.cost_s for s in self.strategies[node]])
+        """Fused compute plus the strategy's own collectives, per strategy of the node's class."""
+        strategies = self.strategies[node]
+        if node < self.num_inputs:
+            own = np.array([s.comm_s for s in strategies])
+        else:
+            j = node - self.num_inputs
+            own = np.array([self.comm_s(j, s) for s in strategies]) + self.op_work(j)[0]
         return own[self.classes.strategy_map[node]]
 
     def out_specs(self, node: int, pos: int) -> list[Spec]:
@@ -193,6 +238,31 @@ def class_costs_and_edges(cg: CostGraph) -> tuple[list[np.ndarray], list[ClassEd
         else:
             pair_cost[key] = m.copy()
     return class_cost, [(u, v, m) for (u, v), m in pair_cost.items() if np.any(m != 0)]
+
+
+def combined_latency_charges(cg: CostGraph) -> list[SharedCharge]:
+    """One shared charge per combined reduction: the latency that the late reductions (``late_reductions``:
+    priced without it in ``node_cost``) over the same axes, with the same reduction, pay once together,
+    charged when any class chooses a strategy that runs one. Reduce-scatters join the all-reduces' group
+    (XLA:CPU runs them as an all-reduce and a slice; the combined all-reduce carries them)."""
+    members: dict[tuple, dict[int, np.ndarray]] = {}
+    latency: dict[tuple, float] = {}
+    cls = cg.classes
+    for j in sorted(cg.late):
+        node = cg.num_inputs + j
+        strategies, own = cg.strategies[node], cls.strategy_map[node]
+        c = int(cls.node_class[node])
+        for a, i in enumerate(own):
+            s = strategies[i]
+            for col in s.collectives:
+                if col.kind not in ("all-reduce", "reduce-scatter"):
+                    continue
+                key = ("all-reduce", col.axes, s.reduction)  # XLA combines reduce-scatters with them
+                mask = members.setdefault(key, {}).setdefault(c, np.zeros(len(own), dtype=bool))
+                mask[a] = True
+                latency[key] = max(latency.get(key, 0.0), cost.latency_s(cg.mesh, col))
+    return [SharedCharge(f"combined {key[0]}[{','.join(key[1])}]", latency[key], tuple(members[key].items()))
+            for key in members if latency[key] > 0]
 
 
 def forbid_unsplit(cg: CostGraph, class_cost: list[np.ndarray]) -> None:

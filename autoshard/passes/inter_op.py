@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autoshard.meshes.cluster import ClusterSpec
-from autoshard.meshes.cost import all_reduce_s, point_to_point_s, ring_all_gather_s, roofline_s
+from autoshard.meshes.cost import all_reduce_s, point_to_point_s, ring_all_gather_s
 from autoshard.meshes.logical import make_logical_mesh
 from autoshard.passes.layers import Layer
 from autoshard.passes.stages import StagePlan, StageProblem, SubmeshShape, microbatch_choices
@@ -62,7 +62,6 @@ class InterOpOptions:
     submeshes: tuple[SubmeshShape, ...] | None = None  # None: submesh_candidates(cluster)
     recompute: bool = False  # the backward recomputes the forward (PipelineStep(recompute=True)); default: keeps residuals
     min_stages: int = 1  # 2: exclude the one-stage plan (compared with the SPMD planner instead)
-    dtype: str = "float32"  # compute dtype for the roofline
 
 
 def submesh_candidates(cluster: ClusterSpec, num_devices: int) -> tuple[SubmeshShape, ...]:
@@ -94,7 +93,8 @@ def cross_mesh_send_s(cluster: ClusterSpec, nbytes: float, src_devices: int, dst
 
 @dataclass(frozen=True)
 class LayerWork:
-    """Per op of one layer's forward + backward graph: FLOPs and bytes as w + a * share.
+    """Per op of one layer's forward + backward graph: FLOPs and fused HBM bytes as w + a * share, and
+    the peak FLOP/s of the op's compute dtype.
 
     ``share`` is the fraction of the full batch one device computes (1 / (B n')); the fixed
     parts (weights read, weight gradients written) do not shrink with it. Obtained by tracing the
@@ -105,11 +105,13 @@ class LayerWork:
     flops_scaled: np.ndarray
     bytes_fixed: np.ndarray
     bytes_scaled: np.ndarray
+    peak_flops: np.ndarray
 
-    def time_s(self, share: float, cluster: ClusterSpec, dtype: str = "float32") -> float:
+    def time_s(self, share: float, cluster: ClusterSpec) -> float:
         """Sum of per-op rooflines, the intra-op pass's compute model, at this batch share."""
-        return float(roofline_s(cluster, self.flops_fixed + self.flops_scaled * share,
-                                self.bytes_fixed + self.bytes_scaled * share, dtype).sum())
+        flops = (self.flops_fixed + self.flops_scaled * share) / self.peak_flops
+        hbm = (self.bytes_fixed + self.bytes_scaled * share) / cluster.memory_bandwidth_bytes_per_s
+        return float(np.maximum(flops, hbm).sum())
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,7 @@ def price_stages(layers: Sequence[Layer], param_leaf_bytes: Sequence[float], inp
     bs = microbatch_choices(global_batch, options.max_microbatches)
     if options.num_microbatches is not None and options.num_microbatches not in bs:
         bs = tuple(sorted({*bs, options.num_microbatches}))
-    flops = np.array([layer.forward_s(cluster, options.dtype) for layer in layers])
+    flops = np.array([layer.forward_s(cluster) for layer in layers])
     acts = np.array([layer.act_bytes for layer in layers])
     cum_f, cum_a = np.concatenate([[0], np.cumsum(flops)]), np.concatenate([[0], np.cumsum(acts)])
     in_bytes = [input_bytes] + [layer.out_bytes for layer in layers[:-1]]
@@ -163,7 +165,7 @@ def price_stages(layers: Sequence[Layer], param_leaf_bytes: Sequence[float], inp
     layer_time: dict[int, np.ndarray] = {}  # B n' -> per-layer forward + backward seconds
     if work is not None:
         shares = {b * (n * p if (global_batch // b) % (n * p) == 0 else 1) for b in bs for n, p in subs}
-        layer_time = {d: np.array([w.time_s(1.0 / d, cluster, options.dtype) for w in work]) for d in shares}
+        layer_time = {d: np.array([w.time_s(1.0 / d, cluster) for w in work]) for d in shares}
     for k, (nodes, per) in enumerate(subs):
         n = nodes * per
         mesh = make_logical_mesh(cluster, (n,), device_indices=tuple(range(n))) if nodes == 1 else \

@@ -21,9 +21,11 @@ import numpy as np
 from jax.extend import core as jcore
 
 from autoshard.errors import PlanningError
+from autoshard.ir.graph import Op, Role, Value
 from autoshard.ir.split import Forward, VarId
 from autoshard.meshes.cluster import ClusterSpec
 from autoshard.meshes.cost import roofline_s
+from autoshard.passes.strategies.base import op_dtype
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +43,13 @@ class Layer:
     act_bytes: float  # bytes of everything it produces (what a forward keeps for backward, at full batch)
     out_bytes: float  # bytes crossing the cut after it (0 for the last layer)
     structure: str  # hash of its equations and shapes: equal layers are priced once
-    op_costs: tuple[tuple[float, float], ...] = ()  # (flops, bytes accessed) per equation, for rooflines
+    # per equation: (flops, bytes read and written, the dtype whose peak it runs at), for rooflines
+    op_costs: tuple[tuple[float, float, str], ...] = ()
 
-    def forward_s(self, cluster: ClusterSpec, dtype: str = "float32") -> float:
-        """Forward seconds at the full batch on one device: the sum of per-op rooflines."""
-        costs = np.asarray(self.op_costs, dtype=float).reshape(-1, 2)
-        return float(roofline_s(cluster, costs[:, 0], costs[:, 1], dtype).sum())
+    def forward_s(self, cluster: ClusterSpec) -> float:
+        """Forward seconds at the full batch on one device: the sum of per-op rooflines (every operand
+        through HBM: an upper bound used where the traced forward + backward is not available)."""
+        return float(sum(roofline_s(cluster, f, b, dtype) for f, b, dtype in self.op_costs))
 
 
 def crossing_bytes(forward: Forward, order: Sequence[int]) -> np.ndarray:
@@ -168,6 +171,16 @@ def _make_layer(forward: Forward, index: int, members: tuple[int, ...], out_byte
         digest.update(f"{e.eqn.primitive.name}{ins}{params_str}".encode())
     return Layer(index, members, float(sum(forward.eqns[i].flops for i in members)), tuple(sorted(params)),
                  act, out_bytes, digest.hexdigest()[:16],
-                 tuple((forward.eqns[i].flops, forward.eqns[i].nbytes) for i in members))
+                 tuple((forward.eqns[i].flops, forward.eqns[i].nbytes, _peak_dtype(forward, i)) for i in members))
+
+
+def _peak_dtype(forward: Forward, i: int) -> str:
+    """``strategies.base.op_dtype`` of a forward equation."""
+    e = forward.eqns[i]
+    ins = [Value(-1, tuple(getattr(a, "aval", a).shape), str(getattr(a, "aval", a).dtype), Role.ACTIVATION)
+           for a in e.eqn.invars[:1]]
+    outs = [Value(-1, tuple(forward.avals[v].shape), str(forward.avals[v].dtype), Role.ACTIVATION) for v in e.outs[:1]]
+    op = Op(-1, e.eqn.primitive.name, dict(e.eqn.params), (), (), e.flops, e.nbytes)
+    return op_dtype(op, ins, outs)
 
 

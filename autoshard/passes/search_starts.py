@@ -21,7 +21,7 @@ from autoshard.ir.graph import Role
 from autoshard.ir.spec import Spec
 from autoshard.passes.classic import classic_layouts
 from autoshard.passes.cost_graph import ClassEdge, CostGraph, MemoryPoints
-from autoshard.passes.ilp.problem import IlpProblem, evaluate
+from autoshard.passes.ilp.problem import IlpProblem, SharedCharge, evaluate
 from autoshard.passes.ilp.search import local_search
 from autoshard.passes.strategies import Strategy
 
@@ -68,7 +68,8 @@ def _replicated_start(cg: CostGraph) -> np.ndarray | None:
 
 
 def best_start(cg: CostGraph, class_cost: list[np.ndarray], edges: list[ClassEdge],
-               points: MemoryPoints, start: np.ndarray | None) -> np.ndarray:
+               points: MemoryPoints, start: np.ndarray | None, budget_bytes: float | None = None,
+               charges: tuple[SharedCharge, ...] = ()) -> np.ndarray:
     """The best of several greedy starts after ICM: batch over all axes / each axis / none, state
     replicated or sharded, the classic strategies' layouts and the ``start_layouts``. One start only
     reaches one basin: on the GPT example the best plan differs from the data-parallel start in most
@@ -76,7 +77,9 @@ def best_start(cg: CostGraph, class_cost: list[np.ndarray], edges: list[ClassEdg
     probe = IlpProblem(
         node_names=tuple(str(c) for c in range(cg.classes.num_classes)), node_costs=tuple(class_cost),
         edges=tuple((u, v) for u, v, _ in edges), edge_costs=tuple(m for _, _, m in edges),
-        memory_points=points, memory_budget_bytes=cg.options.memory_budget_bytes,
+        memory_points=points,
+        memory_budget_bytes=budget_bytes if budget_bytes is not None else cg.options.memory_budget_bytes,
+        charges=charges,
     )
     axes = [a for a in cg.mesh.axis_names if cg.sizes[a] > 1]
     batch_choices: list[tuple[str, ...] | None] = [None, *[(a,) for a in axes], ()]

@@ -42,10 +42,29 @@ class Ledger:
     memory_by_kind: Mapping[str, float]  # per device at the peak: param, opt_state, batch, activation, resharded, ...
     collective_bytes: Mapping[str, float]  # predicted per-device bytes by collective kind
     compute_lower_bound_s: float  # total FLOPs / (devices x peak)
+    # predicted per device per step, checked against the compiled program's cost_analysis() (verify)
+    flops_per_device: float = 0.0  # XLA's count: transcendentals and data movement are not FLOPs
+    hbm_bytes_per_device: float = 0.0  # bytes read + written through HBM, as XLA fuses (collectives included)
+    # compute_s split by what bounds each op's roofline: FLOPs at peak, or bytes at HBM bandwidth
+    compute_bound_s: float = 0.0
+    memory_bound_s: float = 0.0
 
     @property
     def step_s(self) -> float:
         return self.compute_s + self.comm_s + self.reshard_s + self.bubble_s
+
+    @property
+    def communication_s(self) -> float:
+        """Collectives inside ops and resharding between them."""
+        return self.comm_s + self.reshard_s
+
+    def bound_shares(self) -> dict[str, float]:
+        """Fractions of the step that are compute-bound, memory-bound, communication and bubble."""
+        total = self.step_s
+        if total <= 0:
+            return {}
+        return {"compute-bound": self.compute_bound_s / total, "memory-bound": self.memory_bound_s / total,
+                "communication": self.communication_s / total, "bubble": self.bubble_s / total}
 
 
 @dataclass(frozen=True)

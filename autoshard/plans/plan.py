@@ -100,6 +100,10 @@ class Plan:
             f"collectives {led.comm_s * 1e3:.3f}, resharding {led.reshard_s * 1e3:.3f}, bubble {led.bubble_s * 1e3:.3f})",
             f"  compute bound     {led.compute_lower_bound_s * 1e3:10.3f} ms  "
             f"({led.compute_lower_bound_s / led.step_s:.0%} of it reached)" if led.step_s > 0 else "",
+            "  time split        " + ", ".join(f"{k} {v:.0%}" for k, v in led.bound_shares().items() if v > 0)
+            if led.compute_bound_s or led.memory_bound_s else "",
+            f"  per device        {led.flops_per_device:.3g} FLOP, {fmt_bytes(led.hbm_bytes_per_device)} through HBM"
+            if led.flops_per_device else "",
             f"  peak memory       {led.peak_memory_bytes / GIB:10.4f} GiB per device (budget "
             f"{self.memory_budget_bytes / GIB:.2f} GiB): "
             + ", ".join(f"{k} {v / GIB:.4f}" for k, v in sorted(led.memory_by_kind.items())),

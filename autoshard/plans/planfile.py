@@ -314,9 +314,10 @@ def _record(cls: type, data: Mapping[str, Any], where: str, *, partial: bool = F
 
     ``partial``: only the number, string and mapping fields are type-checked (the caller converts the rest).
     """
-    names = [f.name for f in dataclasses.fields(cls)
-             if not (partial and f.default is not dataclasses.MISSING)]
-    missing = [n for n in names if n not in data]
+    names = [f.name for f in dataclasses.fields(cls)]
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [n for n in required if n not in data]
     if missing:
         raise PlanFileError(f"{where}: missing field(s) {missing}")
     unknown = sorted(set(data) - set(names))

@@ -24,3 +24,21 @@ def test_predicted_collectives_match_compiled_hlo(model, mesh, devices8):
     for kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"):
         rows = [r for r in report.rows if r.what == f"{kind} bytes"]
         assert all(r.ok for r in rows), str(report)
+
+
+COMPUTE_CASES = [(m, s) for m in ("gpt", "moe", "convnet") for s in ((2, 4), (1, 8), (8, 1))]
+
+
+@pytest.mark.parametrize("model, mesh", COMPUTE_CASES, ids=[f"{m}-{'x'.join(map(str, s))}" for m, s in COMPUTE_CASES])
+def test_predicted_flops_and_hbm_bytes_match_cost_analysis(model, mesh, devices8):
+    """The ledger's per-device FLOPs (5%) and HBM bytes (20%) against the compiled program's cost_analysis().
+
+    On cpu-8 (slow compute against its links) the plans shard the small models."""
+    work = importlib.import_module(f"examples.{model}").workload("small", abstract=True)
+    step = autoshard.autoshard(work.step, mesh=mesh, cluster="cpu-8", num_stages=1,
+                               options=IntraOpOptions(time_limit_s=1.0))
+    compiled = step.lower(*work.args).compile()
+    report = verify_compiled(step.plan, compiled)
+    flops, hbm = report.row("flops per device"), report.row("hbm bytes per device")
+    assert flops.rel_error <= 0.05, str(report)
+    assert hbm.rel_error <= 0.20, str(report)

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
+from dataclasses import replace
 
 from autoshard.meshes import cost
 from autoshard.meshes.cluster import PRESETS, ClusterSpec, LinkLevel, get_cluster
@@ -126,8 +128,52 @@ def test_roofline():
     assert cost.roofline_s(cluster, 1e9, 3e12) == pytest.approx(3.0)  # memory-bound
     a100 = PRESETS["1x8-a100"]
     assert cost.roofline_s(a100, 312e12, 0, "bfloat16") == pytest.approx(1.0)
-    assert cost.roofline_s(a100, 156e12, 0, "float32") == pytest.approx(1.0)
-    assert cost.roofline_s(a100, 156e12, 0, "int8") == pytest.approx(1.0)  # unknown dtype: float32's rate
+    assert cost.roofline_s(a100, 156e12, 0, "tfloat32") == pytest.approx(1.0)  # f32 dots on tensor cores
+    assert cost.roofline_s(a100, 19.5e12, 0, "float32") == pytest.approx(1.0)
+    assert cost.roofline_s(a100, 19.5e12, 0, "int8") == pytest.approx(1.0)  # unknown dtype: float32's rate
+    assert cost.roofline_s(PRESETS["cpu-8"], 50e9, 0, "tfloat32") == pytest.approx(1.0)  # no TF32: float32
+    flops, hbm = np.array([312e12, 1e9]), np.array([0.0, 4e12])
+    np.testing.assert_allclose(cost.roofline_s(a100, flops, hbm, "bfloat16"), [1.0, 2.0])  # one per op
+
+
+def test_dots_run_at_their_operands_peak_tf32_unless_highest():
+    import jax
+    import jax.numpy as jnp
+
+    from autoshard.ir.trace import trace
+    from autoshard.passes.hbm_traffic import compute_dtype
+
+    f32, bf16 = jax.ShapeDtypeStruct((8, 8), jnp.float32), jax.ShapeDtypeStruct((8, 8), jnp.bfloat16)
+    cases = [
+        (lambda a, b: a @ b, (f32, f32), "tfloat32"),
+        (lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST), (f32, f32), "float32"),
+        (lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32), (bf16, bf16), "bfloat16"),
+        (lambda a, b: a + b, (f32, f32), "float32"),
+    ]
+    for fn, args, want in cases:
+        graph = trace(fn, *args)
+        op = next(o for o in graph.ops if o.primitive in ("dot_general", "add"))
+        assert compute_dtype(op, graph) == want, (op, want)
+
+
+def test_groups_across_nodes_drive_one_nic_per_member_on_each_node():
+    a100 = PRESETS["2x8-a100"]  # 8 GPUs per node, 25 Gbit/s NIC per GPU, NVLink 300 GB/s
+    nic, nvlink = a100.inter_node.bandwidth_bytes_per_s, a100.intra_node.bandwidth_bytes_per_s
+    one_axis = make_logical_mesh(a100, (16,))
+    assert one_axis.axes[0].link.bandwidth_bytes_per_s == pytest.approx(8 * nic)  # 8 members per node: 8 NICs
+    two = make_logical_mesh(a100, (2, 8))
+    assert two.axis("x").link.bandwidth_bytes_per_s == pytest.approx(nic)  # one member per node: one NIC
+    assert two.axis("y").link.bandwidth_bytes_per_s == pytest.approx(nvlink)
+    assert two.group_link(("x", "y")).bandwidth_bytes_per_s == pytest.approx(8 * nic)
+    assert make_logical_mesh(a100, (4, 4)).axis("x").link.bandwidth_bytes_per_s == pytest.approx(2 * nic)
+    fast = replace(a100, inter_node=replace(a100.inter_node, bandwidth_bytes_per_s=100e9))
+    assert make_logical_mesh(fast, (16,)).axes[0].link.bandwidth_bytes_per_s == pytest.approx(nvlink)  # capped
+    # an all-reduce over both axes takes the cheaper of the flat 8-NIC ring and the hierarchical algorithm
+    nbytes = 64e6
+    flat = cost.ring_all_reduce_s(nbytes, 16, two.group_link(("x", "y")))
+    hierarchical = cost.reduce_scatter_s(two, ("x", "y"), nbytes) + cost.all_gather_s(two, ("x", "y"), nbytes)
+    assert cost.all_reduce_s(two, ("x", "y"), nbytes) == pytest.approx(min(flat, hierarchical))
+    assert cost.all_reduce_s(one_axis, "x", nbytes) == pytest.approx(flat)
 
 
 # ----------------------------------------------------------------------------- logical meshes
@@ -139,7 +185,7 @@ def test_two_nodes_of_eight():
     assert mesh.axis("y").link == PRESETS["2x8-a100"].intra_node  # y stays in a node: NVLink
     assert cost.all_gather_s(mesh, "x", GIB) > 10 * cost.all_gather_s(mesh, "y", GIB)
     flat = make_logical_mesh(PRESETS["2x8-a100"], (16,))
-    assert flat.axis("x").link == PRESETS["2x8-a100"].inter_node
+    assert flat.axis("x").crosses_nodes and flat.axis("x").link.name == "ethernetx8"  # 8 NICs per node
     inside = make_logical_mesh(PRESETS["2x8-a100"], (8,))  # the first node only
     assert inside.axis("x").link == PRESETS["2x8-a100"].intra_node
 
@@ -147,11 +193,15 @@ def test_two_nodes_of_eight():
 def test_eight_devices_on_two_nodes_of_four_cross():
     cluster = PRESETS["2x8-a100"].with_devices(2, 4)
     assert cluster.num_devices == 8
-    assert make_logical_mesh(cluster, (8,)).axis("x").link == cluster.inter_node
+    nic = cluster.inter_node.bandwidth_bytes_per_s
+    one = make_logical_mesh(cluster, (8,)).axis("x")
+    assert one.crosses_nodes and one.link.bandwidth_bytes_per_s == pytest.approx(4 * nic)  # 4 members per node
     mesh = make_logical_mesh(cluster, (2, 4))
     assert (mesh.axis("x").link, mesh.axis("y").link) == (cluster.inter_node, cluster.intra_node)
-    mesh = make_logical_mesh(cluster, (4, 2))  # x pairs devices 0,2,4,6: crosses; y pairs 0,1: does not
-    assert (mesh.axis("x").link, mesh.axis("y").link) == (cluster.inter_node, cluster.intra_node)
+    mesh = make_logical_mesh(cluster, (4, 2))  # x groups devices 0,2,4,6: two per node; y pairs 0,1: one node
+    assert mesh.axis("x").crosses_nodes and not mesh.axis("y").crosses_nodes
+    assert mesh.axis("x").link.bandwidth_bytes_per_s == pytest.approx(2 * nic)
+    assert mesh.axis("y").link == cluster.intra_node
 
 
 @pytest.mark.parametrize("shape", [(6,), (2, 3), (3, 2), (1, 6)])
@@ -172,8 +222,10 @@ def test_twelve_devices_on_eight_device_nodes_span_two_nodes():
     assert (cluster.num_nodes, cluster.devices_per_node) == (2, 6)
     mesh = make_logical_mesh(cluster, (2, 6))
     assert (mesh.axis("x").link, mesh.axis("y").link) == (cluster.inter_node, cluster.intra_node)
-    assert make_logical_mesh(cluster, (12,)).axis("x").link == cluster.inter_node
-    assert make_logical_mesh(cluster, (3, 4)).axis("x").link == cluster.inter_node
+    nic = cluster.inter_node.bandwidth_bytes_per_s
+    assert make_logical_mesh(cluster, (12,)).axis("x").link.bandwidth_bytes_per_s == pytest.approx(6 * nic)
+    x = make_logical_mesh(cluster, (3, 4)).axis("x")  # x groups 0, 4, 8: nodes 0, 0, 1
+    assert x.crosses_nodes and x.link.bandwidth_bytes_per_s == pytest.approx(2 * nic)
 
 
 def test_mesh_errors():

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from autoshard.errors import InfeasibleMemoryError, PlanningError
-from autoshard.passes.ilp import IlpProblem, brute_force, evaluate, min_peak_memory, solve
+from autoshard.passes.ilp import IlpProblem, brute_force, evaluate, local_search, min_peak_memory, solve
+from autoshard.passes.ilp.problem import SharedCharge
 
 MS = 1e-3
 INF = np.inf
@@ -254,3 +255,58 @@ def test_malformed_problems_are_refused() -> None:
 def test_brute_force_refuses_big_problems() -> None:
     with pytest.raises(ValueError, match="refused"):
         brute_force(_medium_problem(seed=0))
+
+
+# ----------------------------------------------------------------------------- shared charges
+
+
+def _charged(charge_s: float) -> IlpProblem:
+    """Three gradient reductions: each replicated (0: 3 ms of compute) or split with an all-reduce
+    (1: 1 ms), the all-reduces combined into one whose latency ``charge_s`` is paid once.
+
+    all split: 1 + 1 + 1 + charge;  none split: 3 + 3 + 3 = 9;  a mix pays the charge and more compute.
+    charge 5 ms: all split, 8 ms.  charge 7 ms: none split, 9 ms."""
+    split = np.array([False, True])
+    return IlpProblem(
+        node_names=("g0", "g1", "g2"), node_costs=tuple(np.array([3.0, 1.0]) * MS for _ in range(3)),
+        edges=(), edge_costs=(), memory_points=(),
+        charges=(SharedCharge("combined all-reduce", charge_s * MS, ((0, split), (1, split), (2, split))),),
+    )
+
+
+@pytest.mark.parametrize("charge_s, want, total", [(5.0, [1, 1, 1], 8.0), (7.0, [0, 0, 0], 9.0)])
+def test_a_shared_charge_is_paid_once(charge_s, want, total) -> None:
+    problem = _charged(charge_s)
+    for result in (solve(problem), brute_force(problem)):
+        assert list(result.choices) == want
+        assert result.objective_s == pytest.approx(total * MS)
+    assert evaluate(problem, np.array([1, 0, 0])).charge_s == pytest.approx(charge_s * MS)
+    assert evaluate(problem, np.array([1, 1, 1])).charge_s == pytest.approx(charge_s * MS)  # once, not 3 times
+    assert evaluate(problem, np.array([0, 0, 0])).charge_s == 0.0
+
+
+def test_local_search_sees_shared_charges() -> None:
+    problem = _charged(5.0)
+    # from none split, one move at a time: the first split pays the whole charge (a move up), ICM alone stays
+    # put; the perturbation rounds find the all-split plan
+    assert list(local_search(problem, np.array([0, 0, 0]), iterations=0)) == [0, 0, 0]
+    assert list(local_search(problem, np.array([0, 0, 0]), iterations=50)) == [1, 1, 1]
+    # from all split, dropping one saves no latency: stays
+    assert list(local_search(problem, np.array([1, 1, 1]), iterations=0)) == [1, 1, 1]
+
+
+def test_random_problems_with_charges_match_brute_force() -> None:
+    rng = np.random.default_rng(7)
+    for instance in range(30):
+        base = _random_problem(rng)
+        charges = []
+        for k in range(int(rng.integers(1, 3))):
+            members = rng.choice(base.num_nodes, size=int(rng.integers(1, base.num_nodes + 1)), replace=False)
+            charges.append(SharedCharge(f"c{k}", float(rng.uniform(0, 1.5)), tuple(
+                (int(i), rng.random(len(base.node_costs[i])) < 0.5) for i in members)))
+        problem = dataclasses.replace(base, charges=tuple(charges))
+        expected, got = _outcome(brute_force, problem), _outcome(solve, problem)
+        assert type(got) is type(expected), (instance, expected, got)
+        if isinstance(expected, PlanningError):
+            continue
+        assert got.objective_s == pytest.approx(expected.objective_s, rel=1e-6, abs=1e-12), instance

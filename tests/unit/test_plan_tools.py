@@ -363,12 +363,15 @@ def test_verify_flags_figures_off_by_more_than_ten_percent():
 
     report = FidelityReport((FidelityRow("all-gather bytes", 115e3, 100e3, 0.10),
                              FidelityRow("all-reduce bytes", 1500.0, 1000.0, 0.10),  # 50% but only 500 bytes
-                             FidelityRow("peak memory bytes", 1.09e6, 1e6, 0.15)), summary=None)
-    assert [line.flagged for line in fidelity_lines(report)] == [True, False, False]
+                             FidelityRow("peak memory bytes", 1.09e6, 1e6, 0.15),
+                             FidelityRow("flops per device", 1.06e9, 1e9, 0.05, immaterial_bytes=0.0),  # 6% > 5%
+                             FidelityRow("hbm bytes per device", 1.15e9, 1e9, 0.20)), summary=None)  # 15% < 20%
+    assert [line.flagged for line in fidelity_lines(report)] == [True, False, False, True, False]
     console = Console(record=True, width=120, file=io.StringIO())
     console.print(fidelity_table(report, "plan 'p' predicted vs compiled"))
     text = console.export_text()
     assert "all-gather" in text and "OFF" in text and "15.0%" in text
+    assert "1.06e+09 FLOP" in text and "hbm bytes per device" in text
 
 
 def test_data_parallel_baselines_keep_the_batch_split_in_every_op(gpt_tiny):

@@ -40,7 +40,9 @@ def test_conv_flops():
     graph = trace(lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
                                                             dimension_numbers=("NHWC", "HWIO", "NHWC")), x, w)
     (op,) = graph.ops
-    assert op.flops == 2 * (2 * 8 * 8 * 16) * (3 * 3 * 3)
+    # 3x3 SAME on 8x8, per spatial dim: the two border outputs see 2 real taps (the third falls on
+    # padding, which XLA does not count), the six inner ones 3: 22 of 24; 22 * 22 over both dims
+    assert op.flops == 2 * 2 * 16 * 3 * (22 * 22)
 
 
 def test_elementwise_flops_are_element_counts():

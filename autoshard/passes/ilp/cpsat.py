@@ -14,6 +14,7 @@ Legend (single-letter names are used in this module only)
     A, B      a row group of R[e] (strategies of u with identical rows), a column group
     y[e,A,B]  boolean: edge e pays R[e,A,B]; only for allowed (finite) group pairs
     p         liveness point;  m[p,i,a] bytes;  K[p] constant bytes;  M budget bytes
+    z[k]      boolean: shared charge k is paid;  g[k] its cost
     P         peak bytes (min-peak model only)
     q         ticks per second (the objective scale)
 
@@ -35,8 +36,11 @@ Constraints (built in this order, one builder each, every constraint named)
     (e) memory      K[p] + sum_{i,a} m[p,i,a] s[i,a] <= M               every point p that can bind
     (e') peak       K[p] + sum_{i,a} m[p,i,a] s[i,a] <= P               min-peak model only
     (f) forbid      s[v,b] + sum_{a : C[e,a,b] = inf} s[u,a] <= 1        min-peak model only
+    (g) charge      s[i,a] - z[k] <= 0           every member choice (i, a) of shared charge k
 
-Objective: minimize sum_{i,a} c[i,a] s[i,a] + sum_{e,A,B} R[e,A,B] y[e,A,B], in ticks.
+Objective: minimize sum_{i,a} c[i,a] s[i,a] + sum_{e,A,B} R[e,A,B] y[e,A,B] + sum_k g[k] z[k], in ticks
+(g[k]: the cost of shared charge k, paid once when any member choice is taken: the latency of one
+combined all-reduce, say).
 
 (c)-(d) is Alpa's edge formulation (y is the product s[u,a] s[v,b]: with s integral,
 exactly y[e, group(a*), group(b*)] = 1, and a forbidden pair has no y, so it cannot be
@@ -98,7 +102,8 @@ def _to_ticks(seconds: np.ndarray, ticks_per_s: float) -> np.ndarray:
 def _ticks_per_s(red: Reduced) -> float:
     """q: the largest finite reduced cost becomes _TICKS_FOR_LARGEST_COST ticks."""
     largest = max([float(c.max()) for c in red.node_cost]
-                  + [float(m[np.isfinite(m)].max(initial=0.0)) for _, _, m in red.edges], default=0.0)
+                  + [float(m[np.isfinite(m)].max(initial=0.0)) for _, _, m in red.edges]
+                  + [cost for cost, _ in red.charges], default=0.0)
     return _TICKS_FOR_LARGEST_COST / largest if largest > 0 else 1.0
 
 
@@ -114,6 +119,7 @@ class _Model:
     names: tuple[str, ...]
     first_var: np.ndarray  # per node: proto index of s[i, 0]; -1 for a node fixed by presolve
     num_vars: int = 0
+    charge_vars: list[VarIndex] = dataclasses.field(default_factory=list)  # z[k] per open shared charge
 
     @property
     def proto(self) -> cp_model.cp_model_helper.CpModelProto:
@@ -261,8 +267,30 @@ def _add_peak_memory(model: _Model) -> VarIndex:  # (e')
     return peak
 
 
+def _add_charges(model: _Model) -> None:  # (g)
+    for k, (_cost, members) in enumerate(model.red.charges):
+        z = _add_bools(model, [f"z[charge {k}]"])
+        model.charge_vars.append(z)
+        for node, mask in members:
+            if model.first_var[node] < 0:
+                continue
+            for a in np.flatnonzero(mask):
+                _add_linear(model, f"charge[{k},{model.names[node]},{a}]", [model.s(node, int(a)), z], [1, -1],
+                            cp_model.INT_MIN, 0)
+
+
+def _charge_active(model: _Model, position: list[int]) -> list[bool]:
+    return [any(position[node] >= 0 and bool(mask[position[node]]) for node, mask in members)
+            for _cost, members in model.red.charges]
+
+
 def _set_objective(model: _Model, ticks_per_s: float, edge_vars: list[_EdgeVars]) -> None:
     objective = model.proto.objective
+    for z, (cost, _members) in zip(model.charge_vars, model.red.charges):
+        ticks = int(_to_ticks(np.array([cost]), ticks_per_s)[0])
+        if ticks:
+            objective.vars.append(z)
+            objective.coeffs.append(ticks)
     for i, first in enumerate(model.first_var):
         if first >= 0:
             ticks = _to_ticks(model.red.node_cost[i], ticks_per_s)
@@ -280,6 +308,8 @@ def _model_ticks(model: _Model, edge_vars: list[_EdgeVars], ticks_per_s: float, 
     position = [int(np.searchsorted(allowed, c)) for allowed, c in zip(model.red.allowed, choices)]
     ticks = sum(int(_to_ticks(model.red.node_cost[i], ticks_per_s)[position[i]])
                 for i in range(len(position)) if model.first_var[i] >= 0)
+    ticks += sum(int(_to_ticks(np.array([cost]), ticks_per_s)[0])
+                 for (cost, _m), on in zip(model.red.charges, _charge_active(model, position)) if on)
     return float(ticks + sum(int(e.ticks[e.row_group[position[e.u]], e.col_group[position[e.v]]]) for e in edge_vars))
 
 
@@ -300,6 +330,9 @@ def _add_hint(model: _Model, hint: np.ndarray, edge_vars: list[_EdgeVars]) -> No
             present = e.y[e.y >= 0]
             variables += present.tolist()
             values += (present == chosen).astype(int).tolist()
+    if all(k >= 0 for k in position):
+        variables += model.charge_vars
+        values += [int(on) for on in _charge_active(model, position)]
     model.proto.solution_hint.vars.extend(variables)
     model.proto.solution_hint.values.extend(values)
 
@@ -371,6 +404,12 @@ def min_peak_memory(problem: IlpProblem) -> float:
     return float(_min_peak(problem)[0])
 
 
+def min_peak_plan(problem: IlpProblem) -> tuple[float, np.ndarray]:
+    """(smallest peak, a plan that reaches it): the least memory any plan free of forbidden choices needs."""
+    peak, choices = _min_peak(problem)
+    return float(peak), choices
+
+
 def _infeasible(problem: IlpProblem) -> PlanningError:
     if problem.memory_budget_bytes is None:
         return _forbidden_error(problem)
@@ -386,6 +425,7 @@ def solve(problem: IlpProblem) -> IlpSolution:
     _add_one_hot(model)
     ticks_per_s = _ticks_per_s(red)
     edge_vars = _add_edge_costs(model, ticks_per_s)
+    _add_charges(model)
     budget = problem.memory_budget_bytes
     if budget is not None and not _add_memory_budget(model, budget):
         raise _infeasible(problem)

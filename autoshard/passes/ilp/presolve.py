@@ -3,10 +3,12 @@
 Exact: every plan keeps its objective; only impossible choices go. P1 arc consistency, P2 constants
 folded into their neighbours, P3 parallel edges summed and row/column minima moved into node costs,
 P4 node costs shifted so each node's cheapest strategy costs 0. Liveness-point bytes are rounded up to
-whole bytes with their fixed part moved into the point constants.
+whole bytes with their fixed part moved into the point constants; shared charges keep the members that
+can still incur them (one a fixed node incurs is a constant and leaves the model).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -24,6 +26,9 @@ class Reduced:
     edges: list[tuple[NodeIndex, NodeIndex, np.ndarray]]  # (u, v, R) over allowed x allowed; inf = forbidden
     point_terms: list[list[tuple[NodeIndex, np.ndarray]]]  # per point: int64 bytes over allowed, min = 0
     point_const: list[int]  # per point: whole bytes fixed by presolve (K rounded up + shifted minima)
+    # shared charges still open: (seconds, [(node, bool over allowed)]) with some free member choice incurring
+    # it and none fixed on it (a charge a fixed node incurs is a constant; one no allowed choice incurs is gone)
+    charges: list[tuple[float, list[tuple[NodeIndex, np.ndarray]]]] = dataclasses.field(default_factory=list)
 
 
 def no_strategy_error(problem: IlpProblem, node: int) -> PlanningError:
@@ -93,4 +98,10 @@ def presolve(problem: IlpProblem) -> Reduced:
                 kept.append((node, whole - low))
         point_terms.append(kept)
         point_const.append(const)
-    return Reduced(allowed, node_cost, edges, point_terms, point_const)
+    charges = []
+    for charge in problem.charges:
+        members = [(node, np.asarray(mask, dtype=bool)[allowed[node]]) for node, mask in charge.members]
+        members = [(node, mask) for node, mask in members if mask.any()]
+        if members and not any(len(allowed[node]) == 1 for node, _ in members):
+            charges.append((float(charge.cost_s), members))
+    return Reduced(allowed, node_cost, edges, point_terms, point_const, charges)

@@ -31,13 +31,27 @@ import numpy as np
 
 from autoshard.errors import InfeasibleMemoryError, PlanningError
 
-__all__ = ["Evaluation", "IlpProblem", "IlpSolution", "brute_force", "evaluate", "format_bytes", "memory_error"]
+__all__ = ["Evaluation", "IlpProblem", "IlpSolution", "SharedCharge", "brute_force", "evaluate", "format_bytes",
+           "memory_error"]
 
 log = logging.getLogger(__name__)
 
 NodeIndex: TypeAlias = int
 MemoryTerm: TypeAlias = tuple[NodeIndex, np.ndarray]  # (node, bytes per strategy)
-SolveStatus: TypeAlias = Literal["optimal", "feasible"]
+ChargeMember: TypeAlias = tuple[NodeIndex, np.ndarray]  # (node, bool per strategy: this choice incurs the charge)
+
+
+@dataclass(frozen=True, eq=False)
+class SharedCharge:
+    """A cost paid once if any member takes a marked strategy (one combined collective's latency)."""
+
+    name: str
+    cost_s: float
+    members: tuple[ChargeMember, ...]
+
+    def active(self, choices: np.ndarray) -> bool:
+        return any(bool(mask[choices[node]]) for node, mask in self.members)
+SolveStatus: TypeAlias = Literal["optimal", "feasible", "least-memory", "start"]
 
 _BRUTE_FORCE_LIMIT = 1_000_000
 _BYTES_REL_TOL = 1e-12  # float summation slack when comparing bytes with the budget
@@ -53,6 +67,7 @@ class IlpProblem:
     memory_budget_bytes: float | None = None  # per device; None: unconstrained
     memory_constant_bytes: tuple[float, ...] = ()  # per point, bytes no choice changes; () = zeros
     hint: np.ndarray | None = None  # one strategy per node, e.g. the data-parallel plan
+    charges: tuple[SharedCharge, ...] = ()  # costs paid once when any member choice is taken
     time_limit_s: float = 30.0  # CP-SAT wall-clock limit
     seed: int = 0  # CP-SAT random seed
     num_workers: int = 1  # CP-SAT workers; 1 is deterministic, >1 runs CP-SAT's portfolio (not)
@@ -82,11 +97,12 @@ class IlpSolution:
 
 @dataclass(frozen=True)
 class Evaluation:
-    objective_s: float  # node_s + edge_s; inf if a choice is forbidden or out of range
+    objective_s: float  # node_s + edge_s + charge_s; inf if a choice is forbidden or out of range
     node_s: float
     edge_s: float
     memory_bytes: tuple[float, ...]  # per liveness point, constant included
     violations: tuple[str, ...]  # human-readable; empty when the choice is a valid plan
+    charge_s: float = 0.0  # shared charges incurred
 
 
 def _validate(problem: IlpProblem) -> None:
@@ -124,6 +140,12 @@ def _validate(problem: IlpProblem) -> None:
         raise ValueError(f"hint must have one strategy per node ({n}), got shape {np.shape(problem.hint)}")
     if problem.memory_budget_bytes is not None and not math.isfinite(problem.memory_budget_bytes):
         raise ValueError(f"memory_budget_bytes must be finite or None, got {problem.memory_budget_bytes}")
+    for charge in problem.charges:
+        if not (math.isfinite(charge.cost_s) and charge.cost_s >= 0):
+            raise ValueError(f"charge {charge.name!r}: cost must be finite and >= 0, got {charge.cost_s}")
+        for node, mask in charge.members:
+            if not 0 <= node < n or np.shape(mask) != (len(problem.node_costs[node]),):
+                raise ValueError(f"charge {charge.name!r}: member {node} must be a node with one flag per strategy")
     if problem.time_limit_s <= 0 or problem.num_workers < 1:
         raise ValueError("time_limit_s must be > 0 and num_workers >= 1")
 
@@ -176,7 +198,10 @@ def evaluate(problem: IlpProblem, choices: np.ndarray) -> Evaluation:
         if budget is not None and _over_budget(total, budget):
             violations.append(f"over budget at liveness point {p} by {total - budget:.0f} bytes "
                               f"({format_bytes(total)} > {format_bytes(budget)})")
-    return Evaluation(node_s + edge_s, node_s, edge_s, tuple(memory), tuple(violations))
+    charge_s = 0.0
+    if all(in_range):
+        charge_s = float(sum(c.cost_s for c in problem.charges if c.active(choices)))
+    return Evaluation(node_s + edge_s + charge_s, node_s, edge_s, tuple(memory), tuple(violations), charge_s)
 
 
 def brute_force(problem: IlpProblem, max_combinations: int = _BRUTE_FORCE_LIMIT) -> IlpSolution:
@@ -198,6 +223,11 @@ def brute_force(problem: IlpProblem, max_combinations: int = _BRUTE_FORCE_LIMIT)
             objective = objective + np.asarray(costs, dtype=np.float64)[choices[:, i]]
         for (u, v), matrix in zip(problem.edges, problem.edge_costs):
             objective = objective + np.asarray(matrix, dtype=np.float64)[choices[:, u], choices[:, v]]
+        for charge in problem.charges:
+            active = np.zeros(len(idx), dtype=bool)
+            for node, mask in charge.members:
+                active |= np.asarray(mask, dtype=bool)[choices[:, node]]
+            objective = objective + charge.cost_s * active
         peak = np.full(len(idx), -np.inf if problem.memory_points else 0.0)
         for p, terms in enumerate(problem.memory_points):
             point = np.full(len(idx), problem.point_constant(p))

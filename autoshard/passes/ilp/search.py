@@ -32,22 +32,69 @@ def _neighbours(problem: IlpProblem) -> list[list[tuple[int, np.ndarray]]]:
     return nb
 
 
+class _Charges:
+    """Shared charges as the search sees them: per node, the charges it can incur, and how many members
+    incur each one now (a charge costs a move only when no other member pays it)."""
+
+    def __init__(self, problem: IlpProblem) -> None:
+        self.cost = np.array([c.cost_s for c in problem.charges], dtype=float)
+        self.of_node: list[list[tuple[int, np.ndarray]]] = [[] for _ in problem.node_costs]
+        for k, charge in enumerate(problem.charges):
+            for node, mask in charge.members:
+                self.of_node[node].append((k, np.asarray(mask, dtype=bool)))
+        self.members = [[node for node, _ in charge.members] for charge in problem.charges]
+        self.active = np.zeros(len(self.cost), dtype=np.int64)
+
+    def reset(self, x: np.ndarray) -> None:
+        self.active[:] = 0
+        for node, charges in enumerate(self.of_node):
+            for k, mask in charges:
+                self.active[k] += int(mask[x[node]])
+
+    def move_cost(self, i: int, current: int) -> np.ndarray | float:
+        """Per strategy of node i: the charges it would add, the others' choices held."""
+        extra: np.ndarray | float = 0.0
+        for k, mask in self.of_node[i]:
+            if self.active[k] - int(mask[current]) == 0:
+                extra = extra + self.cost[k] * mask
+        return extra
+
+    def moved(self, i: int, old: int, new: int) -> list[int]:
+        """Update the counts; the members whose move costs changed."""
+        touched: list[int] = []
+        for k, mask in self.of_node[i]:
+            delta = int(mask[new]) - int(mask[old])
+            if delta:
+                before = self.active[k]
+                self.active[k] += delta
+                if (before == 0) != (self.active[k] == 0) or min(before, self.active[k]) == 1:
+                    touched += self.members[k]
+        return touched
+
+
 def _icm(x: np.ndarray, costs: list[np.ndarray], nb: list[list[tuple[int, np.ndarray]]],
-         order: np.ndarray | list[int]) -> np.ndarray:
+         order: np.ndarray | list[int], charges: _Charges | None = None) -> np.ndarray:
     """Greedy single-node moves until none improves; a node is revisited only when a neighbour changed."""
     queue = collections.deque(int(i) for i in order)
     queued = np.zeros(len(costs), dtype=bool)
     queued[list(queue)] = True
+    if charges is not None:
+        charges.reset(x)
     while queue:
         i = queue.popleft()
         queued[i] = False
         total = costs[i].copy()
         for j, matrix in nb[i]:
             total += matrix[:, x[j]]
+        if charges is not None:
+            total = total + charges.move_cost(i, int(x[i]))
         best = int(np.argmin(total))
         if total[best] < total[x[i]] * (1 - 1e-12) - 1e-18:
-            x[i] = best
-            for j, _ in nb[i]:
+            old, x[i] = int(x[i]), best
+            touched = [j for j, _ in nb[i]]
+            if charges is not None:
+                touched += charges.moved(i, old, best)
+            for j in touched:
                 if not queued[j]:
                     queued[j] = True
                     queue.append(j)
@@ -67,9 +114,11 @@ def local_search(problem: IlpProblem, start: np.ndarray, *, iterations: int = 30
 
     edge_index = [(u, v, np.where(np.isfinite(m), m, _FORBIDDEN)) for (u, v), m in zip(problem.edges,
                                                                                        problem.edge_costs)]
+    charges = _Charges(problem) if problem.charges else None
 
     def quick(x: np.ndarray) -> float:
-        return float(sum(c[x[i]] for i, c in enumerate(costs)) + sum(m[x[u], x[v]] for u, v, m in edge_index))
+        total = sum(c[x[i]] for i, c in enumerate(costs)) + sum(m[x[u], x[v]] for u, v, m in edge_index)
+        return float(total + sum(c.cost_s for c in problem.charges if c.active(x)))
 
     def consider(candidate: np.ndarray) -> None:
         nonlocal best, best_eval
@@ -79,7 +128,7 @@ def local_search(problem: IlpProblem, start: np.ndarray, *, iterations: int = 30
         if not result.violations and result.objective_s < best_eval.objective_s * (1 - 1e-12):
             best, best_eval = candidate, result
 
-    consider(_icm(start.copy(), costs, nb, np.arange(n)))
+    consider(_icm(start.copy(), costs, nb, np.arange(n), charges))
     for _ in range(iterations if n > 1 else 0):
         candidate = best.copy()
         count = int(rng.integers(1, max(2, n // 10)))
@@ -87,5 +136,7 @@ def local_search(problem: IlpProblem, start: np.ndarray, *, iterations: int = 30
         for i in moved:
             candidate[i] = int(rng.integers(len(costs[i])))
         touched = {int(i) for i in moved} | {j for i in moved for j, _ in nb[int(i)]}
-        consider(_icm(candidate, costs, nb, rng.permutation(sorted(touched))))
+        if charges is not None:  # a redrawn node may start or stop a shared charge its co-members see
+            touched |= {j for i in moved for k, _ in charges.of_node[int(i)] for j in charges.members[k]}
+        consider(_icm(candidate, costs, nb, rng.permutation(sorted(touched)), charges))
     return best

@@ -56,6 +56,7 @@ class Strategy:
     collectives: tuple[Collective, ...] = ()
     note: str = ""
     reduction: Reduction | None = None  # how the partial results ``collectives`` combine are reduced
+    flops: float = 0.0  # per device: the op's FLOPs over the parallelism this choice splits it by
 
     @property
     def cost_s(self) -> float:
@@ -143,19 +144,44 @@ def _dedupe(strategies: list[Strategy]) -> list[Strategy]:
     return list(seen.values())
 
 
+def op_dtype(op: Op, ins: Sequence[Value], outs: Sequence[Value]) -> str:
+    """The peak an op runs at (a key of ``ClusterSpec.peak_flops_per_s``): a contraction runs at its
+    operands' dtype (bf16 dots at the bf16 peak, even with an f32 result), a float32 one at
+    ``"tfloat32"`` unless it asks for ``precision=HIGHEST`` (the cluster falls back to float32 when it
+    has no TF32 rate); any other op at its result's dtype."""
+    if op.primitive in ("dot_general", "conv_general_dilated") and ins:
+        dtype = ins[0].dtype
+        if dtype == "float32" and not _highest_precision(op):
+            return "tfloat32"
+        return dtype
+    return outs[0].dtype if outs else "float32"
+
+
+def _highest_precision(op: Op) -> bool:
+    precision = op.params.get("precision")
+    names = [str(p) for p in (precision if isinstance(precision, (tuple, list)) else (precision,)) if p is not None]
+    if not names:
+        import jax  # the global default applies when the op names none
+
+        names = [str(jax.config.jax_default_matmul_precision or "")]
+    return any("HIGHEST" in n.upper() or n.lower() in ("highest", "float32", "fp32") for n in names)
+
+
 def op_compute_s(op: Op, mesh: LogicalMesh, parallelism: int, dtype: str) -> float:
-    """Roofline time of one device doing 1/parallelism of the op."""
+    """Roofline time of one device doing 1/parallelism of the op, every operand and result through HBM.
+
+    A standalone estimate (strategy tests, explanations of a lone op); the intra-op pass prices
+    strategies with the traffic XLA's fusions leave (``passes/hbm_traffic.py``)."""
     parallelism = max(1, parallelism)
     return cost.roofline_s(mesh.cluster, op.flops / parallelism, op.bytes_accessed / parallelism, dtype)
 
 
 def replicated_strategy(op: Op, ins: Sequence[Value], outs: Sequence[Value], mesh: LogicalMesh) -> Strategy:
-    dtype = outs[0].dtype if outs else "float32"
     return Strategy(
         in_specs=tuple(Spec.replicated(v.rank) for v in ins),
         out_specs=tuple(Spec.replicated(v.rank) for v in outs),
-        compute_s=op_compute_s(op, mesh, 1, dtype),
-        note="replicated",
+        compute_s=op_compute_s(op, mesh, 1, op_dtype(op, ins, outs)),
+        note="replicated", flops=op.flops,
     )
 
 
@@ -210,7 +236,7 @@ def factor_strategies(
     axes = [a for a in mesh.axis_names if sizes[a] > 1]
     choices = [i for i, f in enumerate(factors) if not f.replicate_only and f.size > 1
                and (reduction is not None or not f.reduced)]
-    dtype = outs[0].dtype if outs else "float32"
+    dtype = op_dtype(op, ins, outs)
     strategies: list[Strategy] = []
     for assignment in itertools.product([None, *choices], repeat=len(axes)):
         per_factor: dict[int, list[str]] = {}
@@ -237,8 +263,9 @@ def factor_strategies(
         in_specs = tuple(Spec(tuple(d)) for d in in_dims)
         base_out = [Spec(tuple(d)) for d in out_dims]
         compute = op_compute_s(op, mesh, parallelism, dtype)
+        flops = op.flops / parallelism
         if not reduced_axes:
-            strategies.append(Strategy(in_specs, tuple(base_out), compute))
+            strategies.append(Strategy(in_specs, tuple(base_out), compute, flops=flops))
             continue
         reduced = tuple(a for a in mesh.axis_names if a in reduced_axes)
         out_bytes = [v.nbytes / s.num_shards(sizes) for v, s in zip(outs, base_out)]
@@ -247,6 +274,7 @@ def factor_strategies(
             in_specs, tuple(base_out), compute,
             comm_s=sum(cost.all_reduce_s(mesh, reduced, b) for b in out_bytes),
             collectives=tuple(reduce_comm), note=_join(f"all-reduce({reduction})", note), reduction=reduction,
+            flops=flops,
         ))
         if not allow_reduce_scatter or len(outs) != 1:
             continue
@@ -261,6 +289,7 @@ def factor_strategies(
                 comm_s=cost.reduce_scatter_s(mesh, reduced, out_bytes[0]),
                 collectives=(Collective("reduce-scatter", reduced, out_bytes[0]),),
                 note=_join(f"reduce-scatter({reduction}) onto dim {d}", note), reduction=reduction,
+                flops=flops,
             ))
     return strategies
 
