@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -34,42 +32,9 @@ from typing import Any
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from autoshard.targets import load_workload
+
 console = Console() if sys.stdout.isatty() else Console(width=150)  # pipes and logs get wide tables
-
-
-def _import(target: str) -> Any:
-    path = Path(target)
-    if path.suffix == ".py" or path.exists():
-        if not path.exists():
-            raise SystemExit(f"error: {target} does not exist")
-        root = str(path.resolve().parent.parent)
-        if root not in sys.path:
-            sys.path.insert(0, root)
-        package = path.resolve().parent.name
-        try:
-            return importlib.import_module(f"{package}.{path.stem}")
-        except ImportError:
-            spec = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return module
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    return importlib.import_module(target)
-
-
-def load_workload(target: str, config: str, *, abstract: bool) -> tuple[Any, tuple[Any, ...], str]:
-    """(step, args, name) of a CLI target."""
-    module_name, _, func = target.partition(":")
-    module = _import(module_name)
-    if func:
-        made = getattr(module, func)()
-        return made.step, tuple(made.args), getattr(made, "name", func)
-    if not hasattr(module, "workload"):
-        raise SystemExit(f"error: {module_name} has no workload(config, abstract=...) function; "
-                         f"name one with MODULE:FUNCTION")
-    made = module.workload(config, abstract=abstract)
-    return made.step, tuple(made.args), made.name
 
 
 def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
@@ -193,7 +158,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from autoshard.plans.plan import load_plan
-    from autoshard.figures import write_html, write_png
+    from autoshard.figures import write_png
+    from autoshard.html_report import write_html
     from autoshard.report import explain_renderables
 
     plan = load_plan(args.plan)
@@ -260,8 +226,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     from autoshard.plans.export import dumps, flax_rules, flax_rules_python
     from autoshard.plans.plan import load_plan
 
+    if args.format == "launch":
+        from autoshard.bundle import write_bundle
+
+        if not args.out:
+            raise SystemExit("error: --format launch needs --out DIR (the bundle folder)")
+        written = write_bundle(load_plan(args.plan), args.out)
+        console.print(f"launch bundle written to {args.out}: {', '.join(p.name for p in written)}; run "
+                      f"{Path(args.out) / 'run.sh'} --local-processes 2 here, or see its README for a cluster")
+        return 0
     if args.format != "flax-rules":
-        raise SystemExit(f"error: unknown --format {args.format!r}; known: flax-rules")
+        raise SystemExit(f"error: unknown --format {args.format!r}; known: flax-rules, launch")
     data = flax_rules(load_plan(args.plan))
     text = flax_rules_python(data) if args.python else dumps(data)
     if args.out:
@@ -407,11 +382,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget-gib", type=float, default=None, help="per-device budget (default: the cluster's)")
     p.set_defaults(func=cmd_validate)
 
-    p = sub.add_parser("export", help="a plan's parameter layouts as Flax rules / PartitionSpecs")
+    p = sub.add_parser("export", help="a plan's parameter layouts as Flax rules / PartitionSpecs, or a launch "
+                                      "bundle (plan, run.sh, README)")
     p.add_argument("plan", help="plan file")
-    p.add_argument("--format", default="flax-rules", help="flax-rules (see autoshard.plans.export)")
+    p.add_argument("--format", default="flax-rules", choices=("flax-rules", "launch"),
+                   help="flax-rules (autoshard.plans.export) or launch (autoshard.bundle)")
     p.add_argument("--python", action="store_true", help="write an importable Python module instead of JSON")
-    p.add_argument("--out", help="file to write (default: stdout)")
+    p.add_argument("--out", help="file to write (default: stdout); the bundle folder for --format launch")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("verify", help="compile a plan on simulated devices: predicted vs compiled")

@@ -35,9 +35,14 @@ class LayerTime:
         return self.flops_s + self.hbm_s + self.comm_s + self.reshard_s
 
 
+def inner_path(path: str) -> str:
+    """A leaf path without its argument index and optimizer-state prefix: ``[1][0].mu['w']`` -> ``['w']``."""
+    return _ARGUMENT_PREFIX.sub("", path)
+
+
 def layer_key(path: str) -> str:
     """The layer a leaf path belongs to, as a path prefix (module docstring)."""
-    inner = _ARGUMENT_PREFIX.sub("", path)
+    inner = inner_path(path)
     match = re.search(r"\[\d+\]|_\d+'\]", inner)
     if match:
         return inner[:match.end()]
