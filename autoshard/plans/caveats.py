@@ -88,7 +88,7 @@ def _planning(plan: PlanLike) -> tuple[str, float | None]:
     if saved <= 0:
         return spent + f" and saves nothing per step over {name} under the model: it never pays off", None
     steps = seconds / saved
-    return (spent + f"; it pays off after {math.ceil(steps):,} steps ({fmt_s(saved)} modeled saving per step "
+    return (spent + f"; it pays off after {math.ceil(round(steps, 6)):,} steps ({fmt_s(saved)} modeled saving per step "
             f"over {name}, the best classic plan that fits)"), steps
 
 
