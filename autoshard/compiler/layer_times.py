@@ -6,10 +6,13 @@ to the ledger's compute, collective and resharding times exactly.
 
 **Which layer an op is in.** An op that reads a parameter (or optimizer
 state) belongs to that leaf's layer (``layer_key``: ``blocks.3``, ``lm_head``);
-any other op to the layer of its most recently computed input, which carries a
-layer forward through the activations and backward through the cotangents;
-an op with neither (a function of the batch alone) to the layer of its first
-consumer. Input nodes count with their own leaf's layer, a reshard with the op
+any other op to the layer of its largest computed input (the most recent among
+equals), which carries a layer forward through the activations and backward
+through the cotangents, while a scalar every layer shares (Adam's bias
+correction) carries none; an op with neither (a function of the batch alone)
+to the layer of its first consumer. The rule is for display and has seams: an
+op that reads no parameter but makes one's gradient (an embedding's scatter-add)
+lands in the layer whose cotangent it reads. Input nodes count with their own leaf's layer, a reshard with the op
 it feeds (state written back to storage: with the op that produced it).
 
 **FLOP-bound or HBM-bound.** An op's compute is the roofline
@@ -34,6 +37,7 @@ def op_layers(graph: OpGraph) -> list[str]:
     """The layer name of every op of ``graph`` (module docstring)."""
     state = {v: dotted(layer_key(graph.values[v].path or "")) for v in graph.inputs
              if graph.values[v].role in (Role.PARAM, Role.OPT_STATE)}
+    state = {v: name for v, name in state.items() if name != OTHER}  # a step counter is no layer's
     params = {v for v in state if graph.values[v].role == Role.PARAM}
     producer = {v: i for i, op in enumerate(graph.ops) for v in op.outputs}
     labels: list[str | None] = []
@@ -43,8 +47,11 @@ def op_layers(graph: OpGraph) -> list[str]:
         if read:
             labels.append(state[read[0]])
             continue
-        made = [producer[v] for v in op.inputs if v in producer and labels[producer[v]] is not None]
-        labels.append(labels[max(made)] if made else None)
+        # the largest computed input carries the layer (a shared scalar, such as Adam's bias correction,
+        # does not); among equals the most recent one
+        made = [(graph.values[v].size, producer[v]) for v in op.inputs
+                if v in producer and labels[producer[v]] is not None]
+        labels.append(labels[max(made)[1]] if made else None)
     index = {id(op): i for i, op in enumerate(graph.ops)}
     consumers = graph.consumers()
     for i in reversed(range(len(graph.ops))):  # functions of the batch alone: their first consumer's layer

@@ -39,6 +39,7 @@ def test_ops_land_in_their_layers(planned):
               and graph.values[v].role.value == "param"}
     readers = [i for i, op in enumerate(graph.ops) if set(op.inputs) & params]
     assert readers and {labels[i] for i in readers} == {"blocks.1"}
-    # the two blocks are the same layer twice: their compute is the same
+    # the two blocks are the same layer twice: their compute is nearly the same (block 0 also holds the
+    # embeddings' gradient scatters, which read its cotangent and no parameter)
     block0, block1 = (next(t for t in planned.plan.layer_times if t.name == n) for n in ("blocks.0", "blocks.1"))
-    assert block0.flops_s + block0.hbm_s == pytest.approx(block1.flops_s + block1.hbm_s, rel=0.05)
+    assert block0.flops_s + block0.hbm_s == pytest.approx(block1.flops_s + block1.hbm_s, rel=0.1)
