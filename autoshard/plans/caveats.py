@@ -11,7 +11,7 @@ all show ``plan_caveats(plan)``:
   (``Plan.checks["numerics"]``, which a launch bundle's ``--check-numerics``
   records);
 - **missing evidence**: where the cluster numbers come from (a preset's
-  datasheet figures, or a file), that step times are modeled, not measured,
+  built-in figures, or a file), that step times are modeled, not measured,
   and the search space the optimum is taken over;
 - **counter-signals**: a modeled gain over the best classic plan that fits
   below ``MODEL_ERROR`` (then that classic plan is the safer choice), a plan
@@ -117,7 +117,7 @@ def _cluster_source(plan: PlanLike) -> str:
         for f in ("intra_node", "inter_node", "memory_bandwidth_bytes_per_s", "memory_per_device_bytes")
     ) and dict(preset.peak_flops_per_s) == dict(cluster.peak_flops_per_s)
     if same:
-        return (f"cluster numbers are the preset '{base}' (datasheet figures), not measured on your cluster: "
+        return (f"cluster numbers are the preset '{base}' (built-in figures), not measured on your cluster: "
                 "a ClusterSpec file with measured links and FLOP/s would change the times")
     return (f"cluster numbers come from the ClusterSpec '{cluster.name}', measured only if whoever wrote it "
             "measured them")

@@ -78,7 +78,7 @@ def test_planning_pays_off_after_the_planning_seconds_over_the_saving(graph):
 
 def test_missing_evidence_says_where_the_cluster_numbers_come_from(graph):
     preset = plan_caveats(hand_plan(graph))
-    assert preset.missing_evidence[0].startswith("cluster numbers are the preset '1x8-a100' (datasheet figures)")
+    assert preset.missing_evidence[0].startswith("cluster numbers are the preset '1x8-a100' (built-in figures)")
     plan = hand_plan(graph)
     measured = dataclasses.replace(plan, cluster=dataclasses.replace(
         plan.cluster, name="lab-cluster", intra_node=LinkLevel("nvlink", 2.1e11, 4e-6)))
