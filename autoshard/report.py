@@ -248,9 +248,10 @@ def advice_table(advice: Any) -> Table:  # advice: autoshard.compiler.advise.Adv
         table.add_column(col, justify="right" if col in ("modeled step", "peak memory / device", "batch ceiling")
                          else "left")
     for r in advice.rows:
-        table.add_row(r.name, fmt_s(r.step_s), fmt_bytes(r.peak_bytes), "yes" if r.fits else "[red]no[/red]",
-                      "unbounded" if r.batch_ceiling is None else f"{r.batch_ceiling:,}", r.bound, r.verdict,
-                      style="bold green" if r.name == advice.chosen else "bold" if r.name == "autoshard" else "")
+        c = r.candidate
+        table.add_row(c.name, fmt_s(c.step_s), fmt_bytes(c.peak_bytes), "yes" if c.fits else "[red]no[/red]",
+                      "unbounded" if c.batch_ceiling is None else f"{c.batch_ceiling:,}", r.bound, r.verdict,
+                      style="bold green" if c.name == advice.chosen else "bold" if c.name == "autoshard" else "")
     return table
 
 
@@ -267,8 +268,9 @@ def advice_markdown(advice: Any, plan: Plan) -> str:
     lines += ["| strategy | modeled step | peak memory / device | fits | batch ceiling | where the time goes | "
               "verdict |", "|---|---:|---:|---|---:|---|---|"]
     for r in advice.rows:
-        ceiling = "unbounded" if r.batch_ceiling is None else f"{r.batch_ceiling:,}"
-        lines.append(f"| {r.name} | {fmt_s(r.step_s)} | {fmt_bytes(r.peak_bytes)} | {'yes' if r.fits else 'no'} | "
+        c = r.candidate
+        ceiling = "unbounded" if c.batch_ceiling is None else f"{c.batch_ceiling:,}"
+        lines.append(f"| {c.name} | {fmt_s(c.step_s)} | {fmt_bytes(c.peak_bytes)} | {'yes' if c.fits else 'no'} | "
                      f"{ceiling} | {r.bound} | {r.verdict} |")
     lines += ["", "Files: `accelerate_config.yaml` (accelerate launch --config_file), `deepspeed.json` (deepspeed "
               "--deepspeed_config, or deepspeed.initialize(config=...)), `fsdp2.py` (init_device_mesh + "

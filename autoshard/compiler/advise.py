@@ -44,15 +44,15 @@ LEAF_NAMES = frozenset({"kernel", "weight", "bias", "scale", "embedding", "w", "
 
 @dataclass(frozen=True)
 class StrategyRow:
-    """One strategy in the advice table."""
+    """One strategy in the advice table: its comparison row, where its time goes, and the verdict."""
 
-    name: str
-    step_s: float
-    peak_bytes: float
-    fits: bool
-    batch_ceiling: int | None
+    candidate: Candidate  # name, modeled step, peak memory, fit and batch ceiling
     bound: str  # where the modeled step goes, e.g. "communication-bound (71% collectives + resharding)"
     verdict: str  # why it is chosen, or why not
+
+    @property
+    def name(self) -> str:
+        return self.candidate.name
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,7 @@ def advise(comparison: Comparison, *, global_batch: int | None = None, fsdp_vers
     graph = auto.planned.graph if auto.planned is not None else None
     traced = comparison.batch_size or 1
     kinds = {kind.label: kind for kind in Baseline}
-    rows: list[StrategyRow] = [StrategyRow("autoshard", auto.step_s, auto.peak_bytes, auto.fits, auto.batch_ceiling,
-                                           bound_text(plan), "autoshard's own plan (JAX): the reference")]
+    rows: list[StrategyRow] = [StrategyRow(auto, bound_text(plan), "autoshard's own plan (JAX): the reference")]
     ranked: list[tuple[int, float, Candidate]] = []
     reasons: dict[str, str] = {}
     for cand in comparison.baselines:
@@ -188,8 +187,7 @@ def advise(comparison: Comparison, *, global_batch: int | None = None, fsdp_vers
             verdict = reasons[cand.name]
         else:
             verdict = f"{cand.step_s / chosen.step_s:.2f}x the chosen step"
-        rows.append(StrategyRow(cand.name, cand.step_s, cand.peak_bytes, cand.fits, cand.batch_ceiling,
-                                bound_text(cand.plan), verdict))
+        rows.append(StrategyRow(cand, bound_text(cand.plan), verdict))
     column: tuple[str, ...] = ()
     row: tuple[str, ...] = ()
     container = _layer_container(graph) if graph is not None else ""
