@@ -184,15 +184,15 @@ def _reference_losses(loaded: Any, steps: int, seed: int) -> list[float]:
     import jax
 
     device = jax.local_devices()[0]
+    init = loaded.init
+    batch_fn = jax.jit(lambda s: init(s)[-1]) if init is not None else None
+
+    def batch_at(i: int) -> Any:
+        return batch_fn(seed + i) if batch_fn is not None else jax.device_put(loaded.args[-1], device)
+
     with jax.default_device(device):
-        if loaded.init is not None:
-            init = loaded.init
-            state = list(jax.jit(lambda: tuple(init(seed)[:-1]))())
-            batch_fn = jax.jit(lambda s: init(s)[-1])
-            batch_at = lambda i: batch_fn(seed + i)  # noqa: E731
-        else:
-            state = list(jax.device_put(loaded.args[:-1], device))
-            batch_at = lambda _i: jax.device_put(loaded.args[-1], device)  # noqa: E731
+        state = (list(jax.jit(lambda: tuple(init(seed)[:-1]))()) if init is not None
+                 else list(jax.device_put(loaded.args[:-1], device)))
         step = jax.jit(loaded.step)
         losses = []
         for i in range(steps):

@@ -16,7 +16,7 @@ GIB = 1024**3
 def fmt_bytes(n: float) -> str:
     """1.5 GiB, 12.3 MiB, 640 B: for people."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(float(f"{n:.3g}")) >= size:  # round first: 1023.9 KiB is 1 MiB, not "1.02e+03 KiB"
+        if abs(float(f"{n / size:.3g}")) >= 1:  # rounded as printed: 1023.9 KiB is 1 MiB, not "1.02e+03 KiB"
             return f"{n / size:.3g} {unit}"
     return f"{n:.0f} B"
 

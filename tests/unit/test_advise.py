@@ -1,6 +1,6 @@
 """autoshard advise: the nearest classic strategy as Accelerate / DeepSpeed / FSDP2 files whose arithmetic holds.
 
-The end-to-end test runs ``autoshard advise`` on the GPT example (tiny config, 1 s solver limit) for the
+The end-to-end test runs ``autoshard advise`` on the GPT example (tiny config, 0.5 s solver limit) for the
 2x8-a100, 1x8-h100 and cpu-8 presets: nothing is compiled, the plans are priced by the cost model. The
 other tests build the advice from hand-made comparisons, so the choice, the micro-batch and the accumulation
 can be worked out by hand.
@@ -38,7 +38,7 @@ GPT = str(Path(gpt.__file__).resolve())
 @pytest.mark.parametrize("cluster", ["2x8-a100", "1x8-h100", "cpu-8"])
 def test_advise_gpt_writes_configs_whose_arithmetic_holds(cluster, tmp_path, capsys):
     out = tmp_path / "advice"
-    assert cli.main(["advise", GPT, "--config", "tiny", "--cluster", cluster, "--time-limit", "1",
+    assert cli.main(["advise", GPT, "--config", "tiny", "--cluster", cluster, "--time-limit", "0.5",
                      "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     spec = get_cluster(cluster)
