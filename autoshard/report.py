@@ -233,10 +233,15 @@ def baseline_summary_table(plan: Plan) -> Table:
     return _comparison_rows(rows, "compared with", note)
 
 
+def margin_text(speedup: float) -> str:
+    """autoshard's modeled margin over a classic plan: "1.52x faster" or "1.16x slower"."""
+    return f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
+
+
 def advice_table(advice: Any) -> Table:  # advice: autoshard.compiler.advise.Advice
     setup = advice.setup
     caption = [f"advice: {advice.chosen} ({setup.strategy}); autoshard's own plan models "
-               f"{advice.autoshard_speedup:.2f}x faster than it",
+               f"{margin_text(advice.autoshard_speedup)} than it",
                f"{setup.num_machines} machine(s) x {setup.processes_per_machine} GPUs, tensor parallel "
                f"{setup.tensor_parallel}, data parallel {setup.data_parallel}: micro-batch {setup.micro_batch_per_gpu}"
                f" per GPU x accumulation {setup.gradient_accumulation} = global batch {setup.train_batch_size}",
@@ -263,7 +268,7 @@ def advice_markdown(advice: Any, plan: Plan) -> str:
              f"{setup.processes_per_machine} GPUs (world {setup.world_size}, tensor parallel {setup.tensor_parallel}, "
              f"data parallel {setup.data_parallel}), micro-batch {setup.micro_batch_per_gpu} per GPU x gradient "
              f"accumulation {setup.gradient_accumulation} = global batch {setup.train_batch_size}. autoshard's own "
-             f"plan models **{advice.autoshard_speedup:.2f}x** faster than it.", ""]
+             f"plan models **{margin_text(advice.autoshard_speedup)}** than it.", ""]
     lines += [f"- {note}" for note in advice.notes] + ([""] if advice.notes else [])
     lines += ["| strategy | modeled step | peak memory / device | fits | batch ceiling | where the time goes | "
               "verdict |", "|---|---:|---:|---|---:|---|---|"]
