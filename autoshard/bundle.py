@@ -53,7 +53,7 @@ console = Console(highlight=False, soft_wrap=True)  # one line per message: the 
 
 RUN_SH = """#!/usr/bin/env bash
 # Run autoshard plan '{name}' (mesh {mesh} = {devices} devices, planned for {cluster}); see README.md.
-#   ./run.sh [--steps N] [--check-numerics] [--out DIR]   one process per host: under srun, on every TPU VM worker, alone
+#   ./run.sh [--steps N] [--check-numerics] [--out DIR]   one process per host: under srun, on TPU VM workers, alone
 #   ./run.sh --slurm [...]                                from an sbatch script: srun with one task per node
 #   ./run.sh --local-processes N [...]                    N processes on this machine, {devices} simulated CPU devices
 set -euo pipefail

@@ -319,11 +319,10 @@ def _report_configs(paths: list[Path], *, world_size: int | None, devices_per_no
     errors = 0
     for path in paths:
         for report in check_config(path, world_size=world_size, devices_per_node=devices_per_node):
-            for finding in report.findings:
-                console.print(f"{report.path}: {finding}", markup=False, highlight=False, soft_wrap=True)
+            lines = [f"{report.path}: {finding}" for finding in report.findings]
+            for line in lines or [f"{report.path}: ok ({report.kind} config)"]:
+                console.print(line, markup=False, highlight=False, soft_wrap=True)
             errors += len(report.errors)
-            if not report.findings:
-                console.print(f"{report.path}: ok ({report.kind} config)", markup=False, highlight=False, soft_wrap=True)
     if errors:
         console.print(f"[bold red]{errors} error(s)[/bold red]")
         return 1

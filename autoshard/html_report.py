@@ -53,7 +53,8 @@ def _cards(plan: Plan) -> str:
     cards = [_card("modeled step", fmt_s(plan.step_s), f"compute {fmt_s(led.compute_s)}, collectives "
                    f"{fmt_s(led.comm_s)}, resharding {fmt_s(led.reshard_s)}"),
              _card("peak memory per device", fmt_bytes(led.peak_memory_bytes),
-                   f"budget {fmt_bytes(plan.memory_budget_bytes)}" + ("" if plan.fits else ": OVER"), bad=not plan.fits),
+                   f"budget {fmt_bytes(plan.memory_budget_bytes)}" + ("" if plan.fits else ": OVER"),
+                   bad=not plan.fits),
              _card("mesh", mesh, plan.cluster.name)]
     fallback = plan.best_baseline(fitting=True)
     if fallback and plan.step_s > 0:

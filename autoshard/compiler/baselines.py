@@ -207,8 +207,8 @@ def compare(fn: Callable[..., Any], args: Sequence[Any], mesh: MeshLike = None,
             num_devices: int | None = None) -> Comparison:
     """autoshard and every classic baseline on ``mesh``: modeled time, memory, fit, batch ceiling.
 
-    With no mesh, autoshard's own mesh search picks it, over ``num_devices`` (default: the devices present). The baselines are planned
-    first; autoshard is then solved with the fastest one that fits as its ILP hint, and, should the solver still return a worse
+    With no mesh, autoshard's own mesh search picks it, over ``num_devices`` (default: the devices
+    present). The baselines are planned first; autoshard is then solved with the fastest one that fits as its ILP hint, and, should the solver still return a worse
     plan (a time-out), that baseline's plan is kept as autoshard's.
     """
     start = time.perf_counter()

@@ -217,7 +217,8 @@ def check_deepspeed(data: Mapping[str, Any], *, world_size: int | None = None) -
             found.append(_error("zero_optimization.offload_optimizer.ratio",
                                 f"partial optimizer offload (ratio {ratio}) needs ZeRO stage 3, the file sets {stage}"))
         for key in sorted(set(zero) & schema.ZERO3_ONLY):
-            found.append(_warning(f"zero_optimization.{key}", f"only ZeRO stage 3 reads it; the file sets stage {stage}"))
+            found.append(_warning(f"zero_optimization.{key}",
+                                  f"only ZeRO stage 3 reads it; the file sets stage {stage}"))
         if data.get("gradient_allreduce_op") == "sum" and stage == 3:
             found.append(_error("gradient_allreduce_op", "'sum' is not supported with ZeRO stage 3"))
     found += _deepspeed_precision(data)
@@ -422,8 +423,9 @@ def _fsdp(data: Mapping[str, Any], fsdp: Mapping[str, Any]) -> list[ConfigFindin
     if version == 2:
         for key in schema.FSDP1_ONLY:
             if key in fsdp:
-                found.append(_warning(f"fsdp_config.{key}", "an FSDP1 key that FSDP2 (fsdp_version 2) does not read"
-                                      + ("; use fsdp_reshard_after_forward" if key == "fsdp_sharding_strategy" else "")))
+                hint = "; use fsdp_reshard_after_forward" if key == "fsdp_sharding_strategy" else ""
+                found.append(_warning(f"fsdp_config.{key}",
+                                      f"an FSDP1 key that FSDP2 (fsdp_version 2) does not read{hint}"))
         if reshard is not None and not isinstance(reshard, bool):
             found.append(_error("fsdp_config.fsdp_reshard_after_forward",
                                 f"FSDP2 takes true or false, got {reshard!r}"))

@@ -153,3 +153,13 @@ def test_unreadable_or_foreign_files_fail_clearly(tmp_path, capsys):
         detect_kind(read_config(tmp_path / "other.json"), "other.json")
     assert cli.main(["check-config", str(tmp_path / "missing.yaml")]) == 2
     assert "cannot read" in capsys.readouterr().out
+
+
+def test_fsdp1_keys_in_an_fsdp2_file_are_warned_about(tmp_path):
+    text = (DATA / "accelerate_fsdp2.yaml").read_text().replace(
+        "  fsdp_version: 2", "  fsdp_version: 2\n  fsdp_sharding_strategy: FULL_SHARD")
+    (tmp_path / "mixed.yaml").write_text(text)
+    [report] = check_config(tmp_path / "mixed.yaml")
+    assert report.errors == ()
+    assert [(f.severity.value, f.key) for f in report.findings] == [("warning", "fsdp_config.fsdp_sharding_strategy")]
+    assert "use fsdp_reshard_after_forward" in report.findings[0].message
