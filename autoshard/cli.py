@@ -7,19 +7,20 @@
     autoshard validate plan.json --cluster 2x8-a100 [--mesh 2x8] [--memory-budget-gib 40]
     autoshard export   plan.json --format flax-rules [--python] [--out rules.json]
     autoshard verify   plan.json | TARGET [--mesh 2x4]
+    autoshard advise   TARGET --cluster 2x8-a100 --out DIR           Accelerate / DeepSpeed / FSDP2 files
+    autoshard check-config FILE [--world-size N]                     static check of such a file
+    autoshard export   plan.json --format launch --out DIR           plan + run.sh for a cluster or here
 
 A TARGET is a Python file or module exposing ``workload(config, abstract=...)``
 (as the bundled examples do), or ``MODULE:FUNCTION`` where the function takes
 no arguments and returns an object with ``step`` and ``args``. Plans record
 their target, so ``verify plan.json`` rebuilds the step. Exit status: 0 when
-all is well, 1 when ``validate`` or ``verify`` finds a problem, 2 on an error.
+all is well, 1 when ``validate``, ``verify`` or ``check-config`` finds a problem, 2 on an error.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -31,42 +32,9 @@ from typing import Any
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from autoshard.targets import load_workload
+
 console = Console() if sys.stdout.isatty() else Console(width=150)  # pipes and logs get wide tables
-
-
-def _import(target: str) -> Any:
-    path = Path(target)
-    if path.suffix == ".py" or path.exists():
-        if not path.exists():
-            raise SystemExit(f"error: {target} does not exist")
-        root = str(path.resolve().parent.parent)
-        if root not in sys.path:
-            sys.path.insert(0, root)
-        package = path.resolve().parent.name
-        try:
-            return importlib.import_module(f"{package}.{path.stem}")
-        except ImportError:
-            spec = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return module
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    return importlib.import_module(target)
-
-
-def load_workload(target: str, config: str, *, abstract: bool) -> tuple[Any, tuple[Any, ...], str]:
-    """(step, args, name) of a CLI target."""
-    module_name, _, func = target.partition(":")
-    module = _import(module_name)
-    if func:
-        made = getattr(module, func)()
-        return made.step, tuple(made.args), getattr(made, "name", func)
-    if not hasattr(module, "workload"):
-        raise SystemExit(f"error: {module_name} has no workload(config, abstract=...) function; "
-                         f"name one with MODULE:FUNCTION")
-    made = module.workload(config, abstract=abstract)
-    return made.step, tuple(made.args), made.name
 
 
 def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
@@ -190,7 +158,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from autoshard.plans.plan import load_plan
-    from autoshard.figures import write_html, write_png
+    from autoshard.figures import write_png
+    from autoshard.html_report import write_html
     from autoshard.report import explain_renderables
 
     plan = load_plan(args.plan)
@@ -257,8 +226,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     from autoshard.plans.export import dumps, flax_rules, flax_rules_python
     from autoshard.plans.plan import load_plan
 
+    if args.format == "launch":
+        from autoshard.bundle import write_bundle
+
+        if not args.out:
+            raise SystemExit("error: --format launch needs --out DIR (the bundle folder)")
+        written = write_bundle(load_plan(args.plan), args.out)
+        console.print(f"launch bundle written to {args.out}: {', '.join(p.name for p in written)}; run "
+                      f"{Path(args.out) / 'run.sh'} --local-processes 2 here, or see its README for a cluster")
+        return 0
     if args.format != "flax-rules":
-        raise SystemExit(f"error: unknown --format {args.format!r}; known: flax-rules")
+        raise SystemExit(f"error: unknown --format {args.format!r}; known: flax-rules, launch")
     data = flax_rules(load_plan(args.plan))
     text = flax_rules_python(data) if args.python else dumps(data)
     if args.out:
@@ -333,6 +311,58 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_advise(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from autoshard.compiler.advise import advise
+    from autoshard.compiler.baselines import compare
+    from autoshard.meshes.cluster import get_cluster
+    from autoshard.plans.torch_configs import accelerate_yaml, deepspeed_json, fsdp2_snippet
+    from autoshard.report import advice_markdown, advice_table, caveats_table
+
+    cluster = get_cluster(args.cluster)
+    mesh = _parse_mesh(args.mesh) or ((cluster.num_nodes, cluster.devices_per_node) if cluster.num_nodes > 1 else None)
+    step, step_args, name = load_workload(args.target, args.config, abstract=True)
+    with _progress(f"comparing {name} on {cluster.name}") as say:
+        result = compare(step, step_args, mesh, args.cluster, memory_budget=_budget(args), options=_options(args),
+                         progress=say, num_devices=cluster.num_devices)
+    advice = advise(result, global_batch=args.global_batch, fsdp_version=args.fsdp_version, source=name)
+    plan = replace(result.autoshard.plan, origin=_origin(args), baselines=result.summary_dict())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"accelerate_config.yaml": accelerate_yaml(advice.setup), "deepspeed.json": deepspeed_json(advice.setup),
+             "fsdp2.py": fsdp2_snippet(advice.setup), "summary.md": advice_markdown(advice, plan)}
+    for file_name, text in files.items():
+        (out / file_name).write_text(text)
+    plan.save(out / "plan.json")
+    _print(advice_table(advice), caveats_table(plan))
+    console.print(f"wrote {', '.join(files)} and plan.json to {out}")
+    return _report_configs([out / "accelerate_config.yaml", out / "deepspeed.json"], world_size=None,
+                           devices_per_node=advice.setup.processes_per_machine)
+
+
+def _report_configs(paths: list[Path], *, world_size: int | None, devices_per_node: int | None) -> int:
+    """Check config files, one line per finding; 1 when any has an error."""
+    from autoshard.plans.check_config import check_config
+
+    errors = 0
+    for path in paths:
+        for report in check_config(path, world_size=world_size, devices_per_node=devices_per_node):
+            lines = [f"{report.path}: {finding}" for finding in report.findings]
+            for line in lines or [f"{report.path}: ok ({report.kind} config)"]:
+                console.print(line, markup=False, highlight=False, soft_wrap=True)
+            errors += len(report.errors)
+    if errors:
+        console.print(f"[bold red]{errors} error(s)[/bold red]")
+        return 1
+    return 0
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    return _report_configs([Path(f) for f in args.files], world_size=args.world_size,
+                           devices_per_node=args.devices_per_node)
+
+
 # ----------------------------------------------------------------------------- parser
 
 
@@ -380,11 +410,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget-gib", type=float, default=None, help="per-device budget (default: the cluster's)")
     p.set_defaults(func=cmd_validate)
 
-    p = sub.add_parser("export", help="a plan's parameter layouts as Flax rules / PartitionSpecs")
+    p = sub.add_parser("export", help="a plan's parameter layouts as Flax rules / PartitionSpecs, or a launch "
+                                      "bundle (plan, run.sh, README)")
     p.add_argument("plan", help="plan file")
-    p.add_argument("--format", default="flax-rules", help="flax-rules (see autoshard.plans.export)")
+    p.add_argument("--format", default="flax-rules", choices=("flax-rules", "launch"),
+                   help="flax-rules (autoshard.plans.export) or launch (autoshard.bundle)")
     p.add_argument("--python", action="store_true", help="write an importable Python module instead of JSON")
-    p.add_argument("--out", help="file to write (default: stdout)")
+    p.add_argument("--out", help="file to write (default: stdout); the bundle folder for --format launch")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("verify", help="compile a plan on simulated devices: predicted vs compiled")
@@ -396,6 +428,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the ClusterSpec here (JSON; --cluster FILE reads it)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (the median is kept)")
     p.set_defaults(func=cmd_profile)
+    p = sub.add_parser("advise", help="the nearest classic strategy that fits, as Accelerate / DeepSpeed / FSDP2 "
+                                      "files, with autoshard's margin over it")
+    p.add_argument("target")
+    _planning_flags(p, mesh_help="logical mesh (default: nodes x GPUs per node; searched on one node)")
+    p.set_defaults(cluster=None)
+    p.add_argument("--global-batch", type=int, default=None, help="global batch to configure (default: the step's)")
+    p.add_argument("--fsdp-version", type=int, choices=(1, 2), default=2, help="Accelerate FSDP version (default 2)")
+    p.add_argument("--out", required=True, help="directory for accelerate_config.yaml, deepspeed.json, fsdp2.py, ...")
+    p.set_defaults(func=cmd_advise)
+
+    p = sub.add_parser("check-config", help="static check of Accelerate / DeepSpeed config files; exit 1 on an error")
+    p.add_argument("files", nargs="+", help="YAML or JSON config files")
+    p.add_argument("--world-size", type=int, default=None, help="total processes, for the batch arithmetic")
+    p.add_argument("--devices-per-node", type=int, default=None, help="GPUs per machine, for num_processes")
+    p.set_defaults(func=cmd_check_config)
 
     from autoshard.runtime.launch import add_launch_parser
 
@@ -409,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     from autoshard.errors import PlanningError
     from autoshard.meshes.cluster import ClusterSpecError
 
+    if args.command == "advise" and not args.cluster:
+        raise SystemExit("error: advise needs --cluster (a preset such as 2x8-a100, or a ClusterSpec file)")
     try:
         return int(args.func(args) or 0)
     except (PlanningError, ClusterSpecError) as err:

@@ -9,13 +9,13 @@ from autoshard.compiler.multiprocess import (
 )
 from autoshard.runtime.distributed import (
     DistributedEnv, MultiProcessError, axes_crossing_processes, detect, global_batch, init_sharded,
-    initialize_from_env, input_shardings, local_indices, multiprocess_cluster, process_mesh,
-    process_ordered_devices, to_host,
+    initialize_from_env, input_shardings, local_indices, multiprocess_cluster, physical_mesh, process_mesh,
+    process_ordered_devices, split_over_processes, to_host,
 )
 
 __all__ = [
     "PLAN_KEY_PREFIX", "DistributedEnv", "MultiProcessError", "apply_plan", "axes_crossing_processes",
     "check_runs_multiprocess", "detect", "global_batch", "init_sharded", "initialize_from_env",
-    "input_shardings", "local_indices", "multiprocess_cluster", "plan_digest", "plan_multiprocess",
-    "process_mesh", "process_ordered_devices", "to_host",
+    "input_shardings", "local_indices", "multiprocess_cluster", "physical_mesh", "plan_digest", "plan_multiprocess",
+    "process_mesh", "process_ordered_devices", "split_over_processes", "to_host",
 ]

@@ -15,6 +15,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
+from autoshard.plans.breakdown import dotted, layer_key
 from autoshard.plans.ledger import Choice, fmt_bytes, fmt_s
 from autoshard.plans.plan import Plan
 
@@ -74,12 +75,6 @@ def _layer_of(path: str) -> tuple[str, int | None]:
     return inner[:start] + "#" + inner[end:], number
 
 
-def dotted(path: str) -> str:
-    """``['blocks']#['attn']['q']['kernel']`` -> ``blocks.#.attn.q.kernel`` (display only)."""
-    keys = re.findall(r"\['([^']*)'\]|\.(\w+)|\[(\d+)\]|(#)", path)
-    return ".".join(a or b or c or d for a, b, c, d in keys) or path
-
-
 def _ranges(numbers: Sequence[int]) -> str:
     numbers = sorted(numbers)
     parts, start = [], None
@@ -117,7 +112,7 @@ def layer_table(plan: Plan) -> Table:
         role = plan.input_roles.get(path)
         if role not in ("param", "opt_state"):
             continue
-        layer = _layer_key(re.sub(r"^\[\d+\](?:\[\d+\])*(?:\.\w+)?", "", path))
+        layer = layer_key(path)
         shape, dtype = plan.input_shapes[path]
         nbytes = math.prod(shape) * _itemsize(dtype) / spec.num_shards(sizes)
         row = rows[layer]
@@ -133,15 +128,6 @@ def layer_table(plan: Plan) -> Table:
     for layer, (count, split, pbytes, obytes) in sorted(rows.items()):
         table.add_row(dotted(layer), str(int(count)), str(int(split)), fmt_bytes(pbytes), fmt_bytes(obytes))
     return table
-
-
-def _layer_key(inner: str) -> str:
-    """The path up to its first layer number (``['blocks'][3]``, ``['params']['Dense_3']``), else its first key."""
-    match = re.search(r"\[\d+\]|_\d+'\]", inner)
-    if match:
-        return inner[:match.end()]
-    first = re.match(r"^\['[^']*'\]", inner)
-    return first.group(0) if first else "(other)"
 
 
 def _itemsize(dtype: str) -> int:
@@ -183,8 +169,20 @@ def op_table(plan: Plan, op: int) -> Table | Text:
     return table
 
 
+def caveats_table(plan: Plan) -> Table:
+    """What the plan does not know (``plans/caveats.py``), one section a row."""
+    caveats = plan.caveats
+    caption = (f"safer choice: {caveats.safer_choice}, the classic plan" if caveats.safer_choice else "")
+    table = Table(title=f"what plan '{plan.name}' does not know", show_header=False, show_lines=True, caption=caption)
+    table.add_column("", style="bold", no_wrap=True)
+    table.add_column("")
+    for title, items in caveats.sections():
+        table.add_row(title, "\n".join(items))
+    return table
+
+
 def explain_renderables(plan: Plan, op: int | None = None) -> list[Any]:
-    items: list[Any] = [ledger_table(plan), parameter_table(plan), layer_table(plan)]
+    items: list[Any] = [ledger_table(plan), caveats_table(plan), parameter_table(plan), layer_table(plan)]
     if plan.baselines:
         items.append(baseline_summary_table(plan))
     if op is not None:
@@ -233,6 +231,59 @@ def baseline_summary_table(plan: Plan) -> Table:
     note = (f"best classic: {plan.best_baseline()}; fallback (best classic that fits): "
             f"{fallback or 'no classic plan fits'}")
     return _comparison_rows(rows, "compared with", note)
+
+
+def margin_text(speedup: float) -> str:
+    """autoshard's modeled margin over a classic plan: "1.52x faster" or "1.16x slower"."""
+    return f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
+
+
+def advice_table(advice: Any) -> Table:  # advice: autoshard.compiler.advise.Advice
+    setup = advice.setup
+    caption = [f"advice: {advice.chosen} ({setup.strategy}); autoshard's own plan models "
+               f"{margin_text(advice.autoshard_speedup)} than it",
+               f"{setup.num_machines} machine(s) x {setup.processes_per_machine} GPUs, tensor parallel "
+               f"{setup.tensor_parallel}, data parallel {setup.data_parallel}: micro-batch {setup.micro_batch_per_gpu}"
+               f" per GPU x accumulation {setup.gradient_accumulation} = global batch {setup.train_batch_size}",
+               *advice.notes]
+    table = Table(title="classic strategies under the cost model (modeled, at the traced batch "
+                        f"{advice.traced_batch})", caption="\n".join(caption))
+    for col in ("strategy", "modeled step", "peak memory / device", "fits", "batch ceiling", "where the time goes",
+                "verdict"):
+        table.add_column(col, justify="right" if col in ("modeled step", "peak memory / device", "batch ceiling")
+                         else "left")
+    for r in advice.rows:
+        c = r.candidate
+        table.add_row(c.name, fmt_s(c.step_s), fmt_bytes(c.peak_bytes), "yes" if c.fits else "[red]no[/red]",
+                      "unbounded" if c.batch_ceiling is None else f"{c.batch_ceiling:,}", r.bound, r.verdict,
+                      style="bold green" if c.name == advice.chosen else "bold" if c.name == "autoshard" else "")
+    return table
+
+
+def advice_markdown(advice: Any, plan: Plan) -> str:
+    """``summary.md`` of ``autoshard advise``: the choice, the table, and what the plan does not know."""
+    setup = advice.setup
+    lines = [f"# autoshard advise: {advice.chosen}", "",
+             f"For {setup.source}: run **{advice.chosen}** on {setup.num_machines} machine(s) x "
+             f"{setup.processes_per_machine} GPUs (world {setup.world_size}, tensor parallel {setup.tensor_parallel}, "
+             f"data parallel {setup.data_parallel}), micro-batch {setup.micro_batch_per_gpu} per GPU x gradient "
+             f"accumulation {setup.gradient_accumulation} = global batch {setup.train_batch_size}. autoshard's own "
+             f"plan models **{margin_text(advice.autoshard_speedup)}** than it.", ""]
+    lines += [f"- {note}" for note in advice.notes] + ([""] if advice.notes else [])
+    lines += ["| strategy | modeled step | peak memory / device | fits | batch ceiling | where the time goes | "
+              "verdict |", "|---|---:|---:|---|---:|---|---|"]
+    for r in advice.rows:
+        c = r.candidate
+        ceiling = "unbounded" if c.batch_ceiling is None else f"{c.batch_ceiling:,}"
+        lines.append(f"| {c.name} | {fmt_s(c.step_s)} | {fmt_bytes(c.peak_bytes)} | {'yes' if c.fits else 'no'} | "
+                     f"{ceiling} | {r.bound} | {r.verdict} |")
+    lines += ["", "Files: `accelerate_config.yaml` (accelerate launch --config_file), `deepspeed.json` (deepspeed "
+              "--deepspeed_config, or deepspeed.initialize(config=...)), `fsdp2.py` (init_device_mesh + "
+              "fully_shard / parallelize_module), `plan.json` (autoshard's plan with this comparison).", "",
+              "## What the plan does not know", ""]
+    for title, items in plan.caveats.sections():
+        lines += [f"- **{title}**: " + "; ".join(items)]
+    return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------- checks

@@ -55,6 +55,9 @@ class Workload:
     """The example module's frozen Config dataclass (with ``batch_size`` as used)."""
     loss_fn: LossFn
     """``loss_fn(params, batch) -> scalar``; the step differentiates exactly this."""
+    init: Callable[[Any], tuple[Params, OptState, Batch]] | None = None
+    """``init(seed) -> (params, opt_state, batch)``, traceable (``seed`` may be a traced int): jit it with
+    ``out_shardings`` to build the arguments directly in a plan's layouts (launch bundles do)."""
 
 
 def resolve_config(
@@ -108,8 +111,8 @@ def build_workload(
     """
     batch_size: int = config.batch_size
 
-    def init() -> tuple[Params, OptState, Batch]:
-        params_key, batch_key = jax.random.split(jax.random.key(seed))
+    def init(init_seed: Any = seed) -> tuple[Params, OptState, Batch]:
+        params_key, batch_key = jax.random.split(jax.random.key(init_seed))
         params = init_params(params_key)
         return params, optimizer.init(params), make_batch(batch_key, batch_size)
 
@@ -124,6 +127,7 @@ def build_workload(
         args=args,
         config=config,
         loss_fn=loss_fn,
+        init=init,
     )
 
 

@@ -203,11 +203,12 @@ def _hint_options(options: IntraOpOptions, best: PlannedStep | None) -> IntraOpO
 def compare(fn: Callable[..., Any], args: Sequence[Any], mesh: MeshLike = None,
             cluster: ClusterLike = None,
             *, memory_budget: float | None = None, options: IntraOpOptions | None = None,
-            baselines: Sequence[Baseline] = ALL_BASELINES, progress: Progress | None = None) -> Comparison:
+            baselines: Sequence[Baseline] = ALL_BASELINES, progress: Progress | None = None,
+            num_devices: int | None = None) -> Comparison:
     """autoshard and every classic baseline on ``mesh``: modeled time, memory, fit, batch ceiling.
 
-    With no mesh, autoshard's own mesh search picks it. The baselines are planned
-    first; autoshard is then solved with the fastest one that fits as its ILP hint, and, should the solver still return a worse
+    With no mesh, autoshard's own mesh search picks it, over ``num_devices`` (default: the devices
+    present). The baselines are planned first; autoshard is then solved with the fastest one that fits as its ILP hint, and, should the solver still return a worse
     plan (a time-out), that baseline's plan is kept as autoshard's.
     """
     start = time.perf_counter()
@@ -219,7 +220,7 @@ def compare(fn: Callable[..., Any], args: Sequence[Any], mesh: MeshLike = None,
     if mesh is None:
         say("choosing the mesh")
         mesh = plan_graph(graph, cluster=cluster, memory_budget=memory_budget, options=options,
-                          explain=False).logical_mesh.shape
+                          num_devices=num_devices, explain=False).logical_mesh.shape
     target = baseline_target(mesh, cluster, memory_budget)
     budget = target.memory_budget_bytes
     roles = megatron_roles(graph)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from autoshard.compiler.explain import op_explanations
+from autoshard.compiler.layer_times import layer_times
 from autoshard.compiler.target import ClusterLike, MeshLike, Target, resolve_target
 from autoshard.errors import InfeasibleMemoryError, PlanningError
 from autoshard.ir.graph import OpGraph
@@ -68,6 +69,7 @@ def build_plan(graph: OpGraph, result: IntraOpResult, budget: float, timings: di
         output_shapes={p: (values[v].shape, values[v].dtype) for p, v in zip(out_paths, graph.outputs)},
         in_tree=str(graph.in_tree) if graph.in_tree is not None else "",
         explanations=op_explanations(result) if explain else {},
+        layer_times=layer_times(result),
     )
 
 

@@ -16,7 +16,7 @@ GIB = 1024**3
 def fmt_bytes(n: float) -> str:
     """1.5 GiB, 12.3 MiB, 640 B: for people."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
+        if abs(float(f"{n / size:.3g}")) >= 1:  # rounded as printed: 1023.9 KiB is 1 MiB, not "1.02e+03 KiB"
             return f"{n / size:.3g} {unit}"
     return f"{n:.0f} B"
 
@@ -25,6 +25,7 @@ def fmt_s(seconds: float) -> str:
     """3.2 ms, 41 µs, 1.2 s: for people."""
     if seconds == 0:
         return "0"
+    seconds = float(f"{seconds:.3g}")  # round first: 0.9999 ms is 1 ms, not "1e+03 µs"
     if abs(seconds) >= 1:
         return f"{seconds:.3g} s"
     if abs(seconds) >= 1e-3:

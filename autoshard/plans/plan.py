@@ -17,6 +17,8 @@ from autoshard.ir.spec import Spec
 from autoshard.meshes.cluster import ClusterSpec
 from autoshard.plans import planfile
 from autoshard.plans.applied import AppliedPlan
+from autoshard.plans.breakdown import LayerTime
+from autoshard.plans.caveats import Caveats, plan_caveats
 from autoshard.plans.ledger import GIB, Ledger, OpExplanation, SolverInfo, fmt_bytes, fmt_s
 
 __all__ = ["GIB", "Ledger", "OpExplanation", "Plan", "SolverInfo", "fmt_bytes", "fmt_s", "load_plan"]
@@ -49,6 +51,8 @@ class Plan:
     origin: Mapping[str, str] = field(default_factory=dict)  # how to rebuild the step, e.g. {target, config}
     baselines: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # compared strategies -> figures
     pipeline: Any = None  # plans/stage_plan.PipelineSummary when stages is non-empty: B, latency, bubble, ...
+    checks: Mapping[str, str] = field(default_factory=dict)  # checks run on this plan -> result, e.g. numerics
+    layer_times: tuple[LayerTime, ...] = ()  # the modeled step split per layer (SPMD plans; plans/breakdown.py)
 
     @property
     def step_s(self) -> float:
@@ -70,6 +74,11 @@ class Plan:
     def apply(self, fn: Any, mesh: Any) -> AppliedPlan:
         """A callable that runs ``fn`` with this plan on ``mesh`` (a jax Mesh of the plan's shape)."""
         return AppliedPlan(self, fn, mesh)
+
+    @property
+    def caveats(self) -> Caveats:
+        """What this plan does not know: planning cost, invariants, missing evidence, counter-signals."""
+        return plan_caveats(self)
 
     def param_specs(self) -> dict[str, Spec]:
         return {p: s for p, s in self.input_specs.items() if self.input_roles.get(p) == "param"}
@@ -116,6 +125,7 @@ class Plan:
         if self.alternatives:
             lines.append("  meshes tried      " + ", ".join(f"{k}: {v * 1e3:.3f} ms" for k, v in self.alternatives.items()))
         lines += self._baseline_lines()
+        lines += ["  what this plan does not know:"] + self.caveats.lines("    ")
         if self.stages:
             lines += [f"  {self.pipeline}"] if self.pipeline is not None else []
             lines += [f"    {stage}" for stage in self.stages]

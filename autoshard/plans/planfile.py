@@ -25,6 +25,10 @@ Top-level fields (version 2; version 1 files, without the fields marked v2, stil
     explanations: {op index: {primitive, source, shapes, num_strategies,                              v2
                               chosen: [strategy, compute_s, comm_s, reshard_s], alternatives: [[...], ...]}}
     baselines: {strategy: {step_s, peak_memory_bytes, fits, batch_ceiling, speedup}}                  v2
+    checks: {check: result}            e.g. numerics against one device (a launch bundle records it)    optional
+    layer_times: [{name, flops_s, hbm_s, comm_s, reshard_s}, ...]   the step split per layer          optional
+
+Fields marked optional are absent from older files (and ignored by older readers); they load as empty.
 
 Every spec is checked against the mesh's axis names on load; a missing or
 mistyped field raises ``PlanFileError`` naming it.
@@ -48,6 +52,7 @@ from autoshard.errors import PlanMismatchError, PlanningError
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.spec import Spec
 from autoshard.meshes.cluster import ClusterSpec, ClusterSpecError
+from autoshard.plans.breakdown import LayerTime
 from autoshard.plans.ledger import Choice, Ledger, OpExplanation, SolverInfo
 from autoshard.plans.stage_plan import PipelineStage, PipelineSummary, StageMemory
 from autoshard.version import __version__
@@ -103,6 +108,8 @@ def plan_to_json(plan: PlanLike) -> dict[str, Any]:
         "alternatives": dict(plan.alternatives),
         "explanations": {str(k): _explanation_json(e) for k, e in plan.explanations.items()},
         "baselines": {k: dict(v) for k, v in plan.baselines.items()},
+        "checks": dict(plan.checks),
+        "layer_times": [asdict(t) for t in plan.layer_times],
     }
 
 
@@ -306,7 +313,21 @@ def _plan_fields(data: Any, source: str) -> dict[str, Any]:
                       for k, v in _dict(data, "explanations", source).items()},
         origin={str(k): str(v) for k, v in _dict(data, "origin", source).items()},
         baselines={str(k): dict(v) for k, v in _dict(data, "baselines", source).items()},
+        checks={str(k): str(v) for k, v in _dict(data, "checks", source).items()},
+        layer_times=_layer_times(data.get("layer_times", []), f"{source}: layer_times"),
     )
+
+
+def _layer_times(data: Any, where: str) -> tuple[LayerTime, ...]:
+    if not isinstance(data, list):
+        raise PlanFileError(f"{where}: expected a list of {{name, flops_s, hbm_s, comm_s, reshard_s}}, "
+                            f"got {type(data).__name__}")
+    out = []
+    for i, entry in enumerate(data):
+        if not isinstance(entry, dict):
+            raise PlanFileError(f"{where}[{i}]: expected an object, got {entry!r}")
+        out.append(LayerTime(**_record(LayerTime, entry, f"{where}[{i}]")))
+    return tuple(out)
 
 
 def _record(cls: type, data: Mapping[str, Any], where: str, *, partial: bool = False) -> dict[str, Any]:

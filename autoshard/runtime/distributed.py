@@ -193,6 +193,44 @@ def process_mesh(shape: Sequence[int], axis_names: Sequence[str] | None = None) 
     return make_jax_mesh(shape, names, devices=devices)
 
 
+def split_over_processes(shape: Sequence[int], processes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(per-axis process counts, per-axis devices inside a process) of a mesh spread over ``processes``.
+
+    The leading axes take the processes first (as ``process_mesh`` orders them), so ``(2, 4)`` on 2
+    processes is ``((2, 1), (1, 4))``.
+    """
+    left, across = processes, []
+    for size in shape:
+        here = math.gcd(int(size), left)
+        across.append(here)
+        left //= here
+    if left != 1:
+        raise ValueError(f"mesh {tuple(shape)} cannot be spread over {processes} processes: its axis sizes do not "
+                         f"take them (each process must own whole rows of the leading axes)")
+    return tuple(across), tuple(int(s) // a for s, a in zip(shape, across))
+
+
+def physical_mesh(shape: Sequence[int], axis_names: Sequence[str]) -> Mesh:
+    """An Auto-axis mesh over every device of the job in the order ``jax.experimental.mesh_utils`` gives.
+
+    ``mesh_utils`` knows the physical topology (TPU torus coordinates, GPU and host order); with several
+    processes each process is a granule (``create_hybrid_device_mesh``): the leading axes cross processes,
+    the others stay inside one, as ``split_over_processes`` says.
+    """
+    from jax.experimental import mesh_utils
+
+    shape = tuple(int(s) for s in shape)
+    if math.prod(shape) != jax.device_count():
+        raise ValueError(f"mesh {shape} has {math.prod(shape)} devices; this job has {jax.device_count()} "
+                         f"({jax.process_count()} processes x {jax.local_device_count()}): run the plan on as many")
+    if jax.process_count() > 1:
+        across, inside = split_over_processes(shape, jax.process_count())
+        grid = mesh_utils.create_hybrid_device_mesh(inside, across, devices=jax.devices(), process_is_granule=True)
+    else:
+        grid = mesh_utils.create_device_mesh(shape, devices=jax.devices())
+    return make_jax_mesh(shape, tuple(axis_names), devices=list(grid.flat))
+
+
 def axes_crossing_processes(mesh: Mesh) -> tuple[str, ...]:
     """Mesh axes along which devices of different processes meet (the slow ones)."""
     procs = np.vectorize(lambda d: d.process_index)(mesh.devices)

@@ -353,7 +353,11 @@ def test_explain_cli_tables_and_pictures(gpt_tiny, tmp_path, capsys):
     assert "blocks.#.attn.q.kernel" in out and "0-1" in out and "modeled step" in out
     assert "op 3 has no recorded alternatives" in out
     assert "best classic: FSDP/ZeRO-3; fallback (best classic that fits): DP" in out
-    assert png.read_bytes()[:4] == b"\x89PNG" and html.read_text().count("data:image/png;base64") == 2
+    page = html.read_text()
+    assert png.read_bytes()[:4] == b"\x89PNG" and page.count("data:image/png;base64") == 4
+    for caption in ("comparison", "tensor layouts", "memory per device", "pipeline schedule"):
+        assert f'alt="{caption}"' in page
+    assert 'alt="time per layer"' not in page  # a hand-built plan has no per-layer times
     assert "modeled step" in html.read_text() and "blocks.#.attn.q.kernel" in html.read_text()
 
 
