@@ -121,8 +121,8 @@ def _fsdp_block(setup: TorchSetup) -> dict[str, Any]:
 
 def accelerate_yaml(setup: TorchSetup) -> str:
     notes = [_header(setup, "Accelerate config"),
-             f"run: accelerate launch --config_file accelerate_config.yaml train.py (on every machine, with "
-             f"--machine_rank R and --main_process_ip of machine 0)" if setup.num_machines > 1 else
+             "run: accelerate launch --config_file accelerate_config.yaml train.py (on every machine, with "
+             "--machine_rank R and --main_process_ip of machine 0)" if setup.num_machines > 1 else
              "run: accelerate launch --config_file accelerate_config.yaml train.py",
              f"per GPU: micro-batch {setup.micro_batch_per_gpu}, gradient accumulation {setup.gradient_accumulation} "
              f"(Accelerator(gradient_accumulation_steps=...)): global batch {setup.train_batch_size}"]
@@ -177,7 +177,7 @@ def fsdp2_snippet(setup: TorchSetup) -> str:
     blocks = setup.layer_container or "blocks"
     lines = [f'"""{_header(setup, "PyTorch setup")}.', "",
              f"torchrun --nnodes={machines} --nproc-per-node={per} train.py, with train.py calling parallelize(model)",
-             f"and stepping the optimizer every GRADIENT_ACCUMULATION_STEPS micro-batches of MICRO_BATCH_PER_GPU.",
+             "and stepping the optimizer every GRADIENT_ACCUMULATION_STEPS micro-batches of MICRO_BATCH_PER_GPU.",
              '"""', "import torch", "from torch.distributed.device_mesh import init_device_mesh"]
     if kind in (FSDP, ZERO2, HSDP, DP_TP):
         lines.append("from torch.distributed.fsdp import fully_shard")
