@@ -15,10 +15,11 @@ op that reads no parameter but makes one's gradient (an embedding's scatter-add)
 lands in the layer whose cotangent it reads. Input nodes count with their own leaf's layer, a reshard with the op
 it feeds (state written back to storage: with the op that produced it).
 
-**FLOP-bound or HBM-bound.** An op's compute is the roofline
-``max(flops / peak, bytes / bandwidth)`` at one parallelism for both terms, so
-which side binds does not depend on the strategy: the op's FLOP and byte
-counts at the cluster's peak and bandwidth decide (``meshes/cost.roofline_s``).
+**FLOP-bound or HBM-bound.** An op's compute is the roofline of its chosen
+strategy, ``max(flops / peak, fused HBM bytes / bandwidth)`` per device
+(``passes/hbm_traffic.py``); whichever term sets it names the side. Collective
+seconds are as XLA issues them (a combined all-reduce's latency counts once,
+on its first member: ``IntraOpResult.op_comm_s``).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 
 from autoshard.ir.graph import OpGraph, Role
 from autoshard.meshes.cost import roofline_s
+from autoshard.passes.hbm_traffic import compute_dtype
 from autoshard.passes.intra_op import IntraOpResult
 from autoshard.plans.breakdown import LayerTime, dotted, layer_key
 
@@ -69,11 +71,11 @@ def layer_times(result: IntraOpResult) -> tuple[LayerTime, ...]:
     parts: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
     for i, op in enumerate(graph.ops):
         strategy = result.op_strategy(i)
-        dtype = graph.values[op.outputs[0]].dtype if op.outputs else "float32"
-        hbm_bound = roofline_s(cluster, 0.0, op.bytes_accessed) > roofline_s(cluster, op.flops, 0.0, dtype)
+        seconds = result.op_compute_s[i]
+        flops_s = float(roofline_s(cluster, strategy.flops, 0.0, compute_dtype(op, graph)))
         part = parts[labels[i]]
-        part[1 if hbm_bound else 0] += strategy.compute_s
-        part[2] += strategy.comm_s
+        part[0 if flops_s >= seconds * (1 - 1e-12) else 1] += seconds
+        part[2] += result.op_comm_s[i]
     for i, vid in enumerate(graph.inputs):
         strategy = result.node_strategies[i]
         part = parts[dotted(layer_key(graph.values[vid].path or ""))]

@@ -92,6 +92,8 @@ class IntraOpResult:
     ilp: IlpStats
     op_compute_s: tuple[float, ...] = ()  # per op: fused roofline seconds of its chosen strategy
     op_hbm_bytes: tuple[float, ...] = ()  # per op: per-device HBM bytes it reads and writes
+    # per op: its collectives' seconds as XLA issues them (a combined all-reduce's latency on its first member)
+    op_comm_s: tuple[float, ...] = ()
 
     @property
     def flops_per_device(self) -> float:
@@ -393,31 +395,32 @@ def decode(cg: CostGraph, choices: np.ndarray, stats: IlpStats) -> IntraOpResult
     work = [cg.op_work(j) for j in range(len(graph.ops))]
     op_compute = tuple(float(w[0][a]) for w, a in zip(work, own))
     op_bytes = tuple(float(w[1][a]) for w, a in zip(work, own))
+    op_comm = _combined_comm_s(cg, chosen[cg.num_inputs:])
     return IntraOpResult(
         graph=graph, mesh=cg.mesh, node_strategies=chosen, value_specs=value_specs, input_specs=input_specs,
         output_specs=tuple(output_specs), reshards=tuple(reshards),
-        compute_s=float(sum(op_compute)), comm_s=_combined_comm_s(cg, chosen[cg.num_inputs:]),
+        compute_s=float(sum(op_compute)), comm_s=float(sum(op_comm)), op_comm_s=op_comm,
         reshard_s=float(sum(r.seconds for r in {(r.value, r.src, r.chain): r for r in reshards}.values())),
         memory_profile=profile, memory_by_role=by_role, ilp=stats, op_compute_s=op_compute, op_hbm_bytes=op_bytes,
     )
 
 
-def _combined_comm_s(cg: CostGraph, op_strategies: Sequence[Strategy]) -> float:
-    """The strategies' collectives as XLA issues them: all-reduces (and reduce-scatters, on XLA:CPU an
-    all-reduce and a slice) combined into groups (rule 5 of the memory model) pay their latency once
-    per group; everything else is priced alone."""
+def _combined_comm_s(cg: CostGraph, op_strategies: Sequence[Strategy]) -> tuple[float, ...]:
+    """Per op, its strategy's collectives as XLA issues them: all-reduces (and reduce-scatters, on XLA:CPU
+    an all-reduce and a slice) combined into groups (rule 5 of the memory model) pay their latency once
+    per group, on the group's first member; everything else is priced alone."""
     graph, mesh = cg.graph, cg.mesh
     reducing = {t: s.collectives for t, s in enumerate(op_strategies)
                 if s.collectives and all(c.kind in ("all-reduce", "reduce-scatter") for c in s.collectives)}
-    seconds = 0.0
+    seconds = []
     for t, s in enumerate(op_strategies):
         latency = sum(cost.latency_s(mesh, c) for c in s.collectives) if t in reducing else 0.0
-        seconds += max(0.0, s.comm_s - latency)
+        seconds.append(max(0.0, s.comm_s - latency))
     groups = combine_all_reduces(graph, sorted(reducing), reducing,
                                  {t: op_strategies[t].reduction for t in reducing})
     for group in groups:
-        seconds += max(cost.latency_s(mesh, c) for t in group for c in reducing[t])
-    return float(seconds)
+        seconds[min(group)] += max(cost.latency_s(mesh, c) for t in group for c in reducing[t])
+    return tuple(float(s) for s in seconds)
 
 
 def memory_profile(graph: OpGraph, value_specs: Mapping[ValueId, Spec], sizes: Mapping[str, int],
