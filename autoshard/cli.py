@@ -24,21 +24,28 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.markup import escape
 
-console = Console() if sys.stdout.isatty() else Console(width=150)  # pipes and logs get wide tables
+from autoshard.progress import progress_lines
+
+# pipes and logs get wide tables, so that no spec or path wraps onto a line of its own
+console = Console() if sys.stdout.isatty() else Console(width=300)
+
+
+class CliError(Exception):
+    """Bad input to a command; ``main`` prints the message (what to change) and exits with status 2."""
 
 
 def _import(target: str) -> Any:
     path = Path(target)
     if path.suffix == ".py" or path.exists():
         if not path.exists():
-            raise SystemExit(f"error: {target} does not exist")
+            raise CliError(f"{target} does not exist")
         root = str(path.resolve().parent.parent)
         if root not in sys.path:
             sys.path.insert(0, root)
@@ -56,16 +63,32 @@ def _import(target: str) -> Any:
 
 
 def load_workload(target: str, config: str, *, abstract: bool) -> tuple[Any, tuple[Any, ...], str]:
-    """(step, args, name) of a CLI target."""
+    """(step, args, name) of a CLI target; CliError says what is wrong with the target or the config."""
     module_name, _, func = target.partition(":")
-    module = _import(module_name)
+    try:
+        module = _import(module_name)
+    except ImportError as err:
+        raise CliError(f"cannot import {module_name!r} ({type(err).__name__}: {err}); TARGET is a .py file, a "
+                       f"module importable from here, or MODULE:FUNCTION") from None
     if func:
-        made = getattr(module, func)()
+        made_by = getattr(module, func, None)
+        if not callable(made_by):
+            names = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
+            raise CliError(f"{module_name} has no function {func!r}; it has {', '.join(names[:12]) or 'none'}")
+        made = made_by()
+        if not (hasattr(made, "step") and hasattr(made, "args")):
+            raise CliError(f"{target}() returned a {type(made).__name__}; it must return an object with .step "
+                           "(the train step) and .args (its arguments)")
         return made.step, tuple(made.args), getattr(made, "name", func)
     if not hasattr(module, "workload"):
-        raise SystemExit(f"error: {module_name} has no workload(config, abstract=...) function; "
-                         f"name one with MODULE:FUNCTION")
-    made = module.workload(config, abstract=abstract)
+        raise CliError(f"{module_name} has no workload(config, abstract=...) function; name one with MODULE:FUNCTION")
+    configs = getattr(module, "CONFIGS", None)
+    if isinstance(configs, dict) and config not in configs:
+        raise CliError(f"unknown --config {config!r} for {module_name}; choose one of {', '.join(configs)}")
+    try:
+        made = module.workload(config, abstract=abstract)
+    except (KeyError, ValueError) as err:
+        raise CliError(f"{module_name}.workload({config!r}) refused: {err}") from None
     return made.step, tuple(made.args), made.name
 
 
@@ -75,10 +98,43 @@ def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
     try:
         shape = tuple(int(s) for s in text.lower().replace(",", "x").split("x"))
     except ValueError:
-        raise SystemExit(f"error: --mesh takes sizes like 2x4, got {text!r}") from None
+        raise CliError(f"--mesh takes sizes like 2x4, got {text!r}") from None
     if any(s < 1 for s in shape):
-        raise SystemExit(f"error: --mesh sizes must be positive, got {text!r}")
+        raise CliError(f"--mesh sizes must be positive, got {text!r}")
     return shape
+
+
+def _positive(text: str) -> float:
+    """argparse type of --memory-budget-gib and --time-limit: a positive number (0 is not 'the default')."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r} (leave the flag out for the "
+                                         "default)")
+    return value
+
+
+def _writable(path: str | None, flag: str) -> None:
+    """Fail before any work when ``path`` (an output flag's file) cannot be written."""
+    if not path:
+        return
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise CliError(f"{flag} {path} is a directory; give a file name")
+    if not folder.is_dir():
+        raise CliError(f"{flag} {path}: the directory {folder} does not exist; create it or write elsewhere")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise CliError(f"{flag} {path} is not writable; write elsewhere")
+
+
+def _write(path: str, write: Callable[[], None], flag: str) -> None:
+    try:
+        write()
+    except OSError as err:
+        raise CliError(f"could not write {flag} {path}: {err.strerror or err}") from None
 
 
 def _ensure_devices(count: int) -> None:
@@ -101,6 +157,13 @@ def _devices_needed(args: argparse.Namespace) -> int:
     return 8
 
 
+def _count(text: str) -> int:
+    """argparse type of --devices: a positive integer."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
 def _prod(shape: Any) -> int:
     n = 1
     for s in shape:
@@ -110,22 +173,18 @@ def _prod(shape: Any) -> int:
 
 def _budget(args: argparse.Namespace) -> float | None:
     gib = getattr(args, "memory_budget_gib", None)
-    return gib * 2**30 if gib else None
+    return gib * 2**30 if gib is not None else None
 
 
 def _options(args: argparse.Namespace) -> Any:
     from autoshard.passes.intra_op import IntraOpOptions
 
-    return IntraOpOptions(time_limit_s=args.time_limit) if getattr(args, "time_limit", None) else None
+    limit = getattr(args, "time_limit", None)
+    return IntraOpOptions(time_limit_s=limit) if limit is not None else None
 
 
-@contextlib.contextmanager
-def _progress(what: str) -> Iterator[Callable[[str], None]]:
-    """A spinner with elapsed time; the yielded function updates its text."""
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
-                  transient=True) as progress:
-        task = progress.add_task(what, total=None)
-        yield lambda text: progress.update(task, description=f"{what}: {text}")
+def _progress(what: str) -> contextlib.AbstractContextManager[Callable[[str], None]]:
+    return progress_lines(console, what)
 
 
 def _print(*renderables: Any) -> None:
@@ -137,12 +196,15 @@ def _print(*renderables: Any) -> None:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from autoshard.ir.trace import trace
+    with _progress("trace") as say:
+        say(f"loading {args.target}")
+        step, step_args, name = load_workload(args.target, args.config, abstract=True)
+        from autoshard.ir.trace import trace
 
-    step, step_args, name = load_workload(args.target, args.config, abstract=True)
-    start = time.perf_counter()
-    graph = trace(step, *step_args)
-    seconds = time.perf_counter() - start
+        say(f"tracing {name}")
+        start = time.perf_counter()
+        graph = trace(step, *step_args)
+        seconds = time.perf_counter() - start
     console.print(f"[bold]{name}[/bold] traced in {seconds:.2f}s")
     console.print(graph.summary(), markup=False, highlight=False)
     return 0
@@ -152,19 +214,18 @@ def _plan_target(args: argparse.Namespace, say: Callable[[str], None]) -> Any:
     """Trace and plan a TARGET; returns the PlannedStep with the plan's origin recorded."""
     from dataclasses import replace
 
+    say(f"loading {args.target}")
+    step, step_args, name = load_workload(args.target, args.config, abstract=True)
     from autoshard.compiler.driver import plan_graph
     from autoshard.ir.trace import trace
 
-    say("loading")
-    step, step_args, name = load_workload(args.target, args.config, abstract=True)
-    say("tracing")
+    say(f"tracing {name}")
     start = time.perf_counter()
     graph = trace(step, *step_args)
     timings = {"trace": time.perf_counter() - start}
-    say(f"solving ({len(graph.ops)} ops)")
     planned = plan_graph(graph, mesh=_parse_mesh(args.mesh), cluster=args.cluster, memory_budget=_budget(args),
                          num_devices=getattr(args, "devices", None), options=_options(args), timings=timings,
-                         name=name)
+                         name=name, progress=say)
     return replace(planned, plan=replace(planned.plan, origin=_origin(args))), step, step_args
 
 
@@ -177,13 +238,14 @@ def _origin(args: argparse.Namespace) -> dict[str, str]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    _writable(args.out, "--out")
+    with _progress("plan") as say:
+        planned, _step, _args = _plan_target(args, say)
     from autoshard.report import ledger_table, parameter_table
 
-    with _progress("planning") as say:
-        planned, _step, _args = _plan_target(args, say)
     _print(ledger_table(planned.plan), parameter_table(planned.plan))
     if args.out:
-        planned.plan.save(args.out)
+        _write(args.out, lambda: planned.plan.save(args.out), "--out")
         console.print(f"plan written to {args.out}")
     return 0
 
@@ -193,14 +255,18 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from autoshard.figures import write_html, write_png
     from autoshard.report import explain_renderables
 
+    _writable(args.html, "--html")
+    _writable(args.png, "--png")
     plan = load_plan(args.plan)
+    if args.op is not None and not 0 <= args.op < plan.num_ops:
+        raise CliError(f"--op {args.op} is out of range: the plan has ops 0..{plan.num_ops - 1}")
     renderables = explain_renderables(plan, args.op)
     _print(*renderables)
     if args.html:
-        write_html(plan, args.html, renderables)
+        _write(args.html, lambda: write_html(plan, args.html, renderables), "--html")
         console.print(f"report written to {args.html}")
     if args.png:
-        write_png(plan, args.png)
+        _write(args.png, lambda: write_png(plan, args.png), "--png")
         console.print(f"picture written to {args.png}")
     return 0
 
@@ -208,26 +274,31 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from autoshard.compiler.baselines import ALL_BASELINES, Baseline, compare
-    from autoshard.report import comparison_table
+    from autoshard.passes.classic import ALL_BASELINES, Baseline  # light: no jax
 
     kinds = ALL_BASELINES
     if args.baselines:
         try:
             kinds = tuple(Baseline(k.strip()) for k in args.baselines.split(","))
         except ValueError:
-            raise SystemExit(f"error: --baselines takes a comma list of {', '.join(b.value for b in Baseline)}") \
-                from None
-    step, step_args, name = load_workload(args.target, args.config, abstract=True)
-    with _progress(f"comparing {name}") as say:
+            raise CliError(f"--baselines takes a comma list of {', '.join(b.value for b in Baseline)}") from None
+    _writable(args.out, "--out")
+    with _progress("compare") as say:
+        say(f"loading {args.target}")
+        step, step_args, name = load_workload(args.target, args.config, abstract=True)
+        from autoshard.compiler.baselines import compare
+
         result = compare(step, step_args, _parse_mesh(args.mesh), args.cluster,
-                         memory_budget=_budget(args), options=_options(args), baselines=kinds, progress=say)
+                         memory_budget=_budget(args), options=_options(args), baselines=kinds,
+                         progress=lambda line: say(f"{name}: {line}"))
+    from autoshard.report import comparison_table
+
     _print(comparison_table(result))
     console.print(f"compared in {result.seconds:.1f}s")
     if args.out:
         plan = replace(result.autoshard.plan, origin=_origin(args),
                        baselines=result.summary_dict())
-        plan.save(args.out)
+        _write(args.out, lambda: plan.save(args.out), "--out")
         console.print(f"autoshard's plan (with the comparison) written to {args.out}")
     return 0
 
@@ -258,11 +329,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     from autoshard.plans.plan import load_plan
 
     if args.format != "flax-rules":
-        raise SystemExit(f"error: unknown --format {args.format!r}; known: flax-rules")
+        raise CliError(f"unknown --format {args.format!r}; known: flax-rules")
+    _writable(args.out, "--out")
     data = flax_rules(load_plan(args.plan))
     text = flax_rules_python(data) if args.python else dumps(data)
     if args.out:
-        Path(args.out).write_text(text)
+        _write(args.out, lambda: Path(args.out).write_text(text), "--out")
         console.print(f"{len(data['params'])} parameter specs and {len(data['rules'])} logical rules written to "
                       f"{args.out}")
     else:
@@ -271,35 +343,39 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from autoshard.plans.plan import load_plan
-    from autoshard.compiler.verify import verify_compiled
-    from autoshard.runtime.spmd import make_jax_mesh
-    from autoshard.report import fidelity_lines, fidelity_table
-
-    with _progress("verifying") as say:
+    with _progress("verify") as say:
         if args.target.endswith(".json"):
+            from autoshard.plans.plan import load_plan
+
+
             plan = load_plan(args.target)
             if "target" not in plan.origin:
-                raise SystemExit(f"error: {args.target} does not record the step it was made from (no origin "
-                                 "target); run `autoshard verify TARGET` instead")
-            say("loading the step")
+                raise CliError(f"{args.target} does not record the step it was made from (no origin target); run "
+                               "`autoshard verify TARGET` instead")
+            say(f"loading {plan.origin['target']}")
             step, step_args, _name = load_workload(plan.origin["target"], plan.origin.get("config", "small"),
                                                    abstract=True)
         else:
             planned, step, step_args = _plan_target(args, say)
             plan = planned.plan
+        from autoshard.compiler.verify import verify_compiled
+        from autoshard.runtime.spmd import make_jax_mesh
+
         mesh = make_jax_mesh(tuple(plan.mesh_shape), plan.axis_names)
         say("compiling")
         start = time.perf_counter()
         compiled = plan.apply(step, mesh).lower(*step_args).compile()
         compile_s = time.perf_counter() - start
         report = verify_compiled(plan, compiled)
+    from autoshard.report import fidelity_lines, fidelity_table
+
     _print(fidelity_table(report, f"plan '{plan.name}' predicted vs compiled",
                           f"mesh {'x'.join(map(str, plan.mesh_shape))} of {plan.cluster.name}, XLA:CPU on simulated "
                           f"devices, compiled in {compile_s:.1f}s"))
     flagged = [line.what for line in fidelity_lines(report) if line.flagged]
     if flagged:
-        console.print(f"[bold red]{len(flagged)} figure(s) off by more than 10%[/bold red]: {', '.join(flagged)}")
+        console.print(f"[bold red]{len(flagged)} figure(s) off by more than their tolerance[/bold red]: "
+                      f"{', '.join(flagged)}")
         return 1
     return 0
 
@@ -311,8 +387,9 @@ def _planning_flags(p: argparse.ArgumentParser, *, mesh_help: str = "logical mes
     p.add_argument("--config", default="small", help="workload config (default: small)")
     p.add_argument("--mesh", help=mesh_help)
     p.add_argument("--cluster", default=None, help="preset name or .json/.toml ClusterSpec file")
-    p.add_argument("--memory-budget-gib", type=float, default=None, help="per-device budget (default: device memory)")
-    p.add_argument("--time-limit", type=float, default=None, help="ILP time limit in seconds per solve")
+    p.add_argument("--memory-budget-gib", type=_positive, default=None,
+                   help="per-device budget (default: device memory)")
+    p.add_argument("--time-limit", type=_positive, default=None, help="ILP time limit in seconds per solve")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -326,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan a workload on a mesh and cluster")
     p.add_argument("target", help="MODULE:FUNCTION, a module or a .py file with workload()")
     _planning_flags(p, mesh_help="logical mesh shape, e.g. 2x4 (default: searched)")
-    p.add_argument("--devices", type=int, default=None, help="device count when --mesh is not given")
+    p.add_argument("--devices", type=_count, default=None, help="device count when --mesh is not given")
     p.add_argument("--out", help="write the plan file here")
     p.set_defaults(func=cmd_plan)
 
@@ -347,8 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="static checks of a plan file; non-zero exit on failure")
     p.add_argument("plan", help="plan file")
     p.add_argument("--cluster", default=None, help="the cluster it will run on (preset or file)")
-    p.add_argument("--mesh", help="the mesh shape it will run on (default: the plan's)")
-    p.add_argument("--memory-budget-gib", type=float, default=None, help="per-device budget (default: the cluster's)")
+    p.add_argument("--mesh", help="the mesh shape it will run on: must be the plan's (default: the plan's)")
+    p.add_argument("--memory-budget-gib", type=_positive, default=None,
+                   help="per-device budget (default: the cluster's)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("export", help="a plan's parameter layouts as Flax rules / PartitionSpecs")
@@ -371,14 +449,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _ensure_devices(_devices_needed(args))
     from autoshard.errors import PlanningError
     from autoshard.meshes.cluster import ClusterSpecError
 
     try:
+        _ensure_devices(_devices_needed(args))
         return int(args.func(args) or 0)
-    except (PlanningError, ClusterSpecError) as err:
-        console.print(f"[bold red]error:[/bold red] {err}", highlight=False)
+    except (CliError, PlanningError, ClusterSpecError) as err:
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/bold red] {escape(str(err))}", highlight=False)
         return 2
 
 
