@@ -2,8 +2,8 @@
 
 The tracked files (``git ls-files``, in their working-tree state) are copied to a temporary directory and
 each command runs there in a fresh bash, with no ``XLA_FLAGS`` or ``JAX_PLATFORMS`` inherited, this
-checkout's virtual environment on ``PATH`` and the copy first on ``PYTHONPATH`` (so the copy's
-``autoshard`` and ``examples`` are the ones imported). A command must exit 0 with no traceback.
+checkout's virtual environment on ``PATH`` and the copy's ``autoshard`` package (only it, as an editable
+install exposes it) first on ``PYTHONPATH``. A command must exit 0 with no traceback.
 
 ``HOW`` says how each command is checked, and a README command missing from it fails the test, so a new
 command must be placed: ``ci`` commands run in every test run (about a minute together); ``slow`` ones
@@ -69,9 +69,15 @@ def clone(tmp_path_factory) -> Path:
 
 
 def _env(clone: Path) -> dict[str, str]:
+    """A fresh shell's environment in which ``import autoshard`` finds the copy's package, and nothing else
+    of the copy (as ``pip install -e .`` exposes only autoshard: ``examples`` must come from the cwd)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH")}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = str(clone)
+    site = clone.parent / f"{clone.name}-site"
+    if not site.exists():
+        site.mkdir()
+        (site / "autoshard").symlink_to(clone / "autoshard")
+    env["PYTHONPATH"] = str(site)
     return env
 
 
