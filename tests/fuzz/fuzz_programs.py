@@ -12,8 +12,9 @@ Layers, by the rank of the activation they read (``B`` batch, ``S`` sequence, ``
 ======================  ======================================================================
 dense                   ``x @ W + b`` then a random activation (rank 2, 3)
 einsum                  a head split ``bsd,dhe->bshe`` and back, or ``bd,de->be`` (rank 2, 3)
-attention               q/k/v projections, scores ``bqhd,bkhd->bhqk`` with a causal or padding
-                        mask (``where``), softmax, out projection, residual (rank 3)
+attention               q/k/v projections, scores ``bqhd,bkhd->bhqk`` with a causal, a padding or
+                        the batch's boolean key mask (``where``), softmax, out projection, residual
+                        (rank 3)
 layernorm / rmsnorm     over the last dim, with scale (and bias) (rank 2, 3)
 cumsum                  along the sequence or feature dim (rank 2, 3)
 topk                    ``lax.top_k`` over the last dim, a softmax gate of the k values mixed back
@@ -26,7 +27,12 @@ transpose               swap two non-batch dims around a dense layer (rank 3)
 conv1d / conv2d         ``lax.conv_general_dilated``, SAME or VALID, stride 1 or 2 (rank 3, 4)
 to_seq / pool           image -> sequence (reshape) or -> features (mean over space) (rank 4)
 seq_pool / flatten      sequence -> features: max or mean over the sequence, or a reshape (rank 3)
+dropout                 ``random.bernoulli`` from the batch's PRNG key (rank 2, 3)
+gain                    a learnable scalar (a rank-0 parameter) times the activation (rank 2, 3)
 ======================  ======================================================================
+
+A token program may tie its head to the embedding (``logits = x @ embed.T``, GPT-2 style): one
+parameter read by a gather and a dot.
 """
 from __future__ import annotations
 
@@ -48,9 +54,10 @@ REDUCTIONS = ("mean", "sum", "max", "logsumexp")
 LEARNING_RATE = {"sgd": 0.1, "adamw": 1e-3}
 
 LAYERS_BY_RANK: dict[int, tuple[str, ...]] = {
-    2: ("dense", "einsum", "layernorm", "rmsnorm", "cumsum", "topk", "moe", "concat_slice", "pad_slice"),
+    2: ("dense", "einsum", "layernorm", "rmsnorm", "cumsum", "topk", "moe", "concat_slice", "pad_slice", "dropout",
+        "gain"),
     3: ("dense", "einsum", "attention", "layernorm", "rmsnorm", "cumsum", "topk", "moe", "concat_slice", "pad_slice",
-        "transpose", "conv1d", "seq_pool", "flatten"),
+        "transpose", "conv1d", "seq_pool", "flatten", "dropout", "gain"),
     4: ("conv2d", "to_seq", "pool"),
 }
 
@@ -75,13 +82,14 @@ class Program:
     optimizer: str  # "sgd" | "adamw"
     seed: int
     vocab: int = 7  # tokens family: vocabulary; xent: classes
+    tied: bool = False  # tokens family with xent: the head is the embedding, transposed
 
     def describe(self) -> str:
         layers = ", ".join(f"{l.kind}" + (f"({l.width}{',' + l.option if l.option else ''}"
                                           f"{',s' + str(l.stride) if l.stride > 1 else ''})"
                                           if l.width or l.option else "") for l in self.layers)
         return (f"{self.family} B={self.batch} S={self.seq} D={self.features} [{layers}] {self.loss}/"
-                f"{self.reduction} {self.optimizer} seed={self.seed}")
+                f"{self.reduction}{' tied' if self.tied else ''} {self.optimizer} seed={self.seed}")
 
 
 # ----------------------------------------------------------------------------- drawing programs
@@ -103,7 +111,7 @@ def layers_for(draw: st.DrawFn, family: str, features: int, max_layers: int = 4)
             layer = Layer(kind, draw(st.sampled_from((1, 2, 3))), draw(st.sampled_from(ACTIVATIONS)))
         elif kind == "attention":
             heads = draw(st.sampled_from([h for h in (1, 2, 3, 4) if width % h == 0]))
-            layer = Layer(kind, heads, draw(st.sampled_from(("causal", "padding", "none"))))
+            layer = Layer(kind, heads, draw(st.sampled_from(("causal", "padding", "batch", "none"))))
         elif kind == "cumsum":
             layer = Layer(kind, 0, draw(st.sampled_from(("first", "last"))))
         elif kind == "topk":
@@ -139,11 +147,13 @@ def programs(draw: st.DrawFn, max_layers: int = 4) -> Program:
     family = draw(st.sampled_from(("tokens", "features", "signal", "image")))
     seq = draw(st.sampled_from((1, 2, 3, 4, 5, 6, 8) if family != "image" else (3, 4, 5, 6)))
     features = draw(st.sampled_from(SIZES[1:]))
+    loss = draw(st.sampled_from(("mse", "xent")))
     return Program(
         family=family, batch=draw(st.sampled_from(BATCHES)), seq=seq, features=features,
-        layers=draw(layers_for(family, features, max_layers)), loss=draw(st.sampled_from(("mse", "xent"))),
+        layers=draw(layers_for(family, features, max_layers)), loss=loss,
         reduction=draw(st.sampled_from(REDUCTIONS)), optimizer=draw(st.sampled_from(("sgd", "adamw"))),
         seed=draw(st.integers(0, 2**16)), vocab=draw(st.sampled_from((3, 5, 7, 8))),
+        tied=family == "tokens" and loss == "xent" and draw(st.booleans()),
     )
 
 
@@ -208,6 +218,8 @@ def _layer(i: int, layer: Layer, shape: tuple[int, ...], init: _Params) -> tuple
             elif layer.option == "padding":
                 keep = jnp.arange(s)[None, None, None, :] < jnp.maximum(s - 1, 1)
                 scores = jnp.where(keep, scores, -1e9)
+            elif layer.option == "batch":
+                scores = jnp.where(q["__batch"][p + "mask"][:, None, None, :], scores, -1e9)
             mixed = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), vh).reshape(b, s, d)
             return x + mixed @ q[p + "o"]
 
@@ -251,6 +263,16 @@ def _layer(i: int, layer: Layer, shape: tuple[int, ...], init: _Params) -> tuple
             return x + jnp.einsum("...e,...ef->...f", weights, expert_out)
 
         return moe, shape
+    if kind == "dropout":
+
+        def dropout(q: dict[str, Any], x: jax.Array) -> jax.Array:
+            keep = jax.random.bernoulli(jax.random.fold_in(q["__batch"]["key"], i), 0.8, x.shape)
+            return jnp.where(keep, x / 0.8, 0.0)
+
+        return dropout, shape
+    if kind == "gain":
+        init.add(p + "gain", (), value=1.5)
+        return (lambda q, x: x * q[p + "gain"]), shape
     if kind == "seq_pool":
         pool = jnp.max if layer.option == "max" else jnp.mean
         return (lambda q, x: pool(x, axis=1)), (shape[0], d)
@@ -323,22 +345,31 @@ def build(program: Program) -> tuple[Callable[..., Any], Any, Any, dict[str, Any
         shape = (b, s, s, f)
     fns = []
     for i, layer in enumerate(program.layers):
+        if layer.kind == "attention" and layer.option == "batch":  # a boolean key mask of this layer's length
+            batch[f"l{i}_mask"] = rng.random(shape[:2]) < 0.7
+            batch[f"l{i}_mask"][:, 0] = True  # every query sees at least one key
         fn, shape = _layer(i, layer, shape, init)
         fns.append(fn)
+    if any(layer.kind == "dropout" for layer in program.layers):
+        batch["key"] = jax.random.key(program.seed)
     classes = program.vocab
-    if program.loss == "xent":
+    if program.tied:
+        init.add("head_in", (shape[-1], f), fan_in=shape[-1])
+        batch["y"] = rng.integers(0, classes, shape[:-1]).astype(np.int32)
+    elif program.loss == "xent":
         init.add("head", (shape[-1], classes), fan_in=shape[-1])
         batch["y"] = rng.integers(0, classes, shape[:-1]).astype(np.int32)
     else:
         init.add("head", (shape[-1], 2), fan_in=shape[-1])
         batch["y"] = rng.standard_normal((*shape[:-1], 2)).astype(np.float32)
-    family, loss_kind, reduction = program.family, program.loss, program.reduction
+    family, loss_kind, reduction, tied = program.family, program.loss, program.reduction, program.tied
 
     def loss_fn(params: dict[str, Any], data: dict[str, Any]) -> jax.Array:
         x = jnp.take(params["embed"], data["x"], axis=0) if family == "tokens" else data["x"]
+        scope = {**params, "__batch": data}  # layers read their parameters, and the batch's key and mask
         for fn in fns:
-            x = fn(params, x)
-        out = x @ params["head"]
+            x = fn(scope, x)
+        out = (x @ params["head_in"]) @ params["embed"].T if tied else x @ params["head"]
         if loss_kind == "xent":
             logp = jax.nn.log_softmax(out, axis=-1)
             per = -jnp.take_along_axis(logp, data["y"][..., None], axis=-1)[..., 0]
