@@ -84,10 +84,11 @@ class AutoshardedFunction:
         return self._last
 
     def __call__(self, *args: Any) -> Any:
-        fresh = signature(args) not in self._cache
+        progress = self.config.progress
+        fresh = progress is not None and signature(args) not in self._cache
         _planned, step = self._compiled(args)
-        if fresh and self.config.progress is not None:
-            self.config.progress("compiling (the first call)")
+        if fresh:
+            progress("compiling (the first call)")
         if isinstance(step, PipelineStep):
             return step(*args)
         return step.call_placed(args)

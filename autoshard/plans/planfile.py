@@ -325,8 +325,10 @@ def read_json(path: str | Path) -> Any:
         raise PlanFileError(f"plan file {path} does not exist")
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise PlanFileError(f"plan file {path} is not valid JSON (truncated or hand-edited?): {err}") from None
+    except OSError as err:
+        raise PlanFileError(f"plan file {path} cannot be read: {err.strerror or err}") from None
     return data
 
 

@@ -102,6 +102,14 @@ def test_malformed_plan_files_are_refused_naming_the_field(plan_file, change, me
         load_plan(plan_file)
 
 
+def test_a_directory_or_a_binary_file_is_not_a_plan(tmp_path):
+    with pytest.raises(PlanFileError, match="cannot be read: Is a directory"):
+        load_plan(tmp_path)
+    (tmp_path / "plan.json").write_bytes(bytes(range(128, 256)))
+    with pytest.raises(PlanFileError, match="is not valid JSON"):
+        load_plan(tmp_path / "plan.json")
+
+
 def test_validate_cli_refuses_an_overflowing_plan_file_in_one_line(plan_file):
     _edit(plan_file, lambda d: d["ledger"].update(peak_memory_bytes=10**400))
     assert_one_line_error(cli("validate", str(plan_file)), r"error: .*peak_memory_bytes.*too large")
