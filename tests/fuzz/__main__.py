@@ -150,7 +150,7 @@ def results_section(summary: dict, args: argparse.Namespace) -> str:
         f"- outcomes: **{out.get('crash', 0)} crashes, {out.get('mismatch', 0)} mismatches**, {out.get('ok', 0)} "
         f"ok, {out.get('refused', 0)} refused with a PlanningError naming the construct",
         f"- sharded plans (at least one input split): {summary['sharded_plans']} of {summary['cases']}",
-        f"- layers drawn (programs using each): {kinds}",
+        f"- layers drawn (occurrences over the distinct programs): {kinds}",
         f"- time: {summary['seconds'] / 60:.1f} min wall, {summary['cpu_seconds'] / 60:.1f} min CPU",
         "- CI runs a fixed subset: 50 programs, each on two of the four meshes "
         "(tests/fuzz/test_fuzz_corpus.py)",
