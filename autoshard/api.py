@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,8 +22,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from autoshard.compiler.driver import PlannedStep, plan_step
+from autoshard.compiler.driver import PlannedStep, Progress, plan_step
 from autoshard.compiler.pipeline_driver import PipelinePlanned, plan_pipeline
+from autoshard.errors import UnusedDevicesWarning
 from autoshard.ir.trace import signature
 from autoshard.meshes.cluster import ClusterSpec
 from autoshard.passes.intra_op import IntraOpOptions
@@ -45,6 +47,7 @@ class AutoshardConfig:
     num_microbatches: int | None = None  # pipeline microbatches (None: searched)
     schedule: str = "1f1b"  # pipeline schedule: "1f1b" or "gpipe"
     options: IntraOpOptions | None = None  # solver knobs
+    progress: Progress | None = None  # told a short line as each long phase starts: tracing, each solve, compiling
 
 
 class AutoshardedFunction:
@@ -62,7 +65,7 @@ class AutoshardedFunction:
             cfg = self.config
             shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x)), args)
             common = dict(mesh=cfg.mesh, cluster=cfg.cluster, memory_budget=cfg.memory_budget,
-                          options=cfg.options)
+                          options=cfg.options, progress=cfg.progress)
             if cfg.num_stages == 1:
                 planned = plan_step(self.fn, shapes, **common)
             else:
@@ -71,6 +74,8 @@ class AutoshardedFunction:
             if isinstance(planned, PipelinePlanned):
                 runner: SpmdStep | PipelineStep = planned.runtime()
             else:
+                if not isinstance(cfg.mesh, Mesh):
+                    _warn_unused_devices(planned.logical_mesh.num_devices)
                 mesh = cfg.mesh if isinstance(cfg.mesh, Mesh) else make_jax_mesh(planned.logical_mesh)
                 runner = SpmdStep(planned.graph, annotations_for(planned.plan, planned.graph), mesh)
             self._cache[key] = (planned, runner)
@@ -79,7 +84,11 @@ class AutoshardedFunction:
         return self._last
 
     def __call__(self, *args: Any) -> Any:
+        progress = self.config.progress
+        fresh = progress is not None and signature(args) not in self._cache
         _planned, step = self._compiled(args)
+        if fresh:
+            progress("compiling (the first call)")
         if isinstance(step, PipelineStep):
             return step(*args)
         return step.call_placed(args)
@@ -116,12 +125,26 @@ class AutoshardedFunction:
         return self._last[1]
 
 
+def _warn_unused_devices(used: int) -> None:
+    """A mesh shape smaller than the devices present runs on the first ``used`` of them: say so."""
+    present = len(jax.devices())
+    if used < present:
+        warnings.warn(f"the mesh has {used} device(s) but {present} are present: the step runs on the first {used} "
+                      f"only; pass a mesh of {present} devices (or mesh=None) to use them all, or a jax Mesh to "
+                      f"choose the devices", UnusedDevicesWarning, stacklevel=4)
+
+
 def autoshard(fn: Callable[..., Any] | None = None, *, mesh: Mesh | tuple[int, ...] | None = None,
               cluster: ClusterSpec | str | None = None, memory_budget: float | None = None,
               num_stages: int | None = None, num_microbatches: int | None = None, schedule: str = "1f1b",
-              options: IntraOpOptions | None = None) -> Any:
-    """Decorate a train step; usable bare (``@autoshard``) or with options (``@autoshard(mesh=...)``)."""
-    config = AutoshardConfig(mesh, cluster, memory_budget, num_stages, num_microbatches, schedule, options)
+              options: IntraOpOptions | None = None, progress: Progress | None = None) -> Any:
+    """Decorate a train step; usable bare (``@autoshard``) or with options (``@autoshard(mesh=...)``).
+
+    ``progress`` (e.g. ``print``) is told a short line as each long phase of the first call starts: tracing,
+    each solve, compiling.
+    """
+    config = AutoshardConfig(mesh, cluster, memory_budget, num_stages, num_microbatches, schedule, options,
+                             progress)
     if fn is None:
         return lambda f: AutoshardedFunction(f, config)
     return AutoshardedFunction(fn, config)
@@ -130,14 +153,16 @@ def autoshard(fn: Callable[..., Any] | None = None, *, mesh: Mesh | tuple[int, .
 def plan(fn: Callable[..., Any], *args: Any, mesh: Mesh | tuple[int, ...] | None = None,
          cluster: ClusterSpec | str | None = None, memory_budget: float | None = None,
          num_stages: int | None = None, num_microbatches: int | None = None, schedule: str = "1f1b",
-         options: IntraOpOptions | None = None) -> Plan:
+         options: IntraOpOptions | None = None, progress: Progress | None = None) -> Plan:
     """Plan ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct``s) without running it.
 
     ``num_stages``: None searches pipelines against SPMD (a step using ``autoshard.value_and_grad``), 1 plans
-    SPMD only, an integer forces that many stages; ``num_microbatches`` likewise; ``schedule`` "1f1b"|"gpipe".
+    SPMD only, an integer forces that many stages; ``num_microbatches`` likewise; ``schedule`` "1f1b"|"gpipe";
+    ``progress`` is told a short line as each long phase starts (tracing, each solve).
     """
     if num_stages == 1:
         return plan_step(fn, args, mesh=mesh, cluster=cluster, memory_budget=memory_budget,
-                     options=options).plan
+                         options=options, progress=progress).plan
     return plan_pipeline(fn, args, mesh=mesh, cluster=cluster, memory_budget=memory_budget, num_stages=num_stages,
-                         num_microbatches=num_microbatches, schedule=schedule, options=options).plan
+                         num_microbatches=num_microbatches, schedule=schedule, options=options,
+                         progress=progress).plan

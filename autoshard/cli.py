@@ -10,6 +10,7 @@
     autoshard advise   TARGET --cluster 2x8-a100 --out DIR           Accelerate / DeepSpeed / FSDP2 files
     autoshard check-config FILE [--world-size N]                     static check of such a file
     autoshard export   plan.json --format launch --out DIR           plan + run.sh for a cluster or here
+    autoshard profile  [--out cluster.json]                          time these devices: a ClusterSpec
 
 A TARGET is a Python file or module exposing ``workload(config, abstract=...)``
 (as the bundled examples do), or ``MODULE:FUNCTION`` where the function takes
@@ -20,97 +21,35 @@ all is well, 1 when ``validate``, ``verify`` or ``check-config`` finds a problem
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.markup import escape
 
+from autoshard.cli_cluster import cmd_advise, cmd_check_config, cmd_profile
+from autoshard.cli_io import (CliError, check_writable, console, devices_needed, ensure_devices, intra_op_options,
+                              memory_budget, origin, parse_mesh, positive, positive_int, print_all, progress,
+                              write_or_fail)
 from autoshard.targets import load_workload
-
-console = Console() if sys.stdout.isatty() else Console(width=150)  # pipes and logs get wide tables
-
-
-def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
-    if not text:
-        return None
-    try:
-        shape = tuple(int(s) for s in text.lower().replace(",", "x").split("x"))
-    except ValueError:
-        raise SystemExit(f"error: --mesh takes sizes like 2x4, got {text!r}") from None
-    if any(s < 1 for s in shape):
-        raise SystemExit(f"error: --mesh sizes must be positive, got {text!r}")
-    return shape
-
-
-def _ensure_devices(count: int) -> None:
-    flag = f"--xla_force_host_platform_device_count={count}"
-    if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
-
-
-def _devices_needed(args: argparse.Namespace) -> int:
-    """Simulated devices to ask for before jax starts: the mesh's, a plan file's, or 8."""
-    if getattr(args, "devices", None):
-        return int(args.devices)
-    mesh = _parse_mesh(getattr(args, "mesh", None))
-    if mesh:
-        return max(8, _prod(mesh))
-    target = getattr(args, "target", None) or getattr(args, "plan", None)
-    if target and str(target).endswith(".json") and Path(target).exists():
-        with contextlib.suppress(Exception):
-            return max(8, _prod(json.loads(Path(target).read_text())["mesh"]["shape"]))
-    return 8
-
-
-def _prod(shape: Any) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
-def _budget(args: argparse.Namespace) -> float | None:
-    gib = getattr(args, "memory_budget_gib", None)
-    return gib * 2**30 if gib else None
-
-
-def _options(args: argparse.Namespace) -> Any:
-    from autoshard.passes.intra_op import IntraOpOptions
-
-    return IntraOpOptions(time_limit_s=args.time_limit) if getattr(args, "time_limit", None) else None
-
-
-@contextlib.contextmanager
-def _progress(what: str) -> Iterator[Callable[[str], None]]:
-    """A spinner with elapsed time; the yielded function updates its text."""
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
-                  transient=True) as progress:
-        task = progress.add_task(what, total=None)
-        yield lambda text: progress.update(task, description=f"{what}: {text}")
-
-
-def _print(*renderables: Any) -> None:
-    for r in renderables:
-        console.print(r)
 
 
 # ----------------------------------------------------------------------------- commands
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from autoshard.ir.trace import trace
+    with progress("trace") as say:
+        say(f"loading {args.target}")
+        step, step_args, name = load_workload(args.target, args.config, abstract=True)
+        from autoshard.ir.trace import trace
 
-    step, step_args, name = load_workload(args.target, args.config, abstract=True)
-    start = time.perf_counter()
-    graph = trace(step, *step_args)
-    seconds = time.perf_counter() - start
+        say(f"tracing {name}")
+        start = time.perf_counter()
+        graph = trace(step, *step_args)
+        seconds = time.perf_counter() - start
     console.print(f"[bold]{name}[/bold] traced in {seconds:.2f}s")
     console.print(graph.summary(), markup=False, highlight=False)
     return 0
@@ -120,38 +59,30 @@ def _plan_target(args: argparse.Namespace, say: Callable[[str], None]) -> Any:
     """Trace and plan a TARGET; returns the PlannedStep with the plan's origin recorded."""
     from dataclasses import replace
 
+    say(f"loading {args.target}")
+    step, step_args, name = load_workload(args.target, args.config, abstract=True)
     from autoshard.compiler.driver import plan_graph
     from autoshard.ir.trace import trace
 
-    say("loading")
-    step, step_args, name = load_workload(args.target, args.config, abstract=True)
-    say("tracing")
+    say(f"tracing {name}")
     start = time.perf_counter()
     graph = trace(step, *step_args)
     timings = {"trace": time.perf_counter() - start}
-    say(f"solving ({len(graph.ops)} ops)")
-    planned = plan_graph(graph, mesh=_parse_mesh(args.mesh), cluster=args.cluster, memory_budget=_budget(args),
-                         num_devices=getattr(args, "devices", None), options=_options(args), timings=timings,
-                         name=name)
-    return replace(planned, plan=replace(planned.plan, origin=_origin(args))), step, step_args
-
-
-def _origin(args: argparse.Namespace) -> dict[str, str]:
-    """How to rebuild the step: a file target is recorded by absolute path, so `verify` works from anywhere."""
-    module, _, func = args.target.partition(":")
-    if Path(module).exists():
-        module = str(Path(module).resolve())
-    return {"target": module + (f":{func}" if func else ""), "config": args.config}
+    planned = plan_graph(graph, mesh=parse_mesh(args.mesh), cluster=args.cluster, memory_budget=memory_budget(args),
+                         num_devices=getattr(args, "devices", None), options=intra_op_options(args), timings=timings,
+                         name=name, progress=say)
+    return replace(planned, plan=replace(planned.plan, origin=origin(args))), step, step_args
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    check_writable(args.out, "--out")
+    with progress("plan") as say:
+        planned, _step, _args = _plan_target(args, say)
     from autoshard.report import ledger_table, parameter_table
 
-    with _progress("planning") as say:
-        planned, _step, _args = _plan_target(args, say)
-    _print(ledger_table(planned.plan), parameter_table(planned.plan))
+    print_all(ledger_table(planned.plan), parameter_table(planned.plan))
     if args.out:
-        planned.plan.save(args.out)
+        write_or_fail(args.out, lambda: planned.plan.save(args.out), "--out")
         console.print(f"plan written to {args.out}")
     return 0
 
@@ -162,14 +93,18 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from autoshard.html_report import write_html
     from autoshard.report import explain_renderables
 
+    check_writable(args.html, "--html")
+    check_writable(args.png, "--png")
     plan = load_plan(args.plan)
+    if args.op is not None and not 0 <= args.op < plan.num_ops:
+        raise CliError(f"--op {args.op} is out of range: the plan has ops 0..{plan.num_ops - 1}")
     renderables = explain_renderables(plan, args.op)
-    _print(*renderables)
+    print_all(*renderables)
     if args.html:
-        write_html(plan, args.html, renderables)
+        write_or_fail(args.html, lambda: write_html(plan, args.html, renderables), "--html")
         console.print(f"report written to {args.html}")
     if args.png:
-        write_png(plan, args.png)
+        write_or_fail(args.png, lambda: write_png(plan, args.png), "--png")
         console.print(f"picture written to {args.png}")
     return 0
 
@@ -177,26 +112,31 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from autoshard.compiler.baselines import ALL_BASELINES, Baseline, compare
-    from autoshard.report import comparison_table
+    from autoshard.passes.classic import ALL_BASELINES, Baseline  # light: no jax
 
     kinds = ALL_BASELINES
     if args.baselines:
         try:
             kinds = tuple(Baseline(k.strip()) for k in args.baselines.split(","))
         except ValueError:
-            raise SystemExit(f"error: --baselines takes a comma list of {', '.join(b.value for b in Baseline)}") \
-                from None
-    step, step_args, name = load_workload(args.target, args.config, abstract=True)
-    with _progress(f"comparing {name}") as say:
-        result = compare(step, step_args, _parse_mesh(args.mesh), args.cluster,
-                         memory_budget=_budget(args), options=_options(args), baselines=kinds, progress=say)
-    _print(comparison_table(result))
+            raise CliError(f"--baselines takes a comma list of {', '.join(b.value for b in Baseline)}") from None
+    check_writable(args.out, "--out")
+    with progress("compare") as say:
+        say(f"loading {args.target}")
+        step, step_args, name = load_workload(args.target, args.config, abstract=True)
+        from autoshard.compiler.baselines import compare
+
+        result = compare(step, step_args, parse_mesh(args.mesh), args.cluster,
+                         memory_budget=memory_budget(args), options=intra_op_options(args), baselines=kinds,
+                         progress=lambda line: say(f"{name}: {line}"))
+    from autoshard.report import comparison_table
+
+    print_all(comparison_table(result))
     console.print(f"compared in {result.seconds:.1f}s")
     if args.out:
-        plan = replace(result.autoshard.plan, origin=_origin(args),
+        plan = replace(result.autoshard.plan, origin=origin(args),
                        baselines=result.summary_dict())
-        plan.save(args.out)
+        write_or_fail(args.out, lambda: plan.save(args.out), "--out")
         console.print(f"autoshard's plan (with the comparison) written to {args.out}")
     return 0
 
@@ -210,10 +150,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     plan = load_plan(args.plan)
     cluster = get_cluster(args.cluster) if args.cluster else None
-    findings = validate_plan(plan, cluster=cluster, mesh_shape=_parse_mesh(args.mesh),
-                             memory_budget_bytes=_budget(args),
+    findings = validate_plan(plan, cluster=cluster, mesh_shape=parse_mesh(args.mesh),
+                             memory_budget_bytes=memory_budget(args),
                              file_versions=read_header(args.plan))
-    _print(findings_table(findings))
+    print_all(findings_table(findings))
     failed = [f for f in findings if f.failed]
     if failed:
         console.print(f"[bold red]{len(failed)} check(s) failed[/bold red]: " + "; ".join(f.check for f in failed))
@@ -230,17 +170,18 @@ def cmd_export(args: argparse.Namespace) -> int:
         from autoshard.bundle import write_bundle
 
         if not args.out:
-            raise SystemExit("error: --format launch needs --out DIR (the bundle folder)")
+            raise CliError("--format launch needs --out DIR (the bundle folder)")
         written = write_bundle(load_plan(args.plan), args.out)
         console.print(f"launch bundle written to {args.out}: {', '.join(p.name for p in written)}; run "
                       f"{Path(args.out) / 'run.sh'} --local-processes 2 here, or see its README for a cluster")
         return 0
     if args.format != "flax-rules":
-        raise SystemExit(f"error: unknown --format {args.format!r}; known: flax-rules, launch")
+        raise CliError(f"unknown --format {args.format!r}; known: flax-rules, launch")
+    check_writable(args.out, "--out")
     data = flax_rules(load_plan(args.plan))
     text = flax_rules_python(data) if args.python else dumps(data)
     if args.out:
-        Path(args.out).write_text(text)
+        write_or_fail(args.out, lambda: Path(args.out).write_text(text), "--out")
         console.print(f"{len(data['params'])} parameter specs and {len(data['rules'])} logical rules written to "
                       f"{args.out}")
     else:
@@ -249,30 +190,33 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from autoshard.plans.plan import load_plan
-    from autoshard.compiler.verify import verify_compiled
-    from autoshard.runtime.spmd import make_jax_mesh
-    from autoshard.report import fidelity_lines, fidelity_table
-
-    with _progress("verifying") as say:
+    with progress("verify") as say:
         if args.target.endswith(".json"):
+            from autoshard.plans.plan import load_plan
+
+
             plan = load_plan(args.target)
             if "target" not in plan.origin:
-                raise SystemExit(f"error: {args.target} does not record the step it was made from (no origin "
-                                 "target); run `autoshard verify TARGET` instead")
-            say("loading the step")
+                raise CliError(f"{args.target} does not record the step it was made from (no origin target); run "
+                               "`autoshard verify TARGET` instead")
+            say(f"loading {plan.origin['target']}")
             step, step_args, _name = load_workload(plan.origin["target"], plan.origin.get("config", "small"),
                                                    abstract=True)
         else:
             planned, step, step_args = _plan_target(args, say)
             plan = planned.plan
+        from autoshard.compiler.verify import verify_compiled
+        from autoshard.runtime.spmd import make_jax_mesh
+
         mesh = make_jax_mesh(tuple(plan.mesh_shape), plan.axis_names)
         say("compiling")
         start = time.perf_counter()
         compiled = plan.apply(step, mesh).lower(*step_args).compile()
         compile_s = time.perf_counter() - start
         report = verify_compiled(plan, compiled)
-    _print(fidelity_table(report, f"plan '{plan.name}' predicted vs compiled",
+    from autoshard.report import fidelity_lines, fidelity_table
+
+    print_all(fidelity_table(report, f"plan '{plan.name}' predicted vs compiled",
                           f"mesh {'x'.join(map(str, plan.mesh_shape))} of {plan.cluster.name}, XLA:CPU on simulated "
                           f"devices, compiled in {compile_s:.1f}s"))
     flagged = [line.what for line in fidelity_lines(report) if line.flagged]
@@ -283,86 +227,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_profile(args: argparse.Namespace) -> int:
-    """Time the devices present; write the ClusterSpec they make (``--cluster FILE`` reads it)."""
-    from rich.progress import BarColumn
-
-    from autoshard.runtime.profile import ProfileOptions, profile_devices
-
-    out = Path(args.out) if args.out else None
-    if out is not None and not (out.parent if str(out.parent) else Path(".")).exists():
-        console.print(f"[bold red]error:[/bold red] cannot write {out}: the folder {out.parent} does not exist")
-        return 2
-    options = ProfileOptions(repeats=args.repeats)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as bar:
-        task = bar.add_task("profiling", total=1.0)
-        profiled = profile_devices(options, lambda what, done: bar.update(task, completed=done,
-                                                                          description=f"profiling: {what}"))
-    for line in profiled.lines():
-        console.print(line, highlight=False)
-    spec = profiled.spec
-    console.print(f"profiled {spec.num_devices} device(s) in {profiled.seconds:.1f} s: intra-node "
-                  f"{spec.intra_node.bandwidth_bytes_per_s / 1e9:.3g} GB/s, {spec.intra_node.latency_s * 1e6:.3g} us; "
-                  f"inter-node {spec.inter_node.bandwidth_bytes_per_s / 1e9:.3g} GB/s", highlight=False)
-    if out is not None:
-        spec.save(out)
-        console.print(f"wrote {out} (use it with --cluster {out})", highlight=False)
-    return 0
-
-
-def cmd_advise(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
-    from autoshard.compiler.advise import advise
-    from autoshard.compiler.baselines import compare
-    from autoshard.meshes.cluster import get_cluster
-    from autoshard.plans.torch_configs import accelerate_yaml, deepspeed_json, fsdp2_snippet
-    from autoshard.report import advice_markdown, advice_table, caveats_table
-
-    cluster = get_cluster(args.cluster)
-    mesh = _parse_mesh(args.mesh) or ((cluster.num_nodes, cluster.devices_per_node) if cluster.num_nodes > 1 else None)
-    step, step_args, name = load_workload(args.target, args.config, abstract=True)
-    with _progress(f"comparing {name} on {cluster.name}") as say:
-        result = compare(step, step_args, mesh, args.cluster, memory_budget=_budget(args), options=_options(args),
-                         progress=say, num_devices=cluster.num_devices)
-    advice = advise(result, global_batch=args.global_batch, fsdp_version=args.fsdp_version, source=name)
-    plan = replace(result.autoshard.plan, origin=_origin(args), baselines=result.summary_dict())
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    files = {"accelerate_config.yaml": accelerate_yaml(advice.setup), "deepspeed.json": deepspeed_json(advice.setup),
-             "fsdp2.py": fsdp2_snippet(advice.setup), "summary.md": advice_markdown(advice, plan)}
-    for file_name, text in files.items():
-        (out / file_name).write_text(text)
-    plan.save(out / "plan.json")
-    _print(advice_table(advice), caveats_table(plan))
-    console.print(f"wrote {', '.join(files)} and plan.json to {out}")
-    return _report_configs([out / "accelerate_config.yaml", out / "deepspeed.json"], world_size=None,
-                           devices_per_node=advice.setup.processes_per_machine)
-
-
-def _report_configs(paths: list[Path], *, world_size: int | None, devices_per_node: int | None) -> int:
-    """Check config files, one line per finding; 1 when any has an error."""
-    from autoshard.plans.check_config import check_config
-
-    errors = 0
-    for path in paths:
-        for report in check_config(path, world_size=world_size, devices_per_node=devices_per_node):
-            lines = [f"{report.path}: {finding}" for finding in report.findings]
-            for line in lines or [f"{report.path}: ok ({report.kind} config)"]:
-                console.print(line, markup=False, highlight=False, soft_wrap=True)
-            errors += len(report.errors)
-    if errors:
-        console.print(f"[bold red]{errors} error(s)[/bold red]")
-        return 1
-    return 0
-
-
-def cmd_check_config(args: argparse.Namespace) -> int:
-    return _report_configs([Path(f) for f in args.files], world_size=args.world_size,
-                           devices_per_node=args.devices_per_node)
-
-
 # ----------------------------------------------------------------------------- parser
 
 
@@ -370,8 +234,9 @@ def _planning_flags(p: argparse.ArgumentParser, *, mesh_help: str = "logical mes
     p.add_argument("--config", default="small", help="workload config (default: small)")
     p.add_argument("--mesh", help=mesh_help)
     p.add_argument("--cluster", default=None, help="preset name or .json/.toml ClusterSpec file")
-    p.add_argument("--memory-budget-gib", type=float, default=None, help="per-device budget (default: device memory)")
-    p.add_argument("--time-limit", type=float, default=None, help="ILP time limit in seconds per solve")
+    p.add_argument("--memory-budget-gib", type=positive, default=None,
+                   help="per-device budget (default: device memory)")
+    p.add_argument("--time-limit", type=positive, default=None, help="ILP time limit in seconds per solve")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -385,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan a workload on a mesh and cluster")
     p.add_argument("target", help="MODULE:FUNCTION, a module or a .py file with workload()")
     _planning_flags(p, mesh_help="logical mesh shape, e.g. 2x4 (default: searched)")
-    p.add_argument("--devices", type=int, default=None, help="device count when --mesh is not given")
+    p.add_argument("--devices", type=positive_int, default=None, help="device count when --mesh is not given")
     p.add_argument("--out", help="write the plan file here")
     p.set_defaults(func=cmd_plan)
 
@@ -406,8 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="static checks of a plan file; non-zero exit on failure")
     p.add_argument("plan", help="plan file")
     p.add_argument("--cluster", default=None, help="the cluster it will run on (preset or file)")
-    p.add_argument("--mesh", help="the mesh shape it will run on (default: the plan's)")
-    p.add_argument("--memory-budget-gib", type=float, default=None, help="per-device budget (default: the cluster's)")
+    p.add_argument("--mesh", help="the mesh shape it will run on: must be the plan's (default: the plan's)")
+    p.add_argument("--memory-budget-gib", type=positive, default=None,
+                   help="per-device budget (default: the cluster's)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("export", help="a plan's parameter layouts as Flax rules / PartitionSpecs, or a launch "
@@ -452,16 +318,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _ensure_devices(_devices_needed(args))
     from autoshard.errors import PlanningError
     from autoshard.meshes.cluster import ClusterSpecError
 
-    if args.command == "advise" and not args.cluster:
-        raise SystemExit("error: advise needs --cluster (a preset such as 2x8-a100, or a ClusterSpec file)")
     try:
+        if args.command == "advise" and not args.cluster:
+            raise CliError("advise needs --cluster (a preset such as 2x8-a100, or a ClusterSpec file)")
+        ensure_devices(devices_needed(args))
         return int(args.func(args) or 0)
-    except (PlanningError, ClusterSpecError) as err:
-        console.print(f"[bold red]error:[/bold red] {err}", highlight=False)
+    except (CliError, PlanningError, ClusterSpecError) as err:
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/bold red] {escape(str(err))}", highlight=False)
         return 2
 
 

@@ -29,3 +29,11 @@ class InfeasibleMemoryError(PlanningError):
 
 class PlanMismatchError(PlanningError):
     """A plan does not match the function, arguments or mesh it is applied to."""
+
+
+class OverBudgetWarning(UserWarning):
+    """The chosen plan's modeled peak memory exceeds the memory budget (the message gives both figures)."""
+
+
+class UnusedDevicesWarning(UserWarning):
+    """A mesh covers fewer devices than are present: the step runs on that many only."""

@@ -16,12 +16,11 @@ from rich.table import Table
 from rich.text import Text
 
 from autoshard.plans.breakdown import dotted, layer_key
-from autoshard.plans.ledger import Choice, fmt_bytes, fmt_s
-from autoshard.plans.plan import Plan
+from autoshard.plans.ledger import Choice, fmt_bytes, fmt_s, solver_summary
+from autoshard.plans.plan import Plan, state_note
 
 KIND_COLORS = {"param": "#4c72b0", "grad": "#8172b3", "opt_state": "#dd8452", "batch": "#55a868",
                "activation": "#c44e52", "resharded": "#937860"}
-FLAG_TOLERANCE = 0.10  # `verify` flags a figure off by more than this
 
 
 # ----------------------------------------------------------------------------- plan tables
@@ -48,9 +47,7 @@ def ledger_table(plan: Plan) -> Table:
         table.add_row(f"  {kind}", fmt_bytes(nbytes))
     table.add_row("collectives / device",
                   ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(led.collective_bytes.items())) or "none")
-    s = plan.solver
-    table.add_row("solver", f"{s.status}, gap {s.gap:.2%}, {s.solve_s:.2f}s; {s.num_nodes} nodes -> "
-                            f"{s.num_classes} classes, {s.num_edges} edges")
+    table.add_row("solver", solver_summary(plan.solver))
     table.add_row("planning", ", ".join(f"{k} {v:.2f}s" for k, v in plan.planning_s.items()))
     if plan.stages:
         table.add_row("pipeline", f"{len(plan.stages)} stages, {plan.num_microbatches} microbatches, {plan.schedule}")
@@ -88,19 +85,21 @@ def _ranges(numbers: Sequence[int]) -> str:
 
 
 def parameter_table(plan: Plan) -> Table:
-    """Per-parameter specs; repeated layers with the same spec share one row."""
-    groups: dict[tuple[str, tuple[int, ...], str], list[tuple[int | None, str]]] = collections.defaultdict(list)
+    """Per-parameter specs and their optimizer state's; repeated layers with the same specs share one row."""
+    groups: dict[tuple[str, tuple[int, ...], str, str], list[tuple[int | None, str]]] = collections.defaultdict(list)
+    state = plan.state_specs()
     for path, spec in plan.param_specs().items():
         key, layer = _layer_of(path)
-        groups[(key, plan.input_shapes[path][0], str(spec))].append((layer, path))
-    table = Table(title="parameters (their optimizer state is laid out alike unless noted) by path")
-    for col in ("path", "layers", "shape", "spec", "per device"):
+        groups[(key, plan.input_shapes[path][0], str(spec), state_note(spec, state.get(path, {})))].append((layer, path))
+    table = Table(title="parameters by path", caption="optimizer state: 'alike' when every slot of it (Adam's mu, "
+                  "nu, ...) has the parameter's spec, else each slot's spec")
+    for col in ("path", "layers", "shape", "spec", "per device", "optimizer state"):
         table.add_column(col, overflow="fold")
     sizes = dict(zip(plan.axis_names, plan.mesh_shape))
-    for (key, shape, spec_text), members in sorted(groups.items()):
+    for (key, shape, spec_text, note), members in sorted(groups.items()):
         local = plan.input_specs[members[0][1]].shard_shape(shape, sizes)
         numbered = [n for n, _ in members if n is not None]
-        table.add_row(dotted(key), _ranges(numbered), str(list(shape)), spec_text, str(list(local)))
+        table.add_row(dotted(key), _ranges(numbered), str(list(shape)), spec_text, str(list(local)), note)
     return table
 
 
@@ -125,9 +124,14 @@ def layer_table(plan: Plan) -> Table:
     table = Table(title="per layer")
     for col in ("layer", "parameters", "split", "params / device", "opt state / device"):
         table.add_column(col, justify="left" if col == "layer" else "right")
-    for layer, (count, split, pbytes, obytes) in sorted(rows.items()):
+    for layer, (count, split, pbytes, obytes) in sorted(rows.items(), key=lambda kv: _natural(kv[0])):
         table.add_row(dotted(layer), str(int(count)), str(int(split)), fmt_bytes(pbytes), fmt_bytes(obytes))
     return table
+
+
+def _natural(text: str) -> list[Any]:
+    """Sort key that orders embedded numbers by value: blocks.2 before blocks.10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
 def _itemsize(dtype: str) -> int:
@@ -306,32 +310,30 @@ class FidelityLine:
     compiled: float
     rel_error: float
     flagged: bool
+    tolerance: str  # e.g. "15% or 1 MiB": the figure is ok within either
 
 
-def fidelity_lines(report: Any, tolerance: float | None = None) -> list[FidelityLine]:
-    """Rows of a verify report, flagged when off by more than their own tolerance (collectives 10%, peak
-    memory 15%, FLOPs 5%, HBM bytes 20%; differences of a few KiB are immaterial), or by more than
-    ``tolerance`` when one is given."""
-    lines = []
-    for r in report.rows:
-        err = r.rel_error
-        flagged = (not r.ok) if tolerance is None else (err > tolerance and abs(r.predicted - r.compiled) > 1024)
-        lines.append(FidelityLine(r.what, r.predicted, r.compiled, err, flagged))
-    return lines
+def fidelity_lines(report: Any) -> list[FidelityLine]:
+    """Rows of a verify report, flagged when off by more than their tolerance, relative and absolute
+    (``compiler/verify.py``: collectives 10%, peak memory 15%, FLOPs 5%, HBM bytes 20%, each or a few
+    immaterial bytes)."""
+    return [FidelityLine(r.what, r.predicted, r.compiled, r.rel_error, not r.ok,
+                         f"{r.tolerance:.0%}" + (f" or {fmt_bytes(r.immaterial_bytes)}" if r.immaterial_bytes else ""))
+            for r in report.rows]
 
 
 def _figure(what: str, value: float) -> str:
     return f"{value:.4g} FLOP" if "flops" in what else fmt_bytes(value)
 
 
-def fidelity_table(report: Any, title: str, note: str = "", tolerance: float | None = None) -> Table:
-    limits = "each figure's tolerance" if tolerance is None else f"more than {tolerance:.0%}"
-    table = Table(title=title, caption=(note + "; " if note else "") + f"per device; flagged: off by {limits}")
-    for col in ("figure", "predicted", "compiled (XLA)", "error", ""):
+def fidelity_table(report: Any, title: str, note: str = "") -> Table:
+    table = Table(title=title, caption=(note + "; " if note else "") + "per device; flagged: off by more than its "
+                                        "tolerance, both relative and absolute")
+    for col in ("figure", "predicted", "compiled (XLA)", "error", "tolerance", ""):
         table.add_column(col, justify="left" if col in ("figure", "") else "right")
-    for line in fidelity_lines(report, tolerance):
+    for line in fidelity_lines(report):
         err = "inf" if math.isinf(line.rel_error) else f"{line.rel_error:.1%}"
         table.add_row(line.what.replace(" bytes", "") if "hbm" not in line.what else line.what,
                       _figure(line.what, line.predicted), _figure(line.what, line.compiled), err,
-                      Text("OFF", style="bold red") if line.flagged else Text("ok", style="green"))
+                      line.tolerance, Text("OFF", style="bold red") if line.flagged else Text("ok", style="green"))
     return table

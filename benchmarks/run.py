@@ -39,6 +39,7 @@ from autoshard.passes.intra_op import IntraOpOptions  # noqa: E402
 from benchmarks import planning_scaling  # noqa: E402
 from benchmarks.machine import LoadSampler, Machine, describe  # noqa: E402
 from benchmarks.quality import Cell, CellResult, run_cells  # noqa: E402
+from benchmarks.sections import carry_over  # noqa: E402
 from benchmarks.tables import (baselines_table, fidelity_table, hot_ops_table, hotspot_table,  # noqa: E402
                                long_solve_table, quality_table, render_markdown, render_rich, scaling_fit_table,
                                scaling_table)
@@ -256,7 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if out is not None:
         run = RunSettings(args.time_limit, scaling_options.time_limit_s, args.jobs, runtime_s, load.summary(),
                           _cpu_seconds())
-        out.write_text(markdown(machine, run, results, points, targets, spots))
+        text = markdown(machine, run, results, points, targets, spots)
+        out.write_text(carry_over(out.read_text(), text) if out.exists() else text)  # keeps the fuzz section
         console.print(f"wrote {out}")
     return 0
 

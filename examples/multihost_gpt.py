@@ -21,11 +21,15 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+if not __package__:  # run as a file (python examples/multihost_gpt.py): make the repository's `examples` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SEED = 0
 

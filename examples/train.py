@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+
+if not __package__:  # run as a file (python examples/train.py): make the repository's `examples` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,29 +31,35 @@ def main(argv: list[str] | None = None) -> int:
 
     import importlib
 
-    import jax
     from rich.console import Console
 
-    import autoshard
+    from autoshard.progress import progress_lines  # light: rich only, so the first line shows at once
 
     console = Console()
-    if len(jax.devices()) < args.devices:
-        raise SystemExit(f"only {len(jax.devices())} devices: the jax backend started before XLA_FLAGS was set")
-    module = importlib.import_module(f"examples.{args.model}")
-    work = module.workload(args.config)
-    mesh = tuple(int(s) for s in args.mesh.split("x")) if args.mesh else None
-    step = autoshard.autoshard(work.step, mesh=mesh, cluster=args.cluster)
-    reference = jax.jit(work.step)
+    with progress_lines(console, f"{args.model}-{args.config}") as say:
+        say(f"starting jax on {args.devices} simulated devices")
+        import jax
 
-    params, opt_state, batch = work.args
-    ref_state = jax.tree.map(lambda x: x.copy(), (params, opt_state))
+        import autoshard
+
+        if len(jax.devices()) < args.devices:
+            raise SystemExit(f"only {len(jax.devices())} devices: the jax backend started before XLA_FLAGS was set")
+        say("building the model and its first batch")
+        work = importlib.import_module(f"examples.{args.model}").workload(args.config)
+        mesh = tuple(int(s) for s in args.mesh.split("x")) if args.mesh else None
+        step = autoshard.autoshard(work.step, mesh=mesh, cluster=args.cluster, progress=say)
+        reference = jax.jit(work.step)
+        params, opt_state, batch = work.args
+        ref_state = jax.tree.map(lambda x: x.copy(), (params, opt_state))
+        params, opt_state, loss = step(params, opt_state, batch)  # says: tracing, each solve, compiling
+        say("compiling the same step on one device (the reference)")
+        *ref_state, ref_loss = reference(*ref_state, batch)
+    console.print(str(step.plan), markup=False, highlight=False, soft_wrap=True)
     for i in range(args.steps):
-        ref_params, ref_opt, ref_loss = reference(*ref_state, batch)
-        ref_state = (ref_params, ref_opt)
-        params, opt_state, loss = step(params, opt_state, batch)
-        if i == 0:
-            console.print(str(step.plan), markup=False, highlight=False)
-        console.print(f"step {i}: loss {float(loss):.6f}   (one device: {float(ref_loss):.6f})")
+        if i:
+            *ref_state, ref_loss = reference(*ref_state, batch)
+            params, opt_state, loss = step(params, opt_state, batch)
+        console.print(f"step {i}: loss {float(loss):.6f}   (one device: {float(ref_loss):.6f})", soft_wrap=True)
     return 0
 
 

@@ -57,7 +57,7 @@ from typing import Any
 
 
 from autoshard.compiler.ceiling import BatchProbe, batch_ceiling
-from autoshard.compiler.driver import PlannedStep, plan_graph, plan_on
+from autoshard.compiler.driver import PlannedStep, Progress, plan_graph, plan_on
 from autoshard.compiler.explain import op_explanations
 from autoshard.compiler.target import ClusterLike, MeshLike, Target, resolve_target
 from autoshard.errors import InfeasibleMemoryError, PlanningError
@@ -76,7 +76,6 @@ __all__ = ["ALL_BASELINES", "Baseline", "Candidate", "Comparison", "baseline_pin
 log = logging.getLogger(__name__)
 
 UNBOUNDED_BYTES = 1e30  # a budget no plan reaches: baselines that do not fit are priced without one
-Progress = Callable[[str], None]
 
 
 # ----------------------------------------------------------------------------- planning
@@ -117,7 +116,8 @@ def plan_baseline(graph: OpGraph, kind: Baseline, *, mesh: MeshLike, cluster: Cl
 
 def baseline_on(graph: OpGraph, kind: Baseline, target: Target, options: IntraOpOptions | None = None, *,
                 roles: MegatronRoles | None = None, explain: bool = True,
-                batch_dims: Mapping[ValueId, tuple[int, ...]] | None = None) -> PlannedStep:
+                batch_dims: Mapping[ValueId, tuple[int, ...]] | None = None,
+                progress: Progress | None = None) -> PlannedStep:
     """The ``kind`` baseline on the target's mesh.
 
     ``batch_dims`` (per value, the dims that grow with the batch: ``BatchProbe.batch_dims``) keeps
@@ -129,10 +129,10 @@ def baseline_on(graph: OpGraph, kind: Baseline, target: Target, options: IntraOp
     splits = batch_splits(graph, batch_dims, data_axes(graph, pins)) if batch_dims else {}
     opts = replace(options or IntraOpOptions(), pinned_inputs=pins, required_splits=splits)
     try:
-        return plan_on(graph, target, opts, name=kind.label, explain=explain)
+        return plan_on(graph, target, opts, name=kind.label, explain=explain, progress=progress)
     except InfeasibleMemoryError:
         unbounded = replace(target, memory_budget_bytes=UNBOUNDED_BYTES)
-        planned = plan_on(graph, unbounded, opts, name=kind.label, explain=explain)
+        planned = plan_on(graph, unbounded, opts, name=kind.label, explain=explain, progress=progress)
         return replace(planned, plan=replace(planned.plan, memory_budget_bytes=target.memory_budget_bytes))
 
 
@@ -218,22 +218,24 @@ def compare(fn: Callable[..., Any], args: Sequence[Any], mesh: MeshLike = None,
     graph = trace(fn, *args)
     probe = BatchProbe(fn, args, graph)
     if mesh is None:
-        say("choosing the mesh")
         mesh = plan_graph(graph, cluster=cluster, memory_budget=memory_budget, options=options,
-                          num_devices=num_devices, explain=False).logical_mesh.shape
+                          num_devices=num_devices, explain=False,
+                          progress=lambda line: say(f"choosing the mesh: {line}")).logical_mesh.shape
     target = baseline_target(mesh, cluster, memory_budget)
     budget = target.memory_budget_bytes
     roles = megatron_roles(graph)
+    say("tracing at twice the batch (which values grow with it)")
     batch_dims = probe.batch_dims()
     planned: dict[Baseline, PlannedStep] = {}
     for kind in baselines:
-        say(f"planning {kind.label}")
-        planned[kind] = baseline_on(graph, kind, target, options, roles=roles, explain=False, batch_dims=batch_dims)
+        planned[kind] = baseline_on(graph, kind, target, options, roles=roles, explain=False, batch_dims=batch_dims,
+                                    progress=lambda line, label=kind.label: say(f"{label}: {line}"))
     fitting = [p for p in planned.values() if p.plan.fits]
     best = min(fitting, key=lambda p: p.plan.step_s, default=None)
-    say("planning autoshard" + (f" (hinted with {best.plan.name})" if best else ""))
+    hinted = f" (hinted with {best.plan.name})" if best else ""
     try:
-        auto = plan_on(graph, target, _hint_options(options, best), name="autoshard")
+        auto = plan_on(graph, target, _hint_options(options, best), name="autoshard",
+                       progress=lambda line: say(f"autoshard{hinted}: {line}"))
     except PlanningError as err:
         if best is None:
             raise

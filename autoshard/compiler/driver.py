@@ -11,12 +11,12 @@ import warnings
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeAlias
 
 from autoshard.compiler.explain import op_explanations
 from autoshard.compiler.layer_times import layer_times
 from autoshard.compiler.target import ClusterLike, MeshLike, Target, resolve_target
-from autoshard.errors import InfeasibleMemoryError, PlanningError
+from autoshard.errors import InfeasibleMemoryError, OverBudgetWarning, PlanningError
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.trace import trace
 from autoshard.meshes.logical import LogicalMesh
@@ -27,6 +27,8 @@ from autoshard.plans.ledger import Ledger, SolverInfo, fmt_bytes
 from autoshard.plans.plan import Plan
 
 log = logging.getLogger(__name__)
+
+Progress: TypeAlias = Callable[[str], None]  # told a short line as each long phase starts (tracing, each solve)
 
 
 @dataclass(frozen=True)
@@ -76,17 +78,18 @@ def build_plan(graph: OpGraph, result: IntraOpResult, budget: float, timings: di
 def plan_graph(graph: OpGraph, *, mesh: MeshLike = None, cluster: ClusterLike = None,
                memory_budget: float | None = None, options: IntraOpOptions | None = None,
                num_devices: int | None = None, timings: dict[str, float] | None = None,
-               name: str = "autoshard", explain: bool = True) -> PlannedStep:
+               name: str = "autoshard", explain: bool = True, progress: Progress | None = None) -> PlannedStep:
     """Plan an already traced graph on the given (or searched) logical mesh.
 
     ``explain`` records each op's strategy against its alternatives in the plan (``Plan.explanations``).
     """
     target = resolve_target(mesh, cluster, memory_budget, num_devices=num_devices)
-    return plan_on(graph, target, options, timings=timings, name=name, explain=explain)
+    return plan_on(graph, target, options, timings=timings, name=name, explain=explain, progress=progress)
 
 
 def plan_on(graph: OpGraph, target: Target, options: IntraOpOptions | None = None, *,
-            timings: dict[str, float] | None = None, name: str = "autoshard", explain: bool = True) -> PlannedStep:
+            timings: dict[str, float] | None = None, name: str = "autoshard", explain: bool = True,
+            progress: Progress | None = None) -> PlannedStep:
     """``plan_graph`` for a resolved Target: the intra-op pass on each candidate mesh, the fastest kept."""
     budget = target.memory_budget_bytes
     options = replace(options or IntraOpOptions(), memory_budget_bytes=budget)
@@ -96,7 +99,10 @@ def plan_on(graph: OpGraph, target: Target, options: IntraOpOptions | None = Non
     errors: list[tuple[InfeasibleMemoryError, LogicalMesh]] = []
     start = time.perf_counter()
     several = len(target.meshes) > 1
-    for logical in target.meshes:
+    for i, logical in enumerate(target.meshes):
+        if progress is not None:
+            count = f" ({i + 1} of {len(target.meshes)})" if several else ""
+            progress(f"solving {len(graph.ops)} ops on mesh {'x'.join(map(str, logical.shape))}{count}")
         try:
             result = plan_intra_op(graph, logical, options, exact_smallest_budget=not several)
         except InfeasibleMemoryError as err:
@@ -123,9 +129,11 @@ def plan_on(graph: OpGraph, target: Target, options: IntraOpOptions | None = Non
         # The ILP's memory terms are per choice; resharded and layout copies depend on pairs of choices and
         # only the ledger counts them, so a plan the ILP accepted can still exceed the budget here.
         warnings.warn(
-            f"the chosen plan's modeled peak memory {result.peak_bytes / 2**30:.2f} GiB per device exceeds the "
-            f"budget {budget / 2**30:.2f} GiB (resharded copies the ILP does not bound); lower memory_budget "
-            f"to leave room, or use the fallback in plan.best_baseline()", ResourceWarning, stacklevel=2)
+            f"the chosen plan's modeled peak memory {fmt_bytes(result.peak_bytes)} per device exceeds the budget "
+            f"{fmt_bytes(budget)} by {fmt_bytes(result.peak_bytes - budget)} (resharded copies the ILP does not "
+            f"bound): plan with a memory_budget below the real one to leave room, or run `autoshard compare` "
+            f"(autoshard.compiler.baselines.compare) and use its fallback, the fastest classic plan that fits",
+            OverBudgetWarning, stacklevel=2)
     plan = build_plan(graph, result, budget, timings, name=name, explain=explain)
     if len(target.meshes) > 1:
         plan = replace(plan, alternatives=alternatives)
@@ -134,6 +142,9 @@ def plan_on(graph: OpGraph, target: Target, options: IntraOpOptions | None = Non
 
 def plan_step(fn: Callable[..., Any], args: Sequence[Any], **kwargs: Any) -> PlannedStep:
     """Trace ``fn(*args)`` and plan it (see ``plan_graph`` for the options)."""
+    progress = kwargs.get("progress")
+    if progress is not None:
+        progress("tracing")
     start = time.perf_counter()
     graph = trace(fn, *args)
     timings = {"trace": time.perf_counter() - start}

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from autoshard.compiler.driver import PlannedStep, plan_on
+from autoshard.compiler.driver import PlannedStep, Progress, plan_on
 from autoshard.compiler.target import ClusterLike, MeshLike, resolve_target
 from autoshard.errors import InfeasibleMemoryError, PlanningError
 from autoshard.ir.graph import OpGraph, Role, same_structure
@@ -83,7 +83,7 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
                   num_stages: int | None = None, num_microbatches: int | None = None, schedule: str = "1f1b",
                   options: IntraOpOptions | None = None, num_layers: int | None = None,
                   num_devices: int | None = None, name: str | None = None,
-                  keep_both: bool = False) -> PipelinePlanned | PlannedStep | Any:
+                  keep_both: bool = False, progress: Progress | None = None) -> PipelinePlanned | PlannedStep | Any:
     """Plan ``fn(*args)`` as a pipeline, or fall back to SPMD (module docstring).
 
     ``keep_both`` (with ``num_stages=None``): return ``(best pipeline of >= 2 stages, best SPMD plan)``
@@ -91,8 +91,11 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
 
     ``num_devices`` plans for that many devices instead of those present (planning only: the
     result's runtime needs them); ``num_layers`` overrides the layer count L of the clustering.
+    ``progress`` is told a short line as each long phase starts (tracing, pricing, each solve).
     """
     name = name or getattr(fn, "__name__", "autoshard")
+    say = progress or (lambda _line: None)
+    say("tracing")
     timings: dict[str, float] = {}
     start = time.perf_counter()
     graph = trace(fn, *args)
@@ -103,9 +106,9 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
         if num_stages not in (None, 1):
             raise PlanningError(f"num_stages={num_stages} needs the step to compute its gradients with "
                                 "autoshard.value_and_grad or autoshard.grad (plain jax.grad plans as one SPMD stage)")
-        return plan_on(graph, target, options, timings=timings, name=name)
+        return plan_on(graph, target, options, timings=timings, name=name, progress=progress)
     if num_stages is None and mesh is not None:
-        return plan_on(graph, target, options, timings=timings, name=name)
+        return plan_on(graph, target, options, timings=timings, name=name, progress=progress)
     if schedule not in ("1f1b", "gpipe"):
         raise PlanningError(f"schedule must be '1f1b' or 'gpipe'; got {schedule!r}")
     num_devices, spec, budget = target.num_devices, target.cluster, target.memory_budget_bytes
@@ -120,6 +123,7 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
     opt_ratio = by_role.get(Role.OPT_STATE, 0) / max(by_role.get(Role.PARAM, 0), 1)
     inter = InterOpOptions(schedule=schedule, num_stages=num_stages, num_microbatches=num_microbatches,
                            memory_budget_bytes=budget, min_stages=2 if num_stages is None else 1)
+    say(f"pricing pipeline stages ({len(layers)} layers)")
     t0 = time.perf_counter()
     work = layer_work(fn, graph, parts, layers, split, global_batch, args, spec)
     apply_s = leaf_apply_s(parts, spec)
@@ -131,10 +135,11 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
     if num_stages is None:
         t0 = time.perf_counter()
         try:
-            spmd = plan_on(graph, target, options, timings=dict(timings), name=name)
+            spmd = plan_on(graph, target, options, timings=dict(timings), name=name, progress=progress)
         except InfeasibleMemoryError as err:
             log.info("no SPMD plan fits (%s); pipelines only", err)
         timings["spmd"] = time.perf_counter() - t0
+    say("choosing pipeline stages")
     t0 = time.perf_counter()
     try:
         stage_plan = solve_stages(priced.problem)

@@ -24,6 +24,9 @@ COLLECTIVE_TOLERANCE = 0.10
 MEMORY_TOLERANCE = 0.15
 FLOPS_TOLERANCE = 0.05
 HBM_BYTES_TOLERANCE = 0.20
+# Peak memory is also ok within this many bytes: XLA:CPU keeps fixed buffers (a few hundred KiB) that are
+# noise on a real model but 20% of a tiny one's (gpt tiny: 1.15 predicted vs 1.46 MiB compiled).
+MEMORY_IMMATERIAL_BYTES = 2.0**20
 
 
 @dataclass(frozen=True)
@@ -80,12 +83,13 @@ def compare(plan: Plan, summary: CompiledSummary) -> FidelityReport:
             rows.append(FidelityRow(f"{kind} bytes", p, c, COLLECTIVE_TOLERANCE, immaterial))
     rows.append(FidelityRow("all collective bytes", total_p, total_c, COLLECTIVE_TOLERANCE))
     rows.append(FidelityRow("peak memory bytes", plan.ledger.peak_memory_bytes, float(summary.peak_bytes),
-                            MEMORY_TOLERANCE))
-    if summary.flops is not None and plan.ledger.flops_per_device:
-        rows.append(FidelityRow("flops per device", plan.ledger.flops_per_device, summary.flops, FLOPS_TOLERANCE,
+                            MEMORY_TOLERANCE, MEMORY_IMMATERIAL_BYTES))
+    flops, nbytes = getattr(summary, "flops", None), getattr(summary, "bytes_accessed", None)
+    if flops is not None and plan.ledger.flops_per_device:
+        rows.append(FidelityRow("flops per device", plan.ledger.flops_per_device, flops, FLOPS_TOLERANCE,
                                 immaterial_bytes=0.0))
-    if summary.bytes_accessed is not None and plan.ledger.hbm_bytes_per_device:
-        rows.append(FidelityRow("hbm bytes per device", plan.ledger.hbm_bytes_per_device, summary.bytes_accessed,
+    if nbytes is not None and plan.ledger.hbm_bytes_per_device:
+        rows.append(FidelityRow("hbm bytes per device", plan.ledger.hbm_bytes_per_device, nbytes,
                                 HBM_BYTES_TOLERANCE))
     return FidelityReport(tuple(rows), summary)
 

@@ -24,9 +24,10 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -87,11 +88,22 @@ class ClusterSpec:
         return self.peak_flops_per_s.get("float32", max(self.peak_flops_per_s.values()))
 
     def with_devices(self, num_nodes: int, devices_per_node: int) -> "ClusterSpec":
-        """The same hardware with another device count (e.g. a 6-device slice)."""
+        """The same hardware with another device count (e.g. a 6-device slice), named ``base[NxK]``."""
+        if (num_nodes, devices_per_node) == (self.num_nodes, self.devices_per_node):
+            return self
         data = asdict(self)
         data.update(num_nodes=num_nodes, devices_per_node=devices_per_node,
-                    name=f"{self.name}[{num_nodes}x{devices_per_node}]")
+                    name=f"{self.base_name}[{num_nodes}x{devices_per_node}]")
         return ClusterSpec.from_dict(data)
+
+    @property
+    def base_name(self) -> str:
+        """The name without a ``[NxK]`` resize suffix: ``cpu-8`` for ``cpu-8[1x4]``."""
+        return re.sub(r"(\[\d+x\d+\])+$", "", self.name)
+
+    def same_hardware(self, other: "ClusterSpec") -> bool:
+        """Equal in everything the cost model reads (every field but the name)."""
+        return replace(self, name="") == replace(other, name="")
 
     # ---- files -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

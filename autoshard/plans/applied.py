@@ -4,7 +4,8 @@
 reshards into the flat ``runtime.spmd.Annotations`` the SPMD runtime reads;
 ``@autoshard`` and ``plan.apply`` both run through it. ``AppliedPlan`` traces
 the step again on its first call; the trace must match the plan's signature
-(argument paths, shapes, dtypes, operation count) and the mesh its axes, else
+(argument paths, shapes, dtypes, operation count, per-op layouts) and the mesh
+its axes, and every call's arguments the planned shapes, else
 PlanMismatchError says what differs.
 """
 from __future__ import annotations
@@ -17,8 +18,8 @@ from jax.sharding import Mesh
 
 from autoshard.errors import PlanMismatchError
 from autoshard.ir.graph import OpGraph
-from autoshard.ir.trace import trace
-from autoshard.plans.planfile import PlanLike, check_mesh, check_signature
+from autoshard.ir.trace import signature, trace
+from autoshard.plans.planfile import PlanLike, check_args, check_mesh, check_signature
 from autoshard.runtime.spmd import Annotations, SpmdStep
 
 
@@ -40,15 +41,20 @@ class AppliedPlan:
         check_mesh(plan, tuple(mesh.devices.shape), tuple(mesh.axis_names))
         self.plan, self.fn, self.mesh = plan, fn, mesh
         self.step: SpmdStep | None = None
+        self.called_with: Any = None  # the first call's signature (tree, shapes, dtypes)
 
     def prepare(self, args: tuple[Any, ...]) -> SpmdStep:
-        """Trace ``fn`` at the shapes of ``args`` and build the SPMD step once (later calls reuse it)."""
+        """Trace ``fn`` at the shapes of ``args`` and build the SPMD step once; a later call with other
+        shapes raises PlanMismatchError naming them (the step is compiled for the planned ones)."""
         if self.step is None:
             # Trace from shapes: tracing committed, sharded arrays makes jax add reshard ops of its own.
-            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x)), args)
             graph = trace(self.fn, *shapes)
             check_signature(self.plan, graph)
             self.step = SpmdStep(graph, annotations_for(self.plan, graph), self.mesh)
+            self.called_with = signature(args)
+        elif signature(args) != self.called_with:
+            check_args(self.plan, args)
         return self.step
 
     def __call__(self, *args: Any) -> Any:

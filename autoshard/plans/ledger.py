@@ -2,8 +2,8 @@
 
 ``Ledger`` is what the cost model predicts for one step (time split, per-device memory by kind,
 collective bytes, the compute lower bound); ``SolverInfo`` how the ILP fared; ``Choice`` and
-``OpExplanation`` why an op got its strategy (``compiler/explain.py`` fills them). ``fmt_bytes`` and
-``fmt_s`` format numbers for people.
+``OpExplanation`` why an op got its strategy (``compiler/explain.py`` fills them). ``fmt_bytes``,
+``fmt_s`` and ``solver_summary`` format them for people.
 """
 from __future__ import annotations
 
@@ -78,6 +78,17 @@ class SolverInfo:
     num_variables: int
     num_constraints: int
     num_edges: int
+
+
+def solver_summary(info: SolverInfo) -> str:
+    """How the solve ended, in words: proven optimal, or stopped at the time limit with what the gap means."""
+    size = f"{info.solve_s:.2f}s; {info.num_nodes} nodes -> {info.num_classes} classes, {info.num_edges} edges"
+    if info.status.startswith("feasible"):
+        bound = f"no plan is modeled faster than {1 - info.gap:.0%} of this one" if info.gap < 1 else "no bound yet"
+        return f"{info.status}: stopped at the time limit, gap {info.gap:.2%} ({bound}); {size}"
+    if info.status.startswith("optimal"):
+        return f"{info.status}: proven under the model; {size}"
+    return f"{info.status}; {size}"
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ the solver and each pass fared. ``str(plan)`` is a readable report.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,9 +20,11 @@ from autoshard.plans import planfile
 from autoshard.plans.applied import AppliedPlan
 from autoshard.plans.breakdown import LayerTime
 from autoshard.plans.caveats import Caveats, plan_caveats
-from autoshard.plans.ledger import GIB, Ledger, OpExplanation, SolverInfo, fmt_bytes, fmt_s
+from autoshard.plans.ledger import GIB, Ledger, OpExplanation, SolverInfo, fmt_bytes, fmt_s, solver_summary
 
 __all__ = ["GIB", "Ledger", "OpExplanation", "Plan", "SolverInfo", "fmt_bytes", "fmt_s", "load_plan"]
+
+_ARG = re.compile(r"^\[\d+\]")  # the positional-argument index that starts every input path
 
 @dataclass(frozen=True)
 class Plan:
@@ -83,6 +86,29 @@ class Plan:
     def param_specs(self) -> dict[str, Spec]:
         return {p: s for p, s in self.input_specs.items() if self.input_roles.get(p) == "param"}
 
+    def state_specs(self) -> dict[str, dict[str, Spec]]:
+        """Per parameter path, the specs of its optimizer-state leaves by slot (``{"mu": ..., "nu": ...}``).
+
+        A state leaf belongs to the parameter whose path (without the argument index) ends its path and
+        whose shape it has: ``[1][0].mu['blocks'][0]['q']`` is slot ``mu`` of ``[0]['blocks'][0]['q']``.
+        """
+        params: dict[str, str] = {}
+        for path in self.param_specs():
+            params.setdefault(_ARG.sub("", path, count=1), path)
+        found: dict[str, dict[str, Spec]] = {}
+        for path, spec in self.input_specs.items():
+            if self.input_roles.get(path) != "opt_state":
+                continue
+            inner = _ARG.sub("", path, count=1)
+            for cut in (i for i, ch in enumerate(inner) if ch == "[" and i > 0):
+                owner = params.get(inner[cut:])
+                if owner is not None and self.input_shapes[owner][0] == self.input_shapes[path][0]:
+                    prefix = inner[:cut]
+                    slot = prefix.rsplit(".", 1)[-1] if "." in prefix else prefix
+                    found.setdefault(owner, {})[slot if slot not in found.get(owner, {}) else prefix] = spec
+                    break
+        return found
+
     def best_baseline(self, *, fitting: bool = False) -> str | None:
         """The fastest compared classic strategy (``fitting``: among those that fit: the fallback)."""
         rows = [(float(r["step_s"]), name) for name, r in self.baselines.items()
@@ -113,13 +139,12 @@ class Plan:
             if led.compute_bound_s or led.memory_bound_s else "",
             f"  per device        {led.flops_per_device:.3g} FLOP, {fmt_bytes(led.hbm_bytes_per_device)} through HBM"
             if led.flops_per_device else "",
-            f"  peak memory       {led.peak_memory_bytes / GIB:10.4f} GiB per device (budget "
-            f"{self.memory_budget_bytes / GIB:.2f} GiB): "
-            + ", ".join(f"{k} {v / GIB:.4f}" for k, v in sorted(led.memory_by_kind.items())),
-            "  collectives       " + (", ".join(f"{k} {v / 1e6:.3f} MB" for k, v in sorted(led.collective_bytes.items()))
+            f"  peak memory       {fmt_bytes(led.peak_memory_bytes):>10} per device (budget "
+            f"{fmt_bytes(self.memory_budget_bytes)}): "
+            + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(led.memory_by_kind.items())),
+            "  collectives       " + (", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(led.collective_bytes.items()))
                                       or "none"),
-            f"  solver            {self.solver.status}, gap {self.solver.gap:.2%}, {self.solver.solve_s:.2f}s; "
-            f"{self.solver.num_nodes} nodes -> {self.solver.num_classes} classes, {self.solver.num_edges} edges",
+            f"  solver            {solver_summary(self.solver)}",
             "  planning          " + ", ".join(f"{k} {v:.2f}s" for k, v in self.planning_s.items()),
         ]
         if self.alternatives:
@@ -129,16 +154,27 @@ class Plan:
         if self.stages:
             lines += [f"  {self.pipeline}"] if self.pipeline is not None else []
             lines += [f"    {stage}" for stage in self.stages]
-        lines.append("  parameters:")
+        lines.append("  parameters (and their optimizer state where it is laid out otherwise):")
+        state = self.state_specs()
         for path, spec in self.param_specs().items():
             shape = self.input_shapes[path][0]
-            lines.append(f"    {path:60} {str(shape):22} {spec}")
+            other = state_note(spec, state.get(path, {}))
+            lines.append(f"    {path:60} {str(shape):22} {spec}" + (f"   state: {other}" if other not in ("", "alike") else ""))
         others = [(p, s) for p, s in self.input_specs.items() if self.input_roles.get(p) == "batch"]
         if others:
             lines.append("  batch:")
             for path, spec in others:
                 lines.append(f"    {path:60} {str(self.input_shapes[path][0]):22} {spec}")
         return "\n".join(line for line in lines if line)
+
+
+def state_note(spec: Spec, slots: Mapping[str, Spec]) -> str:
+    """'alike' when every optimizer-state slot of a parameter has its spec, '' with none, else the slots."""
+    if not slots:
+        return ""
+    if all(s == spec for s in slots.values()):
+        return "alike"
+    return ", ".join(f"{slot} {s}" for slot, s in slots.items())
 
 
 def load_plan(path: str | Path) -> Plan:

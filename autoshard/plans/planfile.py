@@ -41,18 +41,22 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from autoshard.errors import PlanMismatchError, PlanningError
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.spec import Spec
 from autoshard.meshes.cluster import ClusterSpec, ClusterSpecError
 from autoshard.plans.breakdown import LayerTime
+from autoshard.plans import json_fields as jf
+from autoshard.plans.json_fields import PlanFileError
 from autoshard.plans.ledger import Choice, Ledger, OpExplanation, SolverInfo
 from autoshard.plans.stage_plan import PipelineStage, PipelineSummary, StageMemory
 from autoshard.version import __version__
@@ -63,10 +67,6 @@ PlanLike = Any
 
 FORMAT = "autoshard-plan"
 VERSION = 2
-
-
-class PlanFileError(PlanningError):
-    """A plan file is unreadable or malformed; the message names the field."""
 
 
 def _specs_json(specs: Mapping[Any, Spec]) -> dict[str, list[list[str]]]:
@@ -138,11 +138,11 @@ def _stage(data: Any, where: str) -> Any:
     if data.get("kind") != "pipeline-stage":
         return dict(data)
     body = {k: v for k, v in data.items() if k != "kind"}
-    fields = _record(PipelineStage, {k: v for k, v in body.items() if k != "num_params"}, where, partial=True)
-    names = tuple(_field(body, "axis_names", list, where))
+    fields = jf.record(PipelineStage, {k: v for k, v in body.items() if k != "num_params"}, where, partial=True)
+    names = tuple(jf.field(body, "axis_names", list, where))
     for key in ("param_specs", "batch_specs"):
-        fields[key] = {p: _spec(s, names, f"{where}.{key}[{p}]") for p, s in _field(body, key, dict, where).items()}
-    fields["memory"] = StageMemory(**_record(StageMemory, _field(body, "memory", dict, where), f"{where}.memory"))
+        fields[key] = {p: jf.spec(s, names, f"{where}.{key}[{p}]") for p, s in jf.field(body, key, dict, where).items()}
+    fields["memory"] = StageMemory(**jf.record(StageMemory, jf.field(body, "memory", dict, where), f"{where}.memory"))
     for key in ("submesh", "device_indices", "mesh_shape", "axis_names"):
         fields[key] = tuple(fields[key])
     return PipelineStage(**fields, num_params=int(body.get("num_params", 0)))
@@ -159,16 +159,17 @@ def _pipeline_json(summary: Any) -> dict[str, Any] | None:
 def _pipeline(data: Any, where: str) -> PipelineSummary | None:
     if data is None:
         return None
-    if not isinstance(data, dict):
-        raise PlanFileError(f"{where}: expected an object, got {type(data).__name__}")
-    required = [f.name for f in dataclasses.fields(PipelineSummary)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    missing = [n for n in required if n not in data]
+    data = jf.mapping(data, where)
+    fields = dataclasses.fields(PipelineSummary)
+    missing = [f.name for f in fields if f.name not in data
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
         raise PlanFileError(f"{where}: missing field(s) {missing}")
-    known = {f.name for f in dataclasses.fields(PipelineSummary)}
-    return PipelineSummary(**{**{k: v for k, v in data.items() if k in known},
-                              "notes": tuple(data.get("notes", ()))})
+    for f in fields:
+        if f.type in ("int", "float") or (f.type == "float | None" and data.get(f.name) is not None):
+            jf.number(data.get(f.name, 0), f"{where}.{f.name}")
+    known = {f.name for f in fields}
+    return PipelineSummary(**{**{k: v for k, v in data.items() if k in known}, "notes": tuple(data.get("notes", ()))})
 
 
 def _choice_json(c: Choice) -> list[Any]:
@@ -191,8 +192,8 @@ def _explanation(data: Any, where: str) -> OpExplanation:
     if not isinstance(data, dict):
         raise PlanFileError(f"{where}: expected an object, got {type(data).__name__}")
     return OpExplanation(
-        primitive=str(_field(data, "primitive", str, where)), source=str(data.get("source", "")),
-        shapes=str(data.get("shapes", "")), chosen=_choice(_field(data, "chosen", list, where), f"{where}.chosen"),
+        primitive=str(jf.field(data, "primitive", str, where)), source=str(data.get("source", "")),
+        shapes=str(data.get("shapes", "")), chosen=_choice(jf.field(data, "chosen", list, where), f"{where}.chosen"),
         alternatives=tuple(_choice(c, f"{where}.alternatives") for c in data.get("alternatives", [])),
         num_strategies=int(data.get("num_strategies", 0)),
     )
@@ -207,10 +208,10 @@ def _shapes(data: Any, where: str, *, roles: bool) -> tuple[dict[str, tuple[tupl
         here = f"{where}[{path}]"
         if not isinstance(entry, dict):
             raise PlanFileError(f"{here}: expected {{shape, dtype}}, got {entry!r}")
-        shape = _field(entry, "shape", list, here)
-        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        shape = jf.field(entry, "shape", list, here)
+        if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63 for d in shape):
             raise PlanFileError(f"{here}: shape must be a list of non-negative integers, got {shape!r}")
-        shapes[path] = (tuple(shape), str(_field(entry, "dtype", str, here)))
+        shapes[path] = (tuple(shape), str(jf.field(entry, "dtype", str, here)))
         if roles:
             found_roles[path] = str(entry.get("role", ""))
     return shapes, found_roles
@@ -220,34 +221,11 @@ def write_json(data: Mapping[str, Any], path: str | Path) -> None:
     Path(path).write_text(json.dumps(data, indent=1, sort_keys=False))
 
 
-def _field(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
-    if key not in data:
-        raise PlanFileError(f"{where}: missing field {key!r}")
-    value = data[key]
-    if not isinstance(value, kind):
-        raise PlanFileError(f"{where}: field {key!r} should be {getattr(kind, '__name__', kind)}, "
-                            f"got {type(value).__name__}")
-    return value
-
-
-def _spec(data: Any, axis_names: Sequence[str], where: str) -> Spec:
-    if not isinstance(data, list) or not all(isinstance(d, list) and all(isinstance(a, str) for a in d)
-                                             for d in data):
-        raise PlanFileError(f"{where}: a spec is a list of lists of mesh axis names, got {data!r}")
-    spec = Spec.from_json(data)
-    unknown = [a for a in spec.used_axes if a not in axis_names]
-    if unknown:
-        raise PlanFileError(f"{where}: spec {spec} uses mesh axes {unknown} not in the plan's mesh {list(axis_names)}")
-    if len(set(spec.used_axes)) != len(spec.used_axes):
-        raise PlanFileError(f"{where}: spec {spec} uses a mesh axis twice")
-    return spec
-
-
 def plan_fields(data: Any, source: str = "plan") -> dict[str, Any]:
     """The keyword arguments of ``Plan`` read from a plan file's JSON (every field checked)."""
     try:
         return _plan_fields(data, source)
-    except (KeyError, ValueError, TypeError) as err:
+    except (KeyError, ValueError, TypeError, OverflowError) as err:
         if isinstance(err, PlanningError):
             raise
         raise PlanFileError(f"{source} is malformed: {type(err).__name__}: {err}") from None
@@ -258,27 +236,32 @@ def _plan_fields(data: Any, source: str) -> dict[str, Any]:
         raise PlanFileError(f"{source}: not a plan (expected a JSON object)")
     if data.get("format") != FORMAT:
         raise PlanFileError(f"{source}: not an autoshard plan file (format {data.get('format')!r})")
-    version = _field(data, "version", int, source)
+    version = jf.field(data, "version", int, source)
     if version < 1:
         raise PlanFileError(f"{source}: plan file version {version} is not a version autoshard ever wrote")
     if version > VERSION:
         raise PlanFileError(f"{source}: plan file version {version} is newer than this autoshard reads "
                             f"({VERSION}); upgrade autoshard")
-    mesh = _field(data, "mesh", dict, source)
-    shape = tuple(int(s) for s in _field(mesh, "shape", list, f"{source}: mesh"))
-    names = tuple(str(a) for a in _field(mesh, "axis_names", list, f"{source}: mesh"))
+    mesh = jf.field(data, "mesh", dict, source)
+    shape = tuple(jf.field(mesh, "shape", list, f"{source}: mesh"))
+    names = tuple(str(a) for a in jf.field(mesh, "axis_names", list, f"{source}: mesh"))
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape):
+        raise PlanFileError(f"{source}: mesh shape must be a list of positive integers, got {list(shape)!r}")
     if len(shape) != len(names):
         raise PlanFileError(f"{source}: mesh shape {shape} and axis names {names} differ in length")
     try:
-        cluster = ClusterSpec.from_dict(_field(data, "cluster", dict, source), source=f"{source}: cluster")
+        cluster = ClusterSpec.from_dict(jf.field(data, "cluster", dict, source), source=f"{source}: cluster")
     except ClusterSpecError as err:
         raise PlanFileError(str(err)) from None
-    sig = _field(data, "signature", dict, source)
-    input_shapes, input_roles = _shapes(_field(sig, "inputs", dict, f"{source}: signature"),
+    if math.prod(shape) > cluster.num_devices:
+        raise PlanFileError(f"{source}: mesh {list(shape)} needs {math.prod(shape):.4g} devices, more than the "
+                            f"{cluster.num_devices} of the cluster it was planned for ({cluster.name})")
+    sig = jf.field(data, "signature", dict, source)
+    input_shapes, input_roles = _shapes(jf.field(sig, "inputs", dict, f"{source}: signature"),
                                         f"{source}: signature.inputs", roles=True)
     output_shapes, _ = _shapes(sig.get("outputs", {}), f"{source}: signature.outputs", roles=False)
-    in_specs = {p: _spec(s, names, f"{source}: input_specs[{p}]")
-                for p, s in _field(data, "input_specs", dict, source).items()}
+    in_specs = {p: jf.spec(s, names, f"{source}: input_specs[{p}]")
+                for p, s in jf.field(data, "input_specs", dict, source).items()}
     missing = sorted(set(input_shapes) - set(in_specs))
     if missing:
         raise PlanFileError(f"{source}: input_specs lacks {missing[:3]}")
@@ -286,34 +269,45 @@ def _plan_fields(data: Any, source: str) -> dict[str, Any]:
         if path in input_shapes and spec.rank != len(input_shapes[path][0]):
             raise PlanFileError(f"{source}: input_specs[{path}] has {spec.rank} dims, the argument has shape "
                                 f"{list(input_shapes[path][0])}")
-    out_specs = {p: _spec(s, names, f"{source}: output_specs[{p}]")
-                 for p, s in _field(data, "output_specs", dict, source).items()}
-    op_out = {int(k): tuple(_spec(s, names, f"{source}: op_out_specs[{k}]") for s in v)
-              for k, v in _field(data, "op_out_specs", dict, source).items()}
-    op_in = {int(k): {int(pos): tuple(_spec(s, names, f"{source}: op_in_reshards[{k}]") for s in chain)
-                      for pos, chain in v.items()}
-             for k, v in _field(data, "op_in_reshards", dict, source).items()}
-    out_reshards = {int(k): tuple(_spec(s, names, f"{source}: output_reshards[{k}]") for s in chain)
-                    for k, chain in data.get("output_reshards", {}).items()}
-    led = _field(data, "ledger", dict, source)
-    sol = _field(data, "solver", dict, source)
-    ledger = Ledger(**_record(Ledger, {k: v for k, v in led.items() if k != "step_s"}, f"{source}: ledger"))
-    solver = SolverInfo(**_record(SolverInfo, sol, f"{source}: solver"))
+    out_specs = {p: jf.spec(s, names, f"{source}: output_specs[{p}]")
+                 for p, s in jf.field(data, "output_specs", dict, source).items()}
+    num_ops = jf.count(jf.field(sig, "num_ops", int, f"{source}: signature"), f"{source}: signature.num_ops")
+    num_outputs = len(output_shapes) if output_shapes else None  # version 1 files do not record outputs
+    op_out = {jf.index(k, num_ops, f"{source}: op_out_specs"): jf.specs(v, names, f"{source}: op_out_specs[{k}]")
+              for k, v in jf.field(data, "op_out_specs", dict, source).items()}
+    op_in = {jf.index(k, num_ops, f"{source}: op_in_reshards"):
+             {jf.index(pos, None, f"{source}: op_in_reshards[{k}]"):
+              jf.specs(chain, names, f"{source}: op_in_reshards[{k}]")
+              for pos, chain in jf.mapping(v, f"{source}: op_in_reshards[{k}]").items()}
+             for k, v in jf.field(data, "op_in_reshards", dict, source).items()}
+    out_reshards = {jf.index(k, num_outputs, f"{source}: output_reshards"):
+                    jf.specs(chain, names, f"{source}: output_reshards[{k}]")
+                    for k, chain in jf.optional_dict(data, "output_reshards", source).items()}
+    led = jf.field(data, "ledger", dict, source)
+    sol = jf.field(data, "solver", dict, source)
+    ledger = Ledger(**jf.record(Ledger, {k: v for k, v in led.items() if k != "step_s"}, f"{source}: ledger"))
+    for key in ("memory_by_kind", "collective_bytes"):
+        jf.numbers(getattr(ledger, key), f"{source}: ledger.{key}")
+    solver = SolverInfo(**jf.record(SolverInfo, sol, f"{source}: solver"))
     return dict(
         mesh_shape=shape, axis_names=names, cluster=cluster, input_specs=in_specs, output_specs=out_specs,
         input_roles=input_roles, input_shapes=input_shapes, op_out_specs=op_out, op_in_reshards=op_in,
-        ledger=ledger, solver=solver, planning_s=dict(data.get("planning_s", {})),
-        memory_budget_bytes=float(_field(data, "memory_budget_bytes", (int, float), source)),
-        num_ops=int(_field(sig, "num_ops", int, f"{source}: signature")), name=str(data.get("name", "plan")),
+        ledger=ledger, solver=solver,
+        planning_s=jf.numbers(jf.optional_dict(data, "planning_s", source), f"{source}: planning_s"),
+        memory_budget_bytes=jf.number(jf.field(data, "memory_budget_bytes", (int, float), source),
+                                    f"{source}: memory_budget_bytes", positive=True),
+        num_ops=num_ops, name=str(data.get("name", "plan")),
         stages=tuple(_stage(s, f"{source}: stages[{i}]") for i, s in enumerate(data.get("stages", ()))),
         pipeline=_pipeline(data.get("pipeline"), f"{source}: pipeline"), num_microbatches=int(data.get("num_microbatches", 1)),
-        schedule=str(data.get("schedule", "spmd")), alternatives=dict(data.get("alternatives", {})),
+        schedule=str(data.get("schedule", "spmd")),
+        alternatives=jf.numbers(jf.optional_dict(data, "alternatives", source), f"{source}: alternatives"),
         output_reshards=out_reshards, output_shapes=output_shapes, in_tree=str(sig.get("in_tree", "")),
-        explanations={int(k): _explanation(v, f"{source}: explanations[{k}]")
-                      for k, v in _dict(data, "explanations", source).items()},
-        origin={str(k): str(v) for k, v in _dict(data, "origin", source).items()},
-        baselines={str(k): dict(v) for k, v in _dict(data, "baselines", source).items()},
-        checks={str(k): str(v) for k, v in _dict(data, "checks", source).items()},
+        explanations={jf.index(k, num_ops, f"{source}: explanations"): _explanation(v, f"{source}: explanations[{k}]")
+                      for k, v in jf.optional_dict(data, "explanations", source).items()},
+        origin={str(k): str(v) for k, v in jf.optional_dict(data, "origin", source).items()},
+        baselines={str(k): _baseline(v, f"{source}: baselines[{k}]")
+                   for k, v in jf.optional_dict(data, "baselines", source).items()},
+        checks={str(k): str(v) for k, v in jf.optional_dict(data, "checks", source).items()},
         layer_times=_layer_times(data.get("layer_times", []), f"{source}: layer_times"),
     )
 
@@ -326,43 +320,23 @@ def _layer_times(data: Any, where: str) -> tuple[LayerTime, ...]:
     for i, entry in enumerate(data):
         if not isinstance(entry, dict):
             raise PlanFileError(f"{where}[{i}]: expected an object, got {entry!r}")
-        out.append(LayerTime(**_record(LayerTime, entry, f"{where}[{i}]")))
+        out.append(LayerTime(**jf.record(LayerTime, entry, f"{where}[{i}]")))
     return tuple(out)
 
 
-def _record(cls: type, data: Mapping[str, Any], where: str, *, partial: bool = False) -> dict[str, Any]:
-    """The fields of dataclass ``cls`` from ``data``, each present and of a plausible type.
-
-    ``partial``: only the number, string and mapping fields are type-checked (the caller converts the rest).
-    """
-    names = [f.name for f in dataclasses.fields(cls)]
-    required = [f.name for f in dataclasses.fields(cls)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    missing = [n for n in required if n not in data]
-    if missing:
-        raise PlanFileError(f"{where}: missing field(s) {missing}")
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        raise PlanFileError(f"{where}: unknown field(s) {unknown}; this autoshard knows {names}")
-    for f in dataclasses.fields(cls):
-        if f.name not in data:
-            continue
-        if partial and str(f.type) not in ("float", "int", "str") and "Mapping" not in str(f.type):
-            continue
-        value = data[f.name]
-        expected = (dict,) if "Mapping" in str(f.type) else (str,) if f.type in ("str", str) else (int, float)
-        if not isinstance(value, expected) or isinstance(value, bool):
-            raise PlanFileError(f"{where}: field {f.name!r} should be {'/'.join(t.__name__ for t in expected)}, "
-                                f"got {value!r}")
+def _baseline(data: Any, where: str) -> dict[str, Any]:
+    """A compared strategy's figures: step_s (and peak_memory_bytes) numbers, fits a bool, batch_ceiling."""
+    if not isinstance(data, dict):
+        raise PlanFileError(f"{where}: expected an object, got {type(data).__name__}")
+    jf.number(jf.field(data, "step_s", (int, float), where), f"{where}.step_s")
+    if "peak_memory_bytes" in data:
+        jf.number(data["peak_memory_bytes"], f"{where}.peak_memory_bytes")
+    if not isinstance(data.get("fits", True), bool):
+        raise PlanFileError(f"{where}.fits should be true or false, got {data['fits']!r}")
+    ceiling = data.get("batch_ceiling")
+    if ceiling is not None and (isinstance(ceiling, bool) or not isinstance(ceiling, int) or ceiling < 0):
+        raise PlanFileError(f"{where}.batch_ceiling should be a non-negative integer or null, got {ceiling!r}")
     return dict(data)
-
-
-def _dict(data: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
-    """An optional object field ({} when absent)."""
-    value = data.get(key, {})
-    if not isinstance(value, dict):
-        raise PlanFileError(f"{where}: field {key!r} should be an object, got {type(value).__name__}")
-    return value
 
 
 def read_json(path: str | Path) -> Any:
@@ -372,8 +346,10 @@ def read_json(path: str | Path) -> Any:
         raise PlanFileError(f"plan file {path} does not exist")
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise PlanFileError(f"plan file {path} is not valid JSON (truncated or hand-edited?): {err}") from None
+    except OSError as err:
+        raise PlanFileError(f"plan file {path} cannot be read: {err.strerror or err}") from None
     return data
 
 
@@ -407,10 +383,65 @@ def check_signature(plan: PlanLike, graph: OpGraph) -> None:
     if not problems and len(graph.ops) != plan.num_ops:
         problems.append(f"the traced step has {len(graph.ops)} operations, the plan was made for {plan.num_ops}: "
                         "the model code changed; plan again")
+    if not problems:
+        problems += _layout_problems(plan, graph)
     if problems:
         more = [f"... and {len(problems) - 20} more"] if len(problems) > 20 else []
         raise PlanMismatchError("the plan does not match this train step (plan again for the changed model):\n  "
                                 + "\n  ".join(problems[:20] + more))
+
+
+def check_args(plan: PlanLike, args: Sequence[Any]) -> None:
+    """Raise PlanMismatchError naming each argument leaf whose shape or dtype differs from the plan's.
+
+    What ``check_signature`` checks of a trace, checked on the arguments of a call (no tracing: cheap
+    enough for every call of an applied plan).
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(tuple(args))[0]
+    got = {jax.tree_util.keystr(path): (tuple(np.shape(x)), _dtype(x)) for path, x in leaves}
+    problems = [f"argument {p}: plan has {dtype}{list(shape)}, the call passes {got[p][1]}{list(got[p][0])}"
+                for p, (shape, dtype) in plan.input_shapes.items() if p in got and got[p] != (tuple(shape), dtype)]
+    problems += [f"argument {p} is missing from the call" for p in plan.input_shapes if p not in got]
+    problems += [f"argument {p} is new: the plan has no spec for it" for p in got if p not in plan.input_shapes]
+    if problems:
+        more = [f"... and {len(problems) - 20} more"] if len(problems) > 20 else []
+        raise PlanMismatchError("the call's arguments do not match the plan (it was made for other shapes; plan "
+                                "again for these, or call with the planned ones):\n  " + "\n  ".join(problems[:20] + more))
+
+
+def _dtype(x: Any) -> str:
+    """The dtype name a trace gives ``x`` (canonical: float64 is float32 unless x64 is on)."""
+    dtype = jax.numpy.result_type(x)
+    try:
+        return np.dtype(dtype).name
+    except TypeError:  # extended dtypes such as PRNG keys
+        return str(dtype)
+
+
+def _layout_problems(plan: PlanLike, graph: OpGraph) -> list[str]:
+    """Per-op layouts of the plan that do not fit the traced ops (a hand-edited file): count and rank."""
+    problems = []
+
+    def check(where: str, specs: Sequence[Spec], vids: Sequence[int]) -> None:
+        ranks = [graph.values[v].rank for v in vids]
+        if [s.rank for s in specs] != ranks:
+            problems.append(f"{where}: specs {', '.join(map(str, specs)) or 'none'} do not fit the ranks {ranks}")
+
+    for k, specs in plan.op_out_specs.items():
+        check(f"op {k} ({graph.ops[k].primitive}) outputs", specs, graph.ops[k].outputs)
+    for k, moves in plan.op_in_reshards.items():
+        op = graph.ops[k]
+        for pos, chain in moves.items():
+            if pos >= len(op.inputs):
+                problems.append(f"op {k} ({op.primitive}) has {len(op.inputs)} operands; the plan reshards operand {pos}")
+            else:
+                check(f"op {k} ({op.primitive}) operand {pos}", chain, [op.inputs[pos]] * len(chain))
+    for k, chain in plan.output_reshards.items():
+        if k >= len(graph.outputs):
+            problems.append(f"the step has {len(graph.outputs)} outputs; the plan reshards output {k}")
+        else:
+            check(f"output {k}", chain, [graph.outputs[k]] * len(chain))
+    return problems
 
 
 def check_mesh(plan: PlanLike, shape: Sequence[int], axis_names: Sequence[str]) -> None:

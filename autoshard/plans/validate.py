@@ -1,9 +1,9 @@
 """Static checks of a plan against a cluster and a mesh, before anything runs.
 
 ``validate_plan`` returns one ``Finding`` per check: the plan file's versions,
-the device count, the divisibility of every spec against the recorded shapes
-(on the plan's mesh, or on another mesh shape the plan is meant to run on),
-and the per-device memory against the budget. An error's ``fix`` says what
+the mesh (a plan runs only on a mesh of its own shape, as ``plan.apply``
+checks), the device count, the divisibility of every spec against the
+recorded shapes, and the per-device memory against the budget. An error's ``fix`` says what
 to change; ``autoshard validate`` exits non-zero when any check fails.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from autoshard.plans.plan import GIB, Plan, fmt_bytes
 from autoshard.ir.spec import Spec
-from autoshard.meshes.cluster import ClusterSpec
+from autoshard.meshes.cluster import ClusterSpec, ClusterSpecError, get_cluster
 
 MAX_LISTED = 8  # divisibility problems listed one by one; the rest are counted
 
@@ -28,7 +28,7 @@ class Severity(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Finding:
-    check: str  # "version", "devices", "divisibility", "memory", "cluster"
+    check: str  # "version", "mesh", "devices", "divisibility", "memory", "cluster"
     severity: Severity
     message: str
     fix: str = ""
@@ -137,8 +137,27 @@ def _memory(plan: Plan, budget: float, source: str) -> list[Finding]:
                     f"({source}) by {fmt_bytes(peak - budget)}", fix)]
 
 
+def _mesh(plan: Plan, shape: tuple[int, ...]) -> list[Finding]:
+    """``plan.apply`` runs a plan only on a mesh of its own shape; another shape is an error here too."""
+    planned = "x".join(map(str, plan.mesh_shape))
+    if shape == tuple(plan.mesh_shape):
+        return [Finding("mesh", Severity.OK, f"mesh {planned} is the plan's")]
+    axes = ", ".join(f"{n}={s}" for n, s in zip(plan.axis_names, plan.mesh_shape))
+    wanted = "x".join(map(str, shape))
+    return [Finding("mesh", Severity.ERROR,
+                    f"the plan is for mesh {planned} ({axes}); plan.apply refuses a mesh of shape {wanted}",
+                    f"re-plan for that mesh (autoshard plan TARGET --mesh {wanted}), or run on a {planned} mesh")]
+
+
 def _cluster(plan: Plan, cluster: ClusterSpec | None) -> list[Finding]:
-    if cluster is None or cluster == plan.cluster:
+    """A warning when ``cluster``, on the plan's device count, prices differently from the plan's cluster."""
+    if cluster is None:
+        return []
+    try:
+        resized = get_cluster(cluster, num_devices=math.prod(plan.mesh_shape))
+    except ClusterSpecError:
+        resized = cluster
+    if resized.same_hardware(plan.cluster):
         return []
     return [Finding("cluster", Severity.WARNING,
                     f"the plan was priced for cluster {plan.cluster.name}, not {cluster.name}",
@@ -149,18 +168,12 @@ def _cluster(plan: Plan, cluster: ClusterSpec | None) -> list[Finding]:
 def validate_plan(plan: Plan, *, cluster: ClusterSpec | None = None, mesh_shape: Sequence[int] | None = None,
                   memory_budget_bytes: float | None = None,
                   file_versions: Mapping[str, str] | None = None) -> list[Finding]:
-    """Every static check (see the module docstring); ``mesh_shape`` retargets the plan's axes to other sizes."""
+    """Every static check (see the module docstring); ``mesh_shape`` is the mesh it is to run on: an error
+    unless it is the plan's own (``plan.apply`` refuses another)."""
     findings = _versions(file_versions or {})
     shape = tuple(plan.mesh_shape)
     if mesh_shape is not None:
-        if len(mesh_shape) != len(plan.axis_names):
-            findings.append(Finding("devices", Severity.ERROR,
-                                    f"mesh {tuple(mesh_shape)} has {len(mesh_shape)} axes; the plan's mesh has "
-                                    f"{len(plan.axis_names)} ({', '.join(plan.axis_names)})",
-                                    f"give a mesh of {len(plan.axis_names)} axes, e.g. --mesh "
-                                    f"{'x'.join(map(str, plan.mesh_shape))}"))
-            return findings
-        shape = tuple(int(s) for s in mesh_shape)
+        findings += _mesh(plan, tuple(int(s) for s in mesh_shape))
     findings += _devices(plan, shape, cluster)
     findings += _divisibility(plan, plan.axis_names, shape)
     if memory_budget_bytes is not None:

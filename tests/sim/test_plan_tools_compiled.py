@@ -83,8 +83,9 @@ def test_verify_gpt_plan_file_reports_predicted_vs_compiled(gpt_planned, capsys)
     assert "predicted" in out and "compiled (XLA)" in out
     assert {"all collective", "peak memory"} <= set(rows)
     for cells in rows.values():
-        assert len(cells) == 4 and cells[3] in ("ok", "OFF")  # predicted, compiled, error, flag
-    assert status == (1 if any(cells[3] == "OFF" for cells in rows.values()) else 0)
+        assert len(cells) == 5 and cells[4] in ("ok", "OFF")  # predicted, compiled, error, tolerance, flag
+        assert re.fullmatch(r"\d+% or [\d.]+ [KM]iB", cells[3]), cells
+    assert status == (1 if any(cells[4] == "OFF" for cells in rows.values()) else 0)
 
 
 def test_verify_moe_target_reports_predicted_vs_compiled(capsys):

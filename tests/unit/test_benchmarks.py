@@ -120,3 +120,14 @@ def test_planning_targets_name_the_slow_and_the_superlinear_pass():
     assert ninety_six.met is False and "Slowest pass: decode + memory profile" in ninety_six.detail
     linear = next(t for t in targets if "linearly" in t.name)
     assert "superlinear pass: decode + memory grows as L^1.50" in linear.detail
+
+
+def test_rewriting_results_keeps_the_fuzz_section():
+    from benchmarks.sections import carry_over, replace_section
+
+    old = "# Benchmark results\n\n## Run\nold run\n\n## Fuzz corpus\n\n- 0 crashes\n\n## Details\nold\n"
+    new = "# Benchmark results\n\n## Run\nnew run\n\n## Details\nnew\n"
+    kept = carry_over(old, new)
+    assert "new run" in kept and "old run" not in kept and kept.endswith("## Fuzz corpus\n\n- 0 crashes\n")
+    again = replace_section(kept, "## Fuzz corpus", "## Fuzz corpus\n\n- 2000 programs\n")
+    assert again.count("## Fuzz corpus") == 1 and "- 2000 programs" in again and "0 crashes" not in again

@@ -54,7 +54,7 @@ def test_pipeline_plans_and_plans_without_an_origin_are_refused(plan, tmp_path, 
         write_bundle(dataclasses.replace(plan, origin={}), tmp_path / "o")
     staged.save(tmp_path / "staged.json")
     assert cli.main(["export", str(tmp_path / "staged.json"), "--format", "launch", "--out", str(tmp_path / "x")]) == 2
-    assert "pipeline plans do not run across processes" in capsys.readouterr().out
+    assert "pipeline plans do not run across processes" in capsys.readouterr().err
 
 
 def test_a_mesh_spreads_over_processes_along_its_leading_axes():

@@ -152,7 +152,7 @@ def test_unreadable_or_foreign_files_fail_clearly(tmp_path, capsys):
     with pytest.raises(ConfigFileError, match="neither an Accelerate config"):
         detect_kind(read_config(tmp_path / "other.json"), "other.json")
     assert cli.main(["check-config", str(tmp_path / "missing.yaml")]) == 2
-    assert "cannot read" in capsys.readouterr().out
+    assert "cannot read" in capsys.readouterr().err
 
 
 def test_fsdp1_keys_in_an_fsdp2_file_are_warned_about(tmp_path):

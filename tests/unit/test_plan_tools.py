@@ -264,9 +264,11 @@ def _dp_plan(graph, **kwargs):
 
 
 def test_validate_catches_a_mesh_that_does_not_divide_a_sharded_dim(gpt_tiny):
-    plan = _dp_plan(gpt_tiny[1])
-    assert not [f for f in validate_plan(plan, cluster=get_cluster("1x8-a100")) if f.failed]
-    findings = validate_plan(plan, cluster=get_cluster("2x8-a100"), mesh_shape=(2, 8))
+    graph = gpt_tiny[1]
+    assert not [f for f in validate_plan(_dp_plan(graph), cluster=get_cluster("1x8-a100")) if f.failed]
+    tokens = next(i for i, v in enumerate(graph.inputs) if graph.values[v].role == Role.BATCH)
+    wide = hand_plan(graph, {tokens: Spec((("x", "y"), ()))}, mesh_shape=(2, 8), cluster="2x8-a100")
+    findings = validate_plan(wide, cluster=get_cluster("2x8-a100"), mesh_shape=(2, 8))
     [bad] = [f for f in findings if f.failed]
     assert bad.check == "divisibility"
     assert "argument [2]['tokens']: dim 0 of size 24 is split over x,y (16 devices), which does not divide 24" \
@@ -293,7 +295,7 @@ def test_validate_cli_exit_status_and_message(gpt_tiny, tmp_path, capsys):
     assert cli.main(["validate", str(path), "--cluster", "1x8-a100"]) == 0
     assert cli.main(["validate", str(path), "--cluster", "2x8-a100", "--mesh", "2x8"]) == 1
     out = capsys.readouterr().out
-    assert "does not divide 24" in out and "1 check(s) failed" in out
+    assert "plan.apply refuses" in out and "1 check(s) failed: mesh" in out
     assert cli.main(["validate", str(path), "--memory-budget-gib", "0.001"]) == 1
     assert "exceeds the 1.02 MiB budget" in capsys.readouterr().out
 
