@@ -37,23 +37,44 @@ def _scoped(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
-def vg_name(argnums: int | Sequence[int], has_aux: bool) -> str:
-    """The jit name that encodes the differentiated arguments: ``autoshard_value_and_grad.0.1.aux``."""
+def vg_name(argnums: int | Sequence[int], has_aux: bool, leaf_counts: Sequence[int] = (),
+            num_kwarg_leaves: int = 0) -> str:
+    """The jit name that encodes the call: ``autoshard_value_and_grad.0.1.aux.L3_2.K1``.
+
+    The numbers are the differentiated positions; ``L`` the flat leaves of each positional argument,
+    ``K`` those of the keyword arguments (which follow them). Leaves the loss closes over are hoisted
+    by jit in front of all of these, so the splitter knows them as the leading surplus of operands.
+    """
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    return ".".join([VG_NAME, *map(str, nums)] + (["aux"] if has_aux else []))
+    parts = [VG_NAME, *map(str, nums)] + (["aux"] if has_aux else [])
+    if leaf_counts:
+        parts += ["L" + "_".join(map(str, leaf_counts)), f"K{num_kwarg_leaves}"]
+    return ".".join(parts)
 
 
 def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False,
                    **kwargs: Any) -> Callable[..., Any]:
-    """``jax.value_and_grad`` that marks ``fun`` as the loss."""
+    """``jax.value_and_grad`` that marks ``fun`` as the loss.
+
+    Like jax's, the result takes positional and keyword arguments (keyword arguments are not
+    differentiated) and ``fun`` may close over arrays of the step (the model, the batch).
+    """
     inner = jax.value_and_grad(_scoped(fun), argnums=argnums, has_aux=has_aux, **kwargs)
+    jitted: dict[str, Callable[..., Any]] = {}
 
     @functools.wraps(fun)
-    def marked(*args: Any) -> Any:
-        return inner(*args)
+    def call(*args: Any, **kw: Any) -> Any:
+        counts = tuple(len(jax.tree.leaves(a)) for a in args)
+        name = vg_name(argnums, has_aux, counts, len(jax.tree.leaves(kw)))
+        if name not in jitted:
+            def marked(*a: Any, **k: Any) -> Any:
+                return inner(*a, **k)
 
-    marked.__name__ = vg_name(argnums, has_aux)
-    return jax.jit(marked)
+            marked.__name__ = marked.__qualname__ = name
+            jitted[name] = jax.jit(marked)
+        return jitted[name](*args, **kw)
+
+    return call
 
 
 def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False,
@@ -62,8 +83,8 @@ def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: boo
     vg = value_and_grad(fun, argnums=argnums, has_aux=has_aux, **kwargs)
 
     @functools.wraps(fun)
-    def grads_only(*args: Any) -> Any:
-        value, grads = vg(*args)
+    def grads_only(*args: Any, **kw: Any) -> Any:
+        value, grads = vg(*args, **kw)
         return (grads, value[1]) if has_aux else grads
 
     return grads_only

@@ -70,6 +70,7 @@ class Forward:
     consts: Mapping[VarId, Any]
     diff: tuple[bool, ...]  # per invar: differentiated (a parameter leaf)
     free: tuple[bool, ...]  # per eqn: depends on no differentiated input
+    aux: tuple[Any, ...] = ()  # VarIds or Literals: the flat auxiliary outputs (has_aux=True)
 
     def nbytes(self, var: VarId) -> int:
         aval = self.avals[var]
@@ -91,48 +92,59 @@ class StepParts:
 
     closed: Any  # ClosedJaxpr of the whole step
     argnums: tuple[int, ...]
-    arg_leaf_counts: tuple[int, ...]  # flat leaves per loss argument
+    arg_leaf_counts: tuple[int, ...]  # flat leaves per operand group: (closed over, *positional args, keywords)
     forward: Forward
     operand_inputs: tuple[int | None, ...]  # per loss-argument leaf: the step's flat input index (None: constant)
     operand_consts: tuple[Any, ...]  # per loss-argument leaf: its value when it is a constant
-    update: Any  # Jaxpr: invars = [*step consts, *step inputs, loss, *grads]; outvars = step outputs
+    update: Any  # Jaxpr: invars = [*step consts, *step inputs, loss, *grads, *aux]; outvars = step outputs
     num_consts: int
     num_inputs: int
-    # per step output: ("input", i) | ("loss", 0) | ("grad", g) | ("update", k) (k: update outvar index)
     grad_for_leaf: tuple[int, ...]  # grad g -> its loss-argument leaf index
+    num_aux: int = 0  # flat leaves of the loss's auxiliary output (has_aux=True)
+    computed_leaves: tuple[int, ...] = ()  # loss-argument leaves the step computes before the loss
+    prologue: Any = None  # Jaxpr: [*step consts, *step inputs] -> the computed leaves (None when there are none)
 
     @property
     def num_grads(self) -> int:
         return len(self.grad_for_leaf)
 
 
-def _vg_argnums(name: str) -> tuple[tuple[int, ...], bool] | None:
+@dataclass(frozen=True)
+class _VgCall:
+    """What the marker's jit name says about the call (``ir/markers.vg_name``)."""
+
+    argnums: tuple[int, ...]
+    aux: bool
+    leaf_counts: tuple[int, ...] | None  # flat leaves per positional argument; None: an old-style name
+    kwarg_leaves: int
+
+
+def _vg_call(name: str) -> _VgCall | None:
     if not name.startswith(VG_NAME):
         return None
-    parts = name[len(VG_NAME):].strip(".").split(".")
-    aux = "aux" in parts
-    return tuple(int(p) for p in parts if p.isdigit()), aux
+    parts = [p for p in name[len(VG_NAME):].split(".") if p]
+    counts = next((tuple(int(c) for c in p[1:].split("_") if c) for p in parts if p.startswith("L")), None)
+    kwargs = next((int(p[1:]) for p in parts if p.startswith("K") and p[1:].isdigit()), 0)
+    return _VgCall(tuple(int(p) for p in parts if p.isdigit()), "aux" in parts, counts, kwargs)
 
 
 def split_step(closed: Any, in_tree: Any = None) -> StepParts | None:
     """Take a traced step apart at its ``autoshard.value_and_grad``; None when it has no marker."""
     jaxpr = closed.jaxpr
     found = [(k, e) for k, e in enumerate(jaxpr.eqns)
-             if e.primitive.name in CALLS and _vg_argnums(str(e.params.get("name", ""))) is not None]
+             if e.primitive.name in CALLS and _vg_call(str(e.params.get("name", ""))) is not None]
     if not found:
         return None
     if len(found) > 1:
         raise PlanningError(f"the step calls autoshard.value_and_grad/grad {len(found)} times; a pipeline needs "
                             "exactly one loss: compute one total loss, or use num_stages=1")
     k, eqn = found[0]
-    argnums, aux = _vg_argnums(str(eqn.params["name"]))
-    if aux:
-        raise PlanningError("pipelines do not support has_aux=True yet: return only the loss, or use num_stages=1")
+    call = _vg_call(str(eqn.params["name"]))
     inner = eqn.params["jaxpr"]
-    leaf_counts = _leaf_counts(inner, eqn, argnums)
+    leaf_counts, diff = _operand_layout(inner, eqn, call)
     step_in = {v: i for i, v in enumerate(jaxpr.invars)}
     const_vals = dict(zip(jaxpr.constvars, closed.consts))
-    operand_inputs, operand_consts = [], []
+    operand_inputs, operand_consts, computed = [], [], []
     for pos, a in enumerate(eqn.invars):
         if isinstance(a, jcore.Literal):
             operand_inputs.append(None)
@@ -143,28 +155,64 @@ def split_step(closed: Any, in_tree: Any = None) -> StepParts | None:
         elif a in const_vals:
             operand_inputs.append(None)
             operand_consts.append(const_vals[a])
-        else:
-            raise PlanningError(
-                f"argument leaf {pos} of autoshard.value_and_grad is computed inside the step; a pipeline needs "
-                "the loss arguments to be the step's own arguments (move the computation into the loss), or "
-                "use num_stages=1")
-    diff = _diff_mask(leaf_counts, argnums)
-    forward = _flatten_forward(inner, diff)
-    num_grads = len(eqn.outvars) - 1
-    grad_for_leaf = tuple(i for i, d in enumerate(diff) if d)
-    if len(grad_for_leaf) != num_grads:
-        raise PlanningError(f"autoshard.value_and_grad gave {num_grads} gradients for {len(grad_for_leaf)} "
+        else:  # computed by the step before the loss (a closed-over model built from the state, a cast batch)
+            operand_inputs.append(None)
+            operand_consts.append(None)
+            computed.append(pos)
+    num_grads = len(grad_for_leaf := tuple(i for i, d in enumerate(diff) if d))
+    num_aux = len(eqn.outvars) - 1 - num_grads
+    if num_aux < 0 or (num_aux and not call.aux):
+        raise PlanningError(f"autoshard.value_and_grad gave {len(eqn.outvars) - 1} gradients for {num_grads} "
                             "differentiated leaves")
+    forward = _flatten_forward(inner, diff, 1 + num_aux)
     rest = [e for j, e in enumerate(jaxpr.eqns) if j != k]
     info = jaxpr.debug_info._replace(arg_names=None, result_paths=None) if jaxpr.debug_info else None
-    update = jcore.Jaxpr([], [*jaxpr.constvars, *jaxpr.invars, *eqn.outvars], list(jaxpr.outvars), rest,
+    loss_out, aux_outs, grad_outs = eqn.outvars[0], eqn.outvars[1:1 + num_aux], eqn.outvars[1 + num_aux:]
+    step_vars = [*jaxpr.constvars, *jaxpr.invars]
+    rest = _live(rest, list(jaxpr.outvars))
+    update = jcore.Jaxpr([], [*step_vars, loss_out, *grad_outs, *aux_outs], list(jaxpr.outvars), rest,
                          jaxpr.effects, info)
-    return StepParts(closed, argnums, leaf_counts, forward, tuple(operand_inputs), tuple(operand_consts), update,
-                     len(jaxpr.constvars), len(jaxpr.invars), grad_for_leaf)
+    prologue = None
+    if computed:
+        before = _live(jaxpr.eqns[:k], [eqn.invars[pos] for pos in computed])
+        prologue = jcore.Jaxpr([], step_vars, [eqn.invars[pos] for pos in computed], before, jaxpr.effects, info)
+    return StepParts(closed, call.argnums, leaf_counts, forward, tuple(operand_inputs), tuple(operand_consts),
+                     update, len(jaxpr.constvars), len(jaxpr.invars), grad_for_leaf, num_aux, tuple(computed),
+                     prologue)
+
+
+def _live(eqns: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
+    """The equations (in order) that the given atoms depend on, and every effectful one."""
+    need = {a for a in outs if not isinstance(a, jcore.Literal)}
+    kept = []
+    for e in reversed(eqns):
+        if e.effects or any(v in need for v in e.outvars):
+            kept.append(e)
+            need.update(a for a in e.invars if not isinstance(a, jcore.Literal))
+    return kept[::-1]
+
+
+def _operand_layout(inner: Any, eqn: Any, call: _VgCall) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """(leaves per loss-argument group, per operand leaf: differentiated).
+
+    The marker's operands are, in order: the leaves the loss closes over (hoisted by jit), the leaves of
+    each positional argument, those of the keyword arguments. The closed-over and keyword leaves form
+    their own groups (never differentiated), the first and the last.
+    """
+    counts = call.leaf_counts if call.leaf_counts is not None else _leaf_counts(inner, eqn, call.argnums)
+    if call.argnums and max(call.argnums) >= len(counts):
+        raise PlanningError(f"autoshard.value_and_grad(argnums={call.argnums}) was called with only "
+                            f"{len(counts)} positional arguments")
+    surplus = len(eqn.invars) - sum(counts) - call.kwarg_leaves
+    if surplus < 0:
+        raise PlanningError(f"autoshard.value_and_grad's traced call has {len(eqn.invars)} operands for "
+                            f"{sum(counts) + call.kwarg_leaves} argument leaves")
+    diff = [False] * surplus + list(_diff_mask(counts, call.argnums)) + [False] * call.kwarg_leaves
+    return (surplus, *counts, call.kwarg_leaves), tuple(diff)
 
 
 def _leaf_counts(inner: Any, eqn: Any, argnums: tuple[int, ...]) -> tuple[int, ...]:
-    """Flat leaves per loss argument, from the jit's input pytree when jax kept it."""
+    """Flat leaves per loss argument, from the jit's input pytree when jax kept it (names without ``L``)."""
     info = getattr(inner.jaxpr, "debug_info", None)
     names = getattr(info, "arg_names", None)
     if names and len(names) == len(eqn.invars):
@@ -220,9 +268,11 @@ def _aval_bytes(aval: Any) -> int:
         return 0
 
 
-def _flatten_forward(inner: Any, diff: tuple[bool, ...]) -> Forward:
+def _flatten_forward(inner: Any, diff: tuple[bool, ...], num_values: int = 1) -> Forward:
+    """The primal part of the differentiation jaxpr: its first ``num_values`` outputs (loss, *aux)."""
     jaxpr, consts = inner.jaxpr, inner.consts
-    dced, _used = pe.dce_jaxpr(jaxpr, [True] + [False] * (len(jaxpr.outvars) - 1), instantiate=True)
+    keep = [True] * num_values + [False] * (len(jaxpr.outvars) - num_values)
+    dced, _used = pe.dce_jaxpr(jaxpr, keep, instantiate=True)
     # dce_jaxpr drops unused inputs; map the kept ones back to the loss-argument leaves
     kept = [v for v, u in zip(jaxpr.invars, _used) if u]
     avals: dict[VarId, Any] = {}
@@ -267,9 +317,9 @@ def _flatten_forward(inner: Any, diff: tuple[bool, ...]) -> Forward:
             eqns.append(FlatEqn(e, tuple(args), outs, _eqn_flops(e), nbytes, marker))
         return [read(a) for a in jx.outvars]
 
-    (out,) = walk(dced, consts, [env[v] for v in dced.invars], False)
+    out, *aux = walk(dced, consts, [env[v] for v in dced.invars], False)
     free = _free_mask(eqns, {v for v, d in zip(invars, diff) if d})
-    return Forward(tuple(eqns), invars, out, avals, const_env, diff, free)
+    return Forward(tuple(eqns), invars, out, avals, const_env, diff, free, tuple(aux))
 
 
 def _free_mask(eqns: Sequence[FlatEqn], diff_vars: set[VarId]) -> tuple[bool, ...]:
@@ -290,26 +340,55 @@ def _free_mask(eqns: Sequence[FlatEqn], diff_vars: set[VarId]) -> tuple[bool, ..
 def batch_inputs(parts: StepParts) -> tuple[int, tuple[bool, ...]]:
     """(global batch size, per flat step input: a batch leaf to split into microbatches).
 
-    The batch leaves are the step inputs passed to the loss as non-differentiated
-    arguments whose leading dimension is the batch size (that of the first such leaf).
+    The batch leaves are the step inputs passed to the loss as non-differentiated arguments (or closed
+    over by it) whose leading dimension is the batch size (the leading size most such leaves share), and the step
+    inputs of that leading size from which the step computes such a loss argument before the loss
+    (``x = batch["x"] / 255`` closed over: ``batch["x"]`` is split, the division runs per microbatch).
     """
     fwd = parts.forward
     shapes = [fwd.avals[v].shape for v in fwd.invars]
-    data = [k for k, d in enumerate(fwd.diff) if not d and len(shapes[k]) >= 1 and parts.operand_inputs[k] is not None]
+    data = [k for k, d in enumerate(fwd.diff) if not d and len(shapes[k]) >= 1
+            and (parts.operand_inputs[k] is not None or k in parts.computed_leaves)]
     if not data:
         raise PlanningError("the loss has no batch argument (a non-differentiated step argument with a leading "
                             "batch dimension) to split into microbatches; use num_stages=1")
-    batch = int(shapes[data[0]][0])
+    direct = [k for k in data if parts.operand_inputs[k] is not None] or data
+    leading = [int(shapes[k][0]) for k in direct]
+    batch = max(leading, key=lambda n: (leading.count(n), -leading.index(n)))  # the most common, then the first
     split = [False] * parts.num_inputs
     for k in data:
-        if shapes[k][0] == batch:
+        if shapes[k][0] == batch and parts.operand_inputs[k] is not None:
             split[parts.operand_inputs[k]] = True
+    batch_computed = [j for j, k in enumerate(parts.computed_leaves) if not fwd.diff[k] and shapes[k][:1] == (batch,)]
+    if batch_computed:
+        reads = prologue_reads(parts)
+        in_avals = parts.prologue.invars[parts.num_consts:]
+        for j in batch_computed:
+            for i in reads[j]:
+                if tuple(in_avals[i].aval.shape[:1]) == (batch,):
+                    split[i] = True
     used_by_update = _used_inputs(parts)
     clash = [i for i, s in enumerate(split) if s and used_by_update[i]]
     if clash:
         raise PlanningError(f"step inputs {clash} are both loss batch data and read by the optimizer part of the "
                             "step; a pipeline splits the batch into microbatches, so only the loss may read it")
     return batch, tuple(split)
+
+
+def prologue_reads(parts: StepParts) -> list[set[int]]:
+    """Per computed loss-argument leaf: the flat step inputs the step computes it from."""
+    if parts.prologue is None:
+        return []
+    jx = parts.prologue
+    deps: dict[Any, set[int]] = {v: {i} for i, v in enumerate(jx.invars[parts.num_consts:])}
+    for e in jx.eqns:
+        got: set[int] = set()
+        for a in e.invars:
+            if not isinstance(a, jcore.Literal):
+                got |= deps.get(a, set())
+        for v in e.outvars:
+            deps[v] = got
+    return [set() if isinstance(a, jcore.Literal) else deps.get(a, set()) for a in jx.outvars]
 
 
 def _used_inputs(parts: StepParts) -> list[bool]:

@@ -56,6 +56,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autoshard.errors import PlanningError
 from autoshard.ir.split import Forward, StepParts, VarId
+from autoshard.runtime.loss_io import Prologue, aux_per_example, combine_aux
 from autoshard.runtime.schedules import PipelineSchedule, schedule_actions
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class StageProgram:
     param_leaves: tuple[int, ...]  # differentiated loss-argument leaves it reads
     data_leaves: tuple[int, ...]  # other loss-argument leaves it reads
     in_acts: tuple[VarId, ...]  # activations entering
-    out_acts: tuple[VarId, ...]  # activations leaving (the last stage: the loss)
+    out_acts: tuple[Any, ...]  # activations leaving (the last stage: the loss, then the aux outputs)
 
     def function(self, forward: Forward) -> Callable[[list[Any], list[Any], list[Any]], list[Any]]:
         invars = forward.invars
@@ -100,7 +101,7 @@ class StageProgram:
             env.update({invars[k]: v for k, v in zip(self.data_leaves, data)})
             env.update(zip(self.in_acts, acts))
             forward.run(self.eqns, env)
-            return [env[v] for v in self.out_acts]
+            return [v.val if isinstance(v, jcore.Literal) else env[v] for v in self.out_acts]
 
         return run
 
@@ -130,21 +131,26 @@ def stage_programs(forward: Forward, layers: Sequence[LayerEqns], ranges: Sequen
     out = forward.outvar
     if isinstance(out, jcore.Literal) or out not in made:
         raise PipelineError("the loss does not depend on the parameters through the layers: nothing to pipeline")
-    last[out] = num_stages  # read "after" the last stage
+    aux = [a for a in forward.aux if not isinstance(a, jcore.Literal)]
+    for v in (out, *aux):
+        if v in made:
+            last[v] = num_stages  # read "after" the last stage
     programs = []
     for s in range(num_stages):
         own = sorted(i for i, st in stage_of.items() if st == s)
-        needed = _free_closure(forward, own, producer, stage_of)
+        seeds = aux if s == num_stages - 1 else []  # the last stage also returns the aux outputs
+        needed = _free_closure(forward, own, producer, stage_of, seeds)
         eqns = tuple(sorted(set(own) | needed))
-        reads = {a for i in eqns for a in forward.eqns[i].ins if not isinstance(a, jcore.Literal)}
+        reads = {a for i in eqns for a in forward.eqns[i].ins if not isinstance(a, jcore.Literal)} | set(seeds)
         in_acts = tuple(sorted(v for v, p in made.items() if p < s <= last.get(v, -1)))
-        out_acts = (out,) if s == num_stages - 1 else tuple(
+        out_acts = (out, *forward.aux) if s == num_stages - 1 else tuple(
             sorted(v for v, p in made.items() if p <= s < last.get(v, -1)))
         programs.append(StageProgram(
             s, eqns, tuple(sorted(diff_pos[v] for v in reads if v in diff_pos)),
             tuple(sorted(data_pos[v] for v in reads if v in data_pos)), in_acts, out_acts))
     for p in programs:
-        bad = [v for v in p.in_acts + p.out_acts if not jnp.issubdtype(forward.avals[v].dtype, jnp.floating)]
+        crossing = p.in_acts + (p.out_acts if p.index < num_stages - 1 else ())
+        bad = [v for v in crossing if not jnp.issubdtype(forward.avals[v].dtype, jnp.floating)]
         if bad:
             raise PipelineError(f"stage {p.index} would exchange non-float activations "
                                 f"{[forward.avals[v].str_short() for v in bad]}; move the cut (layer_boundary) "
@@ -153,10 +159,10 @@ def stage_programs(forward: Forward, layers: Sequence[LayerEqns], ranges: Sequen
 
 
 def _free_closure(forward: Forward, own: Sequence[int], producer: dict[VarId, int],
-                  stage_of: dict[int, int]) -> set[int]:
-    """The free (batch-only) equations the given equations read, transitively."""
+                  stage_of: dict[int, int], seeds: Sequence[VarId] = ()) -> set[int]:
+    """The free (batch-only) equations the given equations (and the ``seeds`` values) read, transitively."""
     needed: set[int] = set()
-    stack = [a for i in own for a in forward.eqns[i].ins]
+    stack = [a for i in own for a in forward.eqns[i].ins] + list(seeds)
     while stack:
         a = stack.pop()
         if isinstance(a, jcore.Literal) or a not in producer:
@@ -200,7 +206,7 @@ def assign_outputs(parts: StepParts, owner_of_grad: Sequence[int], out_paths: Se
     """The stage that computes each step output: the owner of the gradients it reads (0 if none)."""
     update = parts.update
     first_grad = parts.num_consts + parts.num_inputs + 1
-    deps = _var_deps(update, [0] * first_grad + [1 << g for g in range(parts.num_grads)])
+    deps = _var_deps(update, [0] * first_grad + [1 << g for g in range(parts.num_grads)] + [0] * parts.num_aux)
     stages = []
     for k, mask in enumerate(deps):
         owners = sorted({owner_of_grad[g] for g in range(parts.num_grads) if mask >> g & 1})
@@ -259,6 +265,8 @@ class PipelineStep:
         self.readers = readers
         self.owner_of_grad = [readers.get(k, [0])[0] for k in parts.grad_for_leaf]
         self.out_stage = assign_outputs(parts, self.owner_of_grad, out_paths)
+        self.aux_per_example = aux_per_example(parts, self.split_inputs)
+        self.prologue = Prologue(parts, self.split_inputs, self.num_microbatches, self._jit_options)
         self._build_executables()
 
     # ---- construction --------------------------------------------------
@@ -297,14 +305,18 @@ class PipelineStep:
 
             if last:
                 def bwd(params, data, acts, acc, loss_acc, run=run):
-                    (loss,), vjp = jax.vjp(lambda pr, ac: run(pr, data, ac), params, acts)
+                    def loss_and_aux(pr, ac):
+                        loss, *aux = run(pr, data, ac)
+                        return [loss], aux
+
+                    (loss,), vjp, aux = jax.vjp(loss_and_aux, params, acts, has_aux=True)
                     dparams, dacts = vjp([jnp.asarray(scale, loss.dtype)])
                     acc = [a + g for a, g in zip(acc, dparams)]
-                    return acc, dacts, loss_acc + loss * scale
+                    return acc, dacts, loss_acc + loss * scale, aux
 
                 self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, ps, rep),
-                                            out_shardings=(ps, ins, rep), donate_argnums=(3, 4),
-                                            **self._jit_options))
+                                            out_shardings=(ps, ins, rep, [rep] * len(fwd.aux)),
+                                            donate_argnums=(3, 4), **self._jit_options))
             elif self.recompute:
                 def bwd(params, data, acts, cts, acc, run=run):
                     _, vjp = jax.vjp(lambda pr, ac: run(pr, data, ac), params, acts)
@@ -348,14 +360,19 @@ class PipelineStep:
     def __call__(self, *args: Any) -> Any:
         return jax.tree_util.tree_unflatten(self.out_tree, self.run_flat(self.flatten_args(args)))
 
-    def _leaf_value(self, flat: Sequence[Any], k: int) -> Any:
+    def _leaf_value(self, flat: Sequence[Any], k: int, computed: dict[int, Any] | None = None) -> Any:
         src = self.parts.operand_inputs[k]
-        return flat[src] if src is not None else self.parts.operand_consts[k]
+        if src is not None:
+            return flat[src]
+        if computed is not None and k in computed:
+            return computed[k]
+        return self.parts.operand_consts[k]
 
     def run_flat(self, flat: Sequence[Any]) -> list[Any]:
         fwd = self.parts.forward
         num_stages, num_mb = len(self.programs), self.num_microbatches
-        params = [[jax.device_put(self._leaf_value(flat, k), _replicated(self.meshes[p.index]))
+        computed = self.prologue.leaves(flat)
+        params = [[jax.device_put(self._leaf_value(flat, k, computed[0]), _replicated(self.meshes[p.index]))
                    for k in p.param_leaves] for p in self.programs]
         data = []  # [stage][microbatch] -> leaves
         for p in self.programs:
@@ -363,7 +380,7 @@ class PipelineStep:
             for m in range(num_mb):
                 leaves = []
                 for k in p.data_leaves:
-                    x = self._leaf_value(flat, k)
+                    x = self._leaf_value(flat, k, computed[m])
                     if self._is_split(k):
                         size = x.shape[0] // num_mb
                         x = x[m * size:(m + 1) * size]
@@ -373,6 +390,7 @@ class PipelineStep:
         acc = [[jnp.zeros(fwd.avals[fwd.invars[k]].shape, fwd.avals[fwd.invars[k]].dtype,
                           device=_replicated(self.meshes[p.index])) for k in p.param_leaves] for p in self.programs]
         loss_acc = jnp.zeros((), fwd.avals[fwd.outvar].dtype, device=_replicated(self.meshes[-1]))
+        aux: list[list[Any]] = []  # per microbatch, the aux outputs
         inbox: dict[tuple[int, int], list[Any]] = {(0, m): [] for m in range(num_mb)}
         ctbox: dict[tuple[int, int], list[Any]] = {}
         stash: dict[tuple[int, int], Any] = {}  # pullbacks (residuals) of microbatches in flight
@@ -390,7 +408,8 @@ class PipelineStep:
                 continue
             if last:
                 acts = inbox.pop((s, m))
-                acc[s], dacts, loss_acc = self.bwd_fns[s](params[s], data[s][m], acts, acc[s], loss_acc)
+                acc[s], dacts, loss_acc, aux_m = self.bwd_fns[s](params[s], data[s][m], acts, acc[s], loss_acc)
+                aux.append(aux_m)
             elif self.recompute:
                 acc[s], dacts = self.bwd_fns[s](params[s], data[s][m], inbox.pop((s, m)), ctbox.pop((s, m)), acc[s])
             else:
@@ -398,9 +417,9 @@ class PipelineStep:
             if s > 0:
                 ctbox[(s - 1, m)] = [jax.device_put(x, self._act_sharding(s - 1, v))
                                      for x, v in zip(dacts, self.programs[s - 1].out_acts)]
-        return self._apply(flat, acc, loss_acc)
+        return self._apply(flat, acc, loss_acc, combine_aux(self.aux_per_example, aux))
 
-    def _apply(self, flat: Sequence[Any], acc: list[list[Any]], loss: Any) -> list[Any]:
+    def _apply(self, flat: Sequence[Any], acc: list[list[Any]], loss: Any, aux: Sequence[Any] = ()) -> list[Any]:
         parts, fwd = self.parts, self.parts.forward
         grads: list[Any] = []
         for g, k in enumerate(parts.grad_for_leaf):
@@ -415,7 +434,7 @@ class PipelineStep:
                 total = jnp.zeros(aval.shape, aval.dtype, device=where)
             grads.append(total)
         consts = list(parts.closed.consts)
-        env = [*consts, *flat, loss, *grads]
+        env = [*consts, *flat, loss, *grads, *aux]
         outputs: list[Any] = [None] * len(parts.update.outvars)
         for s, entry in enumerate(self.apply_fns):
             if entry is None:
