@@ -305,7 +305,8 @@ def _build_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer], sp: S
         first_microbatch_latency_s=sp.first_microbatch_latency_s, bottleneck_s=sp.bottleneck_s,
         bubble_fraction=sp.bubble_fraction, layers=len(layers), cost_model=COST_MODEL, intra_stage=INTRA_STAGE,
         spmd_step_s=spmd.plan.step_s if spmd is not None else None,
-        spmd_mesh="x".join(map(str, spmd.plan.mesh_shape)) if spmd is not None else "")
+        spmd_mesh="x".join(map(str, spmd.plan.mesh_shape)) if spmd is not None else "",
+        layer_eqns=tuple(tuple(layer.eqns) for layer in layers))
     num_devices = problem.num_devices
     plan = Plan(
         mesh_shape=(num_devices,), axis_names=("devices",), cluster=cluster,

@@ -18,6 +18,7 @@ from autoshard.ir.spec import Spec
 from autoshard.meshes.cluster import ClusterSpec
 from autoshard.plans import planfile
 from autoshard.plans.applied import AppliedPlan
+from autoshard.plans.applied_pipeline import AppliedPipeline
 from autoshard.plans.breakdown import LayerTime
 from autoshard.plans.caveats import Caveats, plan_caveats
 from autoshard.plans.ledger import GIB, Ledger, OpExplanation, SolverInfo, fmt_bytes, fmt_s, solver_summary
@@ -74,8 +75,11 @@ class Plan:
         """A plan from the JSON of a plan file; ``PlanFileError`` names a missing or mistyped field."""
         return cls(**planfile.plan_fields(data, source))
 
-    def apply(self, fn: Any, mesh: Any) -> AppliedPlan:
-        """A callable that runs ``fn`` with this plan on ``mesh`` (a jax Mesh of the plan's shape)."""
+    def apply(self, fn: Any, mesh: Any) -> AppliedPlan | AppliedPipeline:
+        """A callable that runs ``fn`` with this plan on ``mesh`` (a jax Mesh of the plan's shape; for a
+        pipeline plan any mesh or device list: its stages' device indices name ``mesh.devices.flat``)."""
+        if self.stages and self.pipeline is not None:
+            return AppliedPipeline(self, fn, mesh)
         return AppliedPlan(self, fn, mesh)
 
     @property

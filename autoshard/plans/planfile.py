@@ -20,7 +20,8 @@ Top-level fields (version 2; version 1 files, without the fields marked v2, stil
               transfer_out_s, memory: {params_bytes, grads_bytes, opt_state_bytes, activations_bytes,
               in_flight}, num_params}, ...]   (other objects are kept as they are)
     pipeline: {num_microbatches, schedule, step_s, first_microbatch_latency_s, bottleneck_s,
-               bubble_fraction, layers, cost_model, intra_stage, spmd_step_s, spmd_mesh, notes} or null
+               bubble_fraction, layers, cost_model, intra_stage, spmd_step_s, spmd_mesh, notes,
+               layer_eqns: [[[first, last] equation index runs] per layer] (optional)} or null
     alternatives: {mesh shape: step s}
     explanations: {op index: {primitive, source, shapes, num_strategies,                              v2
                               chosen: [strategy, compute_s, comm_s, reshard_s], alternatives: [[...], ...]}}
@@ -153,7 +154,30 @@ def _pipeline_json(summary: Any) -> dict[str, Any] | None:
         return None
     data = asdict(summary)
     data["notes"] = list(data.get("notes", ()))
+    data["layer_eqns"] = [_runs(eqns) for eqns in summary.layer_eqns]
     return data
+
+
+def _runs(indices: Sequence[int]) -> list[list[int]]:
+    """Sorted indices as [first, last] runs: [3, 4, 5, 9] -> [[3, 5], [9, 9]]."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = int(i)
+        else:
+            runs.append([int(i), int(i)])
+    return runs
+
+
+def _layer_eqns(data: Any, where: str) -> tuple[tuple[int, ...], ...]:
+    runs_per_layer = jf.field({"layer_eqns": data}, "layer_eqns", list, where)
+    layers = []
+    for n, runs in enumerate(runs_per_layer):
+        if not isinstance(runs, list) or not all(isinstance(r, list) and len(r) == 2
+                                                 and all(isinstance(x, int) for x in r) for r in runs):
+            raise PlanFileError(f"{where}.layer_eqns[{n}]: expected [[first, last], ...] equation index runs")
+        layers.append(tuple(i for a, b in runs for i in range(a, b + 1)))
+    return tuple(layers)
 
 
 def _pipeline(data: Any, where: str) -> PipelineSummary | None:
@@ -169,7 +193,8 @@ def _pipeline(data: Any, where: str) -> PipelineSummary | None:
         if f.type in ("int", "float") or (f.type == "float | None" and data.get(f.name) is not None):
             jf.number(data.get(f.name, 0), f"{where}.{f.name}")
     known = {f.name for f in fields}
-    return PipelineSummary(**{**{k: v for k, v in data.items() if k in known}, "notes": tuple(data.get("notes", ()))})
+    return PipelineSummary(**{**{k: v for k, v in data.items() if k in known}, "notes": tuple(data.get("notes", ())),
+                              "layer_eqns": _layer_eqns(data.get("layer_eqns", []), where)})
 
 
 def _choice_json(c: Choice) -> list[Any]:

@@ -86,6 +86,8 @@ class PipelineSummary:
     spmd_step_s: float | None = None  # the best SPMD-only plan it was compared with (None: not compared)
     spmd_mesh: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # the forward equation indices of each layer (``ir/split.py``): what ``plan.apply`` runs in each stage
+    layer_eqns: tuple[tuple[int, ...], ...] = ()
 
     def __str__(self) -> str:
         line = (f"pipeline          {self.schedule}, B={self.num_microbatches} microbatches over {self.layers} "

@@ -1,0 +1,116 @@
+"""Run a pipeline Plan on a set of devices: ``plan.apply(fn, mesh)`` for a plan with stages.
+
+The plan holds what the runtime needs besides the step itself: each stage's
+layer range and device indices (``Plan.stages``), the forward equations of each
+layer (``PipelineSummary.layer_eqns``), the microbatch count and the schedule.
+``AppliedPipeline`` traces ``fn`` on its first call, checks the trace against
+the plan (argument paths, shapes and dtypes, operation count, the layers'
+equations and each stage's parameters) and builds the stage executables; the
+plan's device index i is the mesh's i-th device (``mesh.devices.flat``), so
+the same plan runs on another device order.
+
+A mismatch raises ``PlanMismatchError`` saying what differs.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from autoshard.errors import PlanMismatchError
+from autoshard.ir.graph import OpGraph, same_structure
+from autoshard.ir.split import StepParts, batch_inputs, microbatch_shapes, split_step
+from autoshard.ir.trace import signature, trace
+from autoshard.plans.planfile import PlanLike, check_args, check_signature
+from autoshard.runtime.pipeline import PipelineStep, StageLayout
+
+
+def stage_layouts(plan: PlanLike) -> tuple[StageLayout, ...]:
+    """The runtime's view of the plan's stages."""
+    return tuple(StageLayout(st.first_layer, st.last_layer, tuple(st.device_indices)) for st in plan.stages)
+
+
+def pipeline_devices(plan: PlanLike, mesh: Mesh | Sequence[jax.Device]) -> list[jax.Device]:
+    """The devices a pipeline plan's device indices name: ``mesh.devices.flat`` (or the sequence) in order."""
+    devices = list(mesh.devices.flat) if isinstance(mesh, Mesh) else list(mesh)
+    needed = max((i for st in plan.stages for i in st.device_indices), default=-1) + 1
+    if len(devices) < needed:
+        raise PlanMismatchError(f"the pipeline plan's stages use device indices up to {needed - 1}; the mesh has "
+                                f"{len(devices)} device(s): pass a mesh of at least {needed}")
+    return devices
+
+
+def check_pipeline(plan: PlanLike, graph: OpGraph, parts: StepParts | None) -> None:
+    """Raise PlanMismatchError when the traced step is not the one the pipeline plan was made for."""
+    check_signature(plan, graph)
+    if parts is None:
+        raise PlanMismatchError("the plan is a pipeline but the step has no autoshard.value_and_grad/grad marker: "
+                                "mark the loss as when it was planned, or plan again")
+    layer_eqns = plan.pipeline.layer_eqns if plan.pipeline is not None else ()
+    if not layer_eqns:
+        raise PlanMismatchError("the pipeline plan records no layer equations (written by an older autoshard): "
+                                "plan again to apply it")
+    problems = []
+    num_eqns = len(parts.forward.eqns)
+    free = {i for i, f in enumerate(parts.forward.free) if f}
+    planned = [i for eqns in layer_eqns for i in eqns]
+    if any(i >= num_eqns for i in planned) or sorted(planned) != [i for i in range(num_eqns) if i not in free]:
+        problems.append(f"the loss forward has {num_eqns} equations ({num_eqns - len(free)} in layers); the plan's "
+                        f"{len(layer_eqns)} layers hold {len(planned)}")
+    if not problems:
+        paths = [graph.values[v].path for v in graph.inputs]
+        for st in plan.stages:
+            eqns = [i for eqns in layer_eqns[st.first_layer: st.last_layer + 1] for i in eqns]
+            reads = {a for i in eqns for a in parts.forward.eqns[i].ins if not hasattr(a, "val")}
+            leaves = {k for k, (v, d) in enumerate(zip(parts.forward.invars, parts.forward.diff)) if d and v in reads}
+            got = {paths[parts.operand_inputs[k]] for k in leaves if parts.operand_inputs[k] is not None}
+            want = set(st.param_specs)
+            if got != want:
+                problems.append(f"stage {st.index} (layers {st.first_layer}-{st.last_layer}) reads parameters "
+                                f"{sorted(got - want)[:4]} the plan does not give it, and not "
+                                f"{sorted(want - got)[:4]} that it does")
+    if problems:
+        raise PlanMismatchError("the pipeline plan does not match this train step (plan again for the changed "
+                                "model):\n  " + "\n  ".join(problems))
+
+
+class AppliedPipeline:
+    """A callable running ``fn`` as ``plan``'s pipeline on the devices of ``mesh``."""
+
+    def __init__(self, plan: PlanLike, fn: Callable[..., Any], mesh: Mesh | Sequence[jax.Device],
+                 **step_options: Any) -> None:
+        self.plan, self.fn = plan, fn
+        self.devices = pipeline_devices(plan, mesh)
+        self.step_options = step_options  # PipelineStep's recompute, compiler_options
+        self.step: PipelineStep | None = None
+        self.called_with: Any = None
+
+    def prepare(self, args: tuple[Any, ...]) -> PipelineStep:
+        """Trace ``fn`` at the shapes of ``args``, check it against the plan, build the stages (once)."""
+        if self.step is None:
+            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x)), args)
+            graph = trace(self.fn, *shapes)
+            parts = split_step(graph.jaxpr)
+            check_pipeline(self.plan, graph, parts)
+            _batch, split = batch_inputs(parts)
+            num_mb = int(self.plan.num_microbatches)
+            leaves = jax.tree_util.tree_leaves(shapes)
+            small = trace(self.fn, *jax.tree_util.tree_unflatten(graph.in_tree,
+                                                                 microbatch_shapes(leaves, split, num_mb)))
+            small_parts = split_step(small.jaxpr) if same_structure(graph, small) else None
+            if small_parts is None:
+                raise PlanMismatchError(f"the loss traces to different equations at the microbatch size (batch / "
+                                        f"{num_mb}); a pipeline needs shape-independent loss code")
+            self.step = PipelineStep(
+                small_parts, self.plan.pipeline.layer_eqns, stage_layouts(self.plan), num_mb,
+                self.plan.schedule, split_inputs=split, in_tree=graph.in_tree, out_tree=graph.out_tree,
+                out_paths=graph.output_paths, devices=self.devices, **self.step_options)
+            self.called_with = signature(args)
+        elif signature(args) != self.called_with:
+            check_args(self.plan, args)
+        return self.step
+
+    def __call__(self, *args: Any) -> Any:
+        return self.prepare(args)(*args)
