@@ -31,6 +31,7 @@ from autoshard.passes.intra_op import IntraOpOptions
 from autoshard.plans.applied import annotations_for
 from autoshard.plans.plan import Plan, load_plan
 from autoshard.runtime.pipeline import PipelineStep
+from autoshard.runtime.pipeline_lower import PipelineLowered, lower_pipeline
 from autoshard.runtime.spmd import SpmdStep, make_jax_mesh
 
 __all__ = ["AutoshardConfig", "AutoshardedFunction", "autoshard", "load_plan", "plan"]
@@ -93,12 +94,14 @@ class AutoshardedFunction:
             return step(*args)
         return step.call_placed(args)
 
-    def lower(self, *args: Any) -> Any:
-        """Plan from arrays or ``jax.ShapeDtypeStruct``s; ``.compile()`` gives the XLA executable."""
+    def lower(self, *args: Any) -> Any | PipelineLowered:
+        """Plan from arrays or ``jax.ShapeDtypeStruct``s; ``.compile()`` gives the XLA executable.
+
+        A pipelined step gives a ``PipelineLowered``: its stage executables (forward, backward, apply per
+        stage), listed by ``str()``; its ``.compile()`` compiles each."""
         _planned, step = self._compiled(args)
         if isinstance(step, PipelineStep):
-            raise NotImplementedError("a pipelined step has one executable per stage and action; call it, or "
-                                      "read .plan (num_stages=1 gives one lowerable SPMD executable)")
+            return lower_pipeline(step)
         return step.lower(*args)
 
     def planned(self, *args: Any) -> PlannedStep | PipelinePlanned:

@@ -25,6 +25,7 @@ from autoshard.ir.split import StepParts, batch_inputs, microbatch_shapes, split
 from autoshard.ir.trace import signature, trace
 from autoshard.plans.planfile import PlanLike, check_args, check_signature
 from autoshard.runtime.pipeline import PipelineStep, StageLayout
+from autoshard.runtime.pipeline_lower import PipelineLowered, lower_pipeline
 
 
 def stage_layouts(plan: PlanLike) -> tuple[StageLayout, ...]:
@@ -114,3 +115,7 @@ class AppliedPipeline:
 
     def __call__(self, *args: Any) -> Any:
         return self.prepare(args)(*args)
+
+    def lower(self, *args: Any) -> PipelineLowered:
+        """The stage executables, lowered (``.compile()`` compiles each)."""
+        return lower_pipeline(self.prepare(args))

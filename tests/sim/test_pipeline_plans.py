@@ -83,3 +83,27 @@ def _wider():
     params["w"][0] = jnp.zeros((16, 32))
     params["w"][1] = jnp.zeros((32, 16))
     return params, TX.init(params), data
+
+
+def test_lower_lists_the_stage_executables_and_compiles_each(devices8):
+    step = autoshard.autoshard(train_step(TX), num_stages=2, num_microbatches=2, schedule="gpipe")
+    params, opt_state, data = _args()
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, opt_state, data))
+    lowered = step.lower(*shapes)
+    assert lowered.names == ("stage 0 forward", "stage 0 backward", "stage 0 apply", "stage 1 backward",
+                             "stage 1 apply")  # the last stage's forward runs inside its backward
+    text = str(lowered)
+    assert "2 stages, gpipe, B=2" in text and "stage 1 backward" in text
+    stage_devices = [set(st.device_indices) for st in step.plan.stages]
+    compiled = lowered.compile()
+    for exe, comp in compiled:
+        assert {d.id for d in jax.devices() if d.id in exe.device_ids} == {jax.devices()[i].id
+                                                                         for i in stage_devices[exe.stage]}
+        assert len(comp.input_shardings[0]) > 0 and comp.memory_analysis() is not None
+        assert "HloModule" in comp.as_text()
+    assert compiled["stage 1 backward"] is dict(iter(compiled))[lowered.executables[3]]
+    # the compiled step still runs and equals one device
+    state = (params, opt_state)
+    ref_losses, _ = _reference_losses(train_step(TX), _args(), steps=1)
+    *state, loss = step(*state, data)
+    assert abs(float(loss) - ref_losses[0]) <= 1e-5 * abs(ref_losses[0])

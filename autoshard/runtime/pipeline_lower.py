@@ -1,0 +1,146 @@
+"""``.lower()`` of a pipelined step: every stage executable, lowered, listed, and compiled on demand.
+
+A pipeline is not one XLA program: stage s has a forward, a backward and
+(when it owns step outputs) an apply-update executable, each jitted on the
+stage's own sub-mesh (``runtime/pipeline.py``). :func:`lower_pipeline` lowers
+each at the shapes the runtime feeds it (one microbatch), giving a
+:class:`PipelineLowered` that lists them (``str()``: one line each) and whose
+``compile()`` gives a :class:`PipelineCompiled`: each executable compiled, with
+its optimized HLO, ``memory_analysis()`` and ``cost_analysis()`` for
+``compiler/verify_pipeline.py``.
+
+Inputs are given as ``ShapeDtypeStruct``s: an executable jitted with input
+shardings lays them out itself. A backward that applies its forward's
+``jax.vjp`` pullback (the default, residuals kept) takes the residuals in the
+layouts the compiled forward gives them, so lowering it compiles that forward
+first (kept, not compiled twice); the apply-update executables take their
+inputs on the stage's mesh as the runtime puts them.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from autoshard.runtime.pipeline import PipelineStep
+
+
+@dataclass(frozen=True, eq=False)
+class StageExecutable:
+    """One lowered stage program."""
+
+    stage: int
+    action: str  # "forward" | "backward" | "apply"
+    device_ids: tuple[int, ...]  # the jax device ids of the stage's sub-mesh
+    lowered: Any  # jax.stages.Lowered
+    compiled: list[Any] = field(default_factory=list)  # filled once by compile() (or by lowering a backward)
+
+    @property
+    def name(self) -> str:
+        return f"stage {self.stage} {self.action}"
+
+    def compile(self) -> Any:
+        if not self.compiled:
+            self.compiled.append(self.lowered.compile())
+        return self.compiled[0]
+
+    def __str__(self) -> str:
+        return f"{self.name:22} on devices {list(self.device_ids)}"
+
+
+@dataclass(frozen=True, eq=False)
+class PipelineCompiled:
+    """Every stage executable compiled (``executables`` in stage order: forward, backward, apply)."""
+
+    executables: tuple[StageExecutable, ...]
+
+    def __iter__(self) -> Iterator[tuple[StageExecutable, Any]]:
+        return iter((e, e.compile()) for e in self.executables)
+
+    def __getitem__(self, name: str) -> Any:
+        return next(e.compile() for e in self.executables if e.name == name)
+
+    def as_text(self) -> dict[str, str]:
+        return {e.name: c.as_text() for e, c in self}
+
+
+@dataclass(frozen=True, eq=False)
+class PipelineLowered:
+    """The stage executables of a pipelined step, lowered (``str()`` lists them)."""
+
+    executables: tuple[StageExecutable, ...]
+    num_microbatches: int
+    schedule: str
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(e.name for e in self.executables)
+
+    def __len__(self) -> int:
+        return len(self.executables)
+
+    def __iter__(self) -> Iterator[StageExecutable]:
+        return iter(self.executables)
+
+    def compile(self) -> PipelineCompiled:
+        for e in self.executables:
+            e.compile()
+        return PipelineCompiled(self.executables)
+
+    def __str__(self) -> str:
+        head = (f"pipeline: {len({e.stage for e in self.executables})} stages, {self.schedule}, "
+                f"B={self.num_microbatches}; {len(self.executables)} executables (each run per microbatch, "
+                "apply once per step):")
+        return "\n".join([head] + [f"  {e}" for e in self.executables])
+
+
+def _sds(aval: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding)
+
+
+def _with_shardings(tree: Any, shardings: Any) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return jax.tree_util.tree_unflatten(treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                                                  for x, s in zip(leaves, jax.tree_util.tree_leaves(shardings))])
+
+
+def lower_pipeline(step: PipelineStep) -> PipelineLowered:
+    """Lower every stage executable of ``step`` at one microbatch (module docstring)."""
+    fwd = step.parts.forward
+    num_stages = len(step.programs)
+    out: list[StageExecutable] = []
+    for p in step.programs:
+        s, mesh = p.index, step.meshes[p.index]
+        ids = tuple(int(d.id) for d in mesh.devices.flat)
+        params = [_sds(fwd.avals[fwd.invars[k]]) for k in p.param_leaves]
+        data = [_sds(fwd.avals[fwd.invars[k]]) for k in p.data_leaves]
+        acts = [_sds(fwd.avals[v]) for v in p.in_acts]
+        last = s == num_stages - 1
+        if not last:
+            forward = StageExecutable(s, "forward", ids, step.fwd_fns[s].lower(params, data, acts))
+            out.append(forward)
+        loss_acc = jax.ShapeDtypeStruct((), fwd.avals[fwd.outvar].dtype)
+        if last:
+            lowered = step.bwd_fns[s].lower(params, data, acts, params, loss_acc)
+        elif step.recompute:
+            cts = [_sds(fwd.avals[v]) for v in p.out_acts]
+            lowered = step.bwd_fns[s].lower(params, data, acts, cts, params)
+        else:
+            compiled = forward.compile()
+            in_shardings = compiled.input_shardings[0]  # ((params, data, acts), kwargs)
+            outs, pullback = _with_shardings(jax.eval_shape(step.fwd_fns[s], params, data, acts),
+                                             compiled.output_shardings)
+            acc = _with_shardings(params, in_shardings[0])
+            lowered = step.bwd_fns[s].lower(pullback, outs, acc)
+        out.append(StageExecutable(s, "backward", ids, lowered))
+        entry = step.apply_fns[s]
+        if entry is not None:
+            fn, used, _outs = entry
+            rep = NamedSharding(mesh, PartitionSpec())
+            invars = step.parts.update.invars
+            args = [_sds(invars[i].aval, rep) for i in used]
+            out.append(StageExecutable(s, "apply", ids, fn.lower(*args)))
+    return PipelineLowered(tuple(out), step.num_microbatches, str(step.schedule))
