@@ -74,6 +74,20 @@ def _plan_target(args: argparse.Namespace, say: Callable[[str], None]) -> Any:
     return replace(planned, plan=replace(planned.plan, origin=origin(args))), step, step_args
 
 
+def _plan_pipeline_target(args: argparse.Namespace, say: Callable[[str], None]) -> Any:
+    """Plan a TARGET as a pipeline of ``--stages`` stages; returns (plan with its origin, step, abstract args)."""
+    from dataclasses import replace
+
+    from autoshard.api import plan as plan_fn
+
+    say(f"loading {args.target}")
+    step, step_args, name = load_workload(args.target, args.config, abstract=True)
+    plan = plan_fn(step, *step_args, cluster=args.cluster, memory_budget=memory_budget(args),
+                   num_stages=args.stages, num_microbatches=args.microbatches, options=intra_op_options(args),
+                   progress=say)
+    return replace(plan, origin=origin(args), name=name), step, step_args
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     check_writable(args.out, "--out")
     with progress("plan") as say:
@@ -202,18 +216,26 @@ def cmd_verify(args: argparse.Namespace) -> int:
             say(f"loading {plan.origin['target']}")
             step, step_args, _name = load_workload(plan.origin["target"], plan.origin.get("config", "small"),
                                                    abstract=True)
+        elif getattr(args, "stages", None):
+            plan, step, step_args = _plan_pipeline_target(args, say)
         else:
             planned, step, step_args = _plan_target(args, say)
             plan = planned.plan
-        from autoshard.compiler.verify import verify_compiled
-        from autoshard.runtime.spmd import make_jax_mesh
-
-        mesh = make_jax_mesh(tuple(plan.mesh_shape), plan.axis_names)
         say("compiling")
         start = time.perf_counter()
-        compiled = plan.apply(step, mesh).lower(*step_args).compile()
+        if plan.stages and plan.pipeline is not None:  # one executable per stage and action
+            import jax
+
+            from autoshard.compiler.verify_pipeline import verify_pipeline
+
+            report: Any = verify_pipeline(plan, plan.apply(step, jax.devices()).lower(*step_args).compile())
+        else:
+            from autoshard.compiler.verify import verify_compiled
+            from autoshard.runtime.spmd import make_jax_mesh
+
+            mesh = make_jax_mesh(tuple(plan.mesh_shape), plan.axis_names)
+            report = verify_compiled(plan, plan.apply(step, mesh).lower(*step_args).compile())
         compile_s = time.perf_counter() - start
-        report = verify_compiled(plan, compiled)
     from autoshard.report import fidelity_lines, fidelity_table
 
     print_all(fidelity_table(report, f"plan '{plan.name}' predicted vs compiled",
@@ -288,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="compile a plan on simulated devices: predicted vs compiled")
     p.add_argument("target", help="plan file (made by `plan` or `compare`) or a TARGET to plan first")
     _planning_flags(p)
+    p.add_argument("--stages", type=positive_int, default=None,
+                   help="plan TARGET as a pipeline of this many stages: verify each stage executable")
+    p.add_argument("--microbatches", type=positive_int, default=None, help="pipeline microbatches (default: searched)")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("profile", help="time the devices present and write the ClusterSpec they make")

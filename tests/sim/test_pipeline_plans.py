@@ -107,3 +107,22 @@ def test_lower_lists_the_stage_executables_and_compiles_each(devices8):
     ref_losses, _ = _reference_losses(train_step(TX), _args(), steps=1)
     *state, loss = step(*state, data)
     assert abs(float(loss) - ref_losses[0]) <= 1e-5 * abs(ref_losses[0])
+
+
+def test_verify_reports_each_stage_executable_predicted_vs_compiled(devices8):
+    from autoshard.compiler.verify_pipeline import verify_pipeline
+
+    args = _args(width=128, batch=64)  # the planner keeps 4 + 4 devices here, the batch split in each
+    step = autoshard.autoshard(train_step(TX), num_stages=2, num_microbatches=2, schedule="1f1b")
+    compiled = step.lower(*args).compile()
+    report = verify_pipeline(step.plan, compiled)
+    names = [r.what for r in report.rows]
+    for s in (0, 1):
+        assert f"stage {s} backward all collective bytes" in names and f"stage {s} peak memory bytes" in names
+    assert "stage 0 forward all collective bytes" in names and "stage 1 forward all collective bytes" not in names
+    for s, st in enumerate(step.plan.stages):
+        row = report.row(f"stage {s} backward all-reduce bytes")
+        grads = 128 * 128 * 4 * len(st.param_specs)  # replicated weights: their whole gradient
+        assert row.predicted == grads and len(st.device_indices) > 1
+        assert row.ok, str(report)  # XLA all-reduces what the plan predicts (within 10%)
+    assert report.ok, str(report)

@@ -1,0 +1,136 @@
+"""Check a pipeline plan against what XLA compiled, stage by stage (``compiler/verify.py`` for SPMD plans).
+
+A pipeline runs one forward, backward and apply-update executable per stage
+(``runtime/pipeline_lower.py``). For each executable the plan predicts the
+per-device bytes of every collective kind it runs per call (per microbatch;
+the apply once per step); for each stage, its per-device peak memory
+(``PipelineStage.memory``: parameters, gradient accumulators, optimizer state
+and the activations of the microbatches in flight).
+
+Predicted collectives come from the stage: a stage that carries its own
+figures (``collective_bytes``: {action: {kind: bytes}}, from an intra-op plan
+of the stage) is taken at its word; otherwise the stage is data parallel as
+its specs say, and its backward all-reduces the gradient of every parameter
+it holds whole on each device (that parameter's bytes divided by the shards
+its spec makes) when the stage's batch is split over more than one device.
+
+The compiled stage peak is composed from ``memory_analysis()`` of the stage's
+executables, as the runtime holds their buffers: the apply executable's
+arguments (parameters, accumulated gradients, optimizer state), plus the
+per-microbatch activations in flight (the forward's outputs, or for the last
+stage, whose forward runs inside its backward, the backward's activation
+inputs) times the stage's in-flight count, plus the largest temporary buffer of
+the forward and backward. Tolerances are verify.py's.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from autoshard.compiler.hlo import CompiledSummary, summarize_compiled
+from autoshard.compiler.verify import (COLLECTIVE_TOLERANCE, KINDS, MEMORY_IMMATERIAL_BYTES, MEMORY_TOLERANCE,
+                                       FidelityRow)
+from autoshard.plans.plan import Plan
+from autoshard.runtime.pipeline_lower import PipelineCompiled
+
+ACTIONS = ("forward", "backward", "apply")
+
+
+@dataclass(frozen=True)
+class PipelineFidelityReport:
+    """Per stage executable, predicted vs compiled; ``rows`` flat, named ``stage s action figure``."""
+
+    rows: tuple[FidelityRow, ...]
+    summaries: Mapping[str, CompiledSummary]  # executable name -> what XLA compiled
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.rows)
+
+    def row(self, what: str) -> FidelityRow:
+        return next(r for r in self.rows if r.what == what)
+
+    def __str__(self) -> str:
+        lines = [f"{'figure':40} {'predicted':>14} {'compiled':>14} {'error':>8}"]
+        for r in self.rows:
+            flag = "" if r.ok else "  <-- off by more than " + f"{r.tolerance:.0%}"
+            lines.append(f"{r.what:40} {r.predicted:14,.0f} {r.compiled:14,.0f} {r.rel_error:8.1%}{flag}")
+        return "\n".join(lines)
+
+
+def _itemsize(dtype: str) -> int:
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        return 4
+
+
+def predicted_collectives(plan: Plan, stage: Any) -> dict[str, dict[str, float]]:
+    """{action: {collective kind: per-device bytes per call}} of one stage (module docstring)."""
+    own = getattr(stage, "collective_bytes", None)
+    if isinstance(own, Mapping) and own:
+        return {a: {k: float(v) for k, v in own.get(a, {}).items()} for a in ACTIONS}
+    sizes = dict(zip(stage.axis_names, stage.mesh_shape))
+    batch_axes = {ax for spec in stage.batch_specs.values() for ax in (spec.dims[0] if spec.dims else ())}
+    split = int(np.prod([sizes[a] for a in batch_axes])) if batch_axes else 1
+    grads = 0.0
+    if split > 1:
+        for path, spec in stage.param_specs.items():
+            shape, dtype = plan.input_shapes[path]
+            held = {ax for dim in spec.dims for ax in dim}
+            if held & batch_axes:
+                continue  # sharded over the batch axes: not an all-reduce (a stage plan says what it is)
+            shards = int(np.prod([sizes[a] for a in held])) if held else 1
+            grads += float(np.prod(shape, dtype=np.int64)) * _itemsize(dtype) / shards
+    return {"forward": {}, "backward": {"all-reduce": grads} if grads else {}, "apply": {}}
+
+
+def _collective_rows(name: str, predicted: Mapping[str, float], summary: CompiledSummary) -> list[FidelityRow]:
+    total_c = float(sum(summary.bytes_by_kind.values()))
+    immaterial = max(1024.0, 0.01 * total_c)
+    rows = []
+    for kind in KINDS:
+        p, c = float(predicted.get(kind, 0.0)), float(summary.bytes_by_kind.get(kind, 0.0))
+        if p or c:
+            rows.append(FidelityRow(f"{name} {kind} bytes", p, c, COLLECTIVE_TOLERANCE, immaterial))
+    rows.append(FidelityRow(f"{name} all collective bytes", float(sum(predicted.values())), total_c,
+                            COLLECTIVE_TOLERANCE))
+    return rows
+
+
+def _activation_input_bytes(compiled: Any) -> float:
+    """Per-device bytes of the activation arguments of a last-stage backward ``(params, data, acts, acc, loss)``."""
+    infos, shardings = compiled.args_info[0][2], compiled.input_shardings[0][2]
+    return float(sum(np.prod(sh.shard_shape(tuple(info.shape)), dtype=np.int64) * np.dtype(info.dtype).itemsize
+                     for info, sh in zip(infos, shardings)))
+
+
+def verify_pipeline(plan: Plan, compiled: PipelineCompiled) -> PipelineFidelityReport:
+    """Compare a pipeline ``plan`` with its compiled stage executables (``step.lower(*args).compile()``)."""
+    summaries: dict[str, CompiledSummary] = {}
+    by_stage: dict[int, dict[str, tuple[Any, CompiledSummary]]] = {}
+    for exe, comp in compiled:
+        summary = summarize_compiled(comp)
+        summaries[exe.name] = summary
+        by_stage.setdefault(exe.stage, {})[exe.action] = (comp, summary)
+    rows: list[FidelityRow] = []
+    last = len(plan.stages) - 1
+    for stage in plan.stages:
+        got = by_stage.get(stage.index, {})
+        predicted = predicted_collectives(plan, stage)
+        for action in ACTIONS:
+            if action in got:
+                rows += _collective_rows(f"stage {stage.index} {action}", predicted[action], got[action][1])
+        held = float(got["apply"][1].argument_bytes) if "apply" in got else 0.0
+        if stage.index == last:
+            per_mb = _activation_input_bytes(got["backward"][0])
+        else:
+            per_mb = float(got["forward"][1].output_bytes)
+        temp = max(float(got[a][1].temp_bytes) for a in ("forward", "backward") if a in got)
+        compiled_peak = held + stage.memory.in_flight * per_mb + temp
+        rows.append(FidelityRow(f"stage {stage.index} peak memory bytes", float(stage.memory.peak_bytes),
+                                compiled_peak, MEMORY_TOLERANCE, MEMORY_IMMATERIAL_BYTES))
+    return PipelineFidelityReport(tuple(rows), summaries)
