@@ -28,3 +28,15 @@ def train_step(tx: optax.GradientTransformation, loss_fn=mlp_loss, marker: bool 
         return optax.apply_updates(params, updates), opt_state, loss
 
     return step
+
+
+def host_args(tx: optax.GradientTransformation, width: int = 32, batch: int = 16, depth: int = 4, seed: int = 0):
+    """``(params, opt_state, batch)`` as host (numpy) arrays, the same in every process that asks."""
+    import numpy as np
+
+    rng = np.random.RandomState(seed)
+    params = {"w": [(rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32) for _ in range(depth)]}
+    data = {"x": rng.standard_normal((batch, width)).astype(np.float32),
+            "y": rng.standard_normal((batch, width)).astype(np.float32)}
+    opt_state = jax.tree.map(np.asarray, tx.init(params))
+    return params, opt_state, data

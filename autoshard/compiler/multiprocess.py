@@ -14,8 +14,13 @@ when planning fails there.
 Batch leaves are pinned split over the process-crossing axes along their first
 dimension (``shard_batch=True``), so each process feeds only its rows.
 
-**Pipeline plans** are refused here (``MultiProcessError``): their stages do
-not map to hosts yet.
+**Pipeline plans** (``num_stages`` > 1) run too: every process builds every
+stage's executables and runs those whose sub-mesh devices it holds; the
+activations crossing a process boundary travel by ``runtime/cross_process.py``.
+Each process passes the same whole arguments (host arrays, or the previous
+step's outputs: the ones another process owns come back as stand-ins for its
+arrays); the batch is not split over processes (``shard_batch`` is for SPMD
+plans).
 """
 from __future__ import annotations
 
@@ -31,12 +36,14 @@ import jax
 from jax.sharding import Mesh
 
 from autoshard.compiler.driver import plan_graph
+from autoshard.compiler.pipeline_driver import plan_pipeline
 from autoshard.ir.graph import OpGraph, Role
 from autoshard.ir.spec import Spec
 from autoshard.ir.trace import trace
 from autoshard.meshes.cluster import ClusterSpec
 from autoshard.passes.intra_op import IntraOpOptions
 from autoshard.plans.applied import AppliedPlan
+from autoshard.plans.applied_pipeline import AppliedPipeline
 from autoshard.plans.plan import Plan
 from autoshard.plans.planfile import plan_to_json
 from autoshard.runtime.distributed import MultiProcessError, axes_crossing_processes, multiprocess_cluster
@@ -46,12 +53,14 @@ _ERROR_MARK = b"autoshard-error:"
 
 
 def check_runs_multiprocess(plan: Plan) -> None:
-    """Raise MultiProcessError for a plan the multi-process runtime cannot run (pipeline plans)."""
-    if plan.stages or plan.num_microbatches > 1 or plan.schedule not in ("spmd", ""):
+    """Raise MultiProcessError for a plan the multi-process runtime cannot run (a staged plan that does not
+    record its layers' equations: written by hand or by an older autoshard)."""
+    staged = plan.stages or plan.num_microbatches > 1 or plan.schedule not in ("spmd", "")
+    if staged and (plan.pipeline is None or not plan.pipeline.layer_eqns):
         raise MultiProcessError(
             f"plan '{plan.name}' is a pipeline plan ({len(plan.stages)} stages, {plan.num_microbatches} microbatches, "
-            f"schedule {plan.schedule!r}); pipeline plans do not run across processes yet (there is no pipeline "
-            "runtime). Plan with num_stages=1 (one SPMD stage over the whole mesh) for a multi-process job.")
+            f"schedule {plan.schedule!r}) without the layer equations the pipeline runtime needs; plan it again "
+            "with plan_multiprocess(..., num_stages=N), or with num_stages=1 (one SPMD stage over the whole mesh).")
 
 
 def _pinned_batch_specs(graph: OpGraph, mesh: Mesh) -> dict[int, Spec]:
@@ -84,25 +93,33 @@ def _kv_client() -> Any:
 def plan_multiprocess(fn: Callable[..., Any], args: Sequence[Any], *, mesh: Mesh,
                       cluster: ClusterSpec | str | None = None, memory_budget: float | None = None,
                       options: IntraOpOptions | None = None, shard_batch: bool = True,
-                      timeout_s: float = 3600.0) -> Plan:
+                      timeout_s: float = 3600.0, num_stages: int = 1, num_microbatches: int | None = None,
+                      schedule: str = "1f1b") -> Plan:
     """Plan ``fn(*args)`` on process 0 and give every process the same Plan (see the module docstring).
 
     ``args`` may be ``jax.ShapeDtypeStruct``s; ``cluster`` defaults to
-    ``multiprocess_cluster()``. Every process must call this in the same order.
+    ``multiprocess_cluster()``. Every process must call this in the same order. ``num_stages`` > 1 plans a
+    pipeline over the mesh's devices (in ``mesh.devices.flat`` order) with ``num_microbatches`` (None:
+    searched) and ``schedule``.
     """
     cluster = multiprocess_cluster() if cluster is None else cluster
     multi = jax.process_count() > 1
     key = f"{PLAN_KEY_PREFIX}{next(_plan_calls)}"
     if jax.process_index() == 0:
         try:
-            graph = trace(fn, *args)
-            opts = options or IntraOpOptions()
-            if shard_batch:
-                opts = replace(opts, pinned_inputs={**_pinned_batch_specs(graph, mesh), **opts.pinned_inputs})
-            planned = plan_graph(graph, mesh=mesh, cluster=cluster, memory_budget=memory_budget, options=opts,
-                                 name=getattr(fn, "__name__", "autoshard"))
-            check_runs_multiprocess(planned.plan)
-            payload = json.dumps(plan_to_json(planned.plan)).encode()
+            if num_stages > 1:
+                plan = plan_pipeline(fn, args, cluster=cluster, memory_budget=memory_budget, num_stages=num_stages,
+                                     num_microbatches=num_microbatches, schedule=schedule, options=options,
+                                     num_devices=mesh.devices.size).plan
+            else:
+                graph = trace(fn, *args)
+                opts = options or IntraOpOptions()
+                if shard_batch:
+                    opts = replace(opts, pinned_inputs={**_pinned_batch_specs(graph, mesh), **opts.pinned_inputs})
+                plan = plan_graph(graph, mesh=mesh, cluster=cluster, memory_budget=memory_budget, options=opts,
+                                  name=getattr(fn, "__name__", "autoshard")).plan
+            check_runs_multiprocess(plan)
+            payload = json.dumps(plan_to_json(plan)).encode()
         except Exception as err:
             if multi:
                 _kv_client().key_value_set_bytes(key, _ERROR_MARK + f"{type(err).__name__}: {err}".encode())
@@ -139,6 +156,6 @@ def apply_plan(plan: Plan, fn: Callable[..., Any], mesh: Mesh, args: Sequence[An
     the trace no longer matches the plan's operation count.
     """
     check_runs_multiprocess(plan)
-    applied: AppliedPlan = plan.apply(fn, mesh)
+    applied: AppliedPlan | AppliedPipeline = plan.apply(fn, mesh)
     applied.prepare(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tuple(args)))
     return applied

@@ -56,6 +56,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autoshard.errors import PlanningError
 from autoshard.ir.split import Forward, StepParts, VarId
+from autoshard.runtime.cross_process import holds, placeholder, send
 from autoshard.runtime.loss_io import Prologue, aux_per_example, combine_aux
 from autoshard.runtime.schedules import PipelineSchedule, schedule_actions
 
@@ -343,7 +344,8 @@ class PipelineStep:
             if not outs:
                 self.apply_fns.append(None)
                 continue
-            jx = pe.dce_jaxpr(update, [k in outs for k in range(len(update.outvars))], instantiate=True)
+            # instantiate=False: the inputs it does not read are dropped (True would keep every input)
+            jx = pe.dce_jaxpr(update, [k in outs for k in range(len(update.outvars))], instantiate=False)
             sub, used = jx
             used_idx = tuple(i for i, u in enumerate(used) if u)
             closed = jcore.ClosedJaxpr(sub, [])
@@ -369,15 +371,18 @@ class PipelineStep:
         return self.parts.operand_consts[k]
 
     def run_flat(self, flat: Sequence[Any]) -> list[Any]:
+        """One step on flat inputs. In a multi-process job every process calls it alike; each runs the stages
+        whose devices it holds and joins the sends into and out of them (``runtime/cross_process.py``)."""
         fwd = self.parts.forward
         num_stages, num_mb = len(self.programs), self.num_microbatches
+        here = [holds(mesh) for mesh in self.meshes]
         computed = self.prologue.leaves(flat)
         params = [[jax.device_put(self._leaf_value(flat, k, computed[0]), _replicated(self.meshes[p.index]))
-                   for k in p.param_leaves] for p in self.programs]
+                   for k in p.param_leaves] if here[p.index] else None for p in self.programs]
         data = []  # [stage][microbatch] -> leaves
         for p in self.programs:
             per_mb = []
-            for m in range(num_mb):
+            for m in range(num_mb if here[p.index] else 0):
                 leaves = []
                 for k in p.data_leaves:
                     x = self._leaf_value(flat, k, computed[m])
@@ -388,8 +393,9 @@ class PipelineStep:
                 per_mb.append(leaves)
             data.append(per_mb)
         acc = [[jnp.zeros(fwd.avals[fwd.invars[k]].shape, fwd.avals[fwd.invars[k]].dtype,
-                          device=_replicated(self.meshes[p.index])) for k in p.param_leaves] for p in self.programs]
-        loss_acc = jnp.zeros((), fwd.avals[fwd.outvar].dtype, device=_replicated(self.meshes[-1]))
+                          device=_replicated(self.meshes[p.index])) for k in p.param_leaves]
+               if here[p.index] else None for p in self.programs]
+        loss_acc = jnp.zeros((), fwd.avals[fwd.outvar].dtype, device=_replicated(self.meshes[-1])) if here[-1] else None
         aux: list[list[Any]] = []  # per microbatch, the aux outputs
         inbox: dict[tuple[int, int], list[Any]] = {(0, m): [] for m in range(num_mb)}
         ctbox: dict[tuple[int, int], list[Any]] = {}
@@ -400,13 +406,16 @@ class PipelineStep:
                 if last:
                     continue  # fused into the last stage's backward
                 acts = inbox.pop((s, m)) if not self.recompute else inbox[(s, m)]
-                out = self.fwd_fns[s](params[s], data[s][m], acts)
-                if not self.recompute:
+                out = self.fwd_fns[s](params[s], data[s][m], acts) if here[s] else None
+                if here[s] and not self.recompute:
                     out, stash[(s, m)] = out
-                inbox[(s + 1, m)] = [jax.device_put(x, self._act_sharding(s + 1, v))
-                                     for x, v in zip(out, self.programs[s].out_acts)]
+                inbox[(s + 1, m)] = self._send(out, s, s + 1, self.programs[s].out_acts)
                 continue
-            if last:
+            dacts = None
+            if not here[s]:
+                inbox.pop((s, m), None)
+                ctbox.pop((s, m), None)
+            elif last:
                 acts = inbox.pop((s, m))
                 acc[s], dacts, loss_acc, aux_m = self.bwd_fns[s](params[s], data[s][m], acts, acc[s], loss_acc)
                 aux.append(aux_m)
@@ -415,33 +424,64 @@ class PipelineStep:
             else:
                 acc[s], dacts = self.bwd_fns[s](stash.pop((s, m)), ctbox.pop((s, m)), acc[s])
             if s > 0:
-                ctbox[(s - 1, m)] = [jax.device_put(x, self._act_sharding(s - 1, v))
-                                     for x, v in zip(dacts, self.programs[s - 1].out_acts)]
-        return self._apply(flat, acc, loss_acc, combine_aux(self.aux_per_example, aux))
+                ctbox[(s - 1, m)] = self._send(dacts, s, s - 1, self.programs[s - 1].out_acts)
+        return self._apply(flat, acc, loss_acc, combine_aux(self.aux_per_example, aux) if here[-1] else None)
 
-    def _apply(self, flat: Sequence[Any], acc: list[list[Any]], loss: Any, aux: Sequence[Any] = ()) -> list[Any]:
+    def _send(self, values: Sequence[Any] | None, src: int, dst: int, var_ids: Sequence[VarId]) -> list[Any] | None:
+        """Activations (or their gradients) of stage ``src`` laid out for stage ``dst``; None on a process
+        holding neither stage (and on one holding only ``src``, when another holds ``dst``)."""
+        src_mesh, dst_mesh = self.meshes[src], self.meshes[dst]
+        if not (holds(src_mesh) or holds(dst_mesh)):
+            return None
+        avals = [self.parts.forward.avals[v] for v in var_ids]
+        shardings = [self._act_sharding(dst, v) for v in var_ids]
+        values = values if values is not None else [None] * len(var_ids)
+        out = [send(x, src_mesh, sh, a.shape, a.dtype) for x, sh, a in zip(values, shardings, avals)]
+        return out if holds(dst_mesh) else None
+
+    def _apply(self, flat: Sequence[Any], acc: list[Any], loss: Any, aux: Sequence[Any] | None) -> list[Any]:
         parts, fwd = self.parts, self.parts.forward
+        first_grad = parts.num_consts + parts.num_inputs + 1
+        source = {first_grad - 1: len(self.programs) - 1}  # where each loss / grad / aux value lives
         grads: list[Any] = []
         for g, k in enumerate(parts.grad_for_leaf):
             owner = self.owner_of_grad[g]
             where = _replicated(self.meshes[owner])
+            aval = fwd.avals[fwd.invars[k]]
             total = None
             for s in self.readers.get(k, []):
-                part = jax.device_put(acc[s][self.programs[s].param_leaves.index(k)], where)
+                mine = acc[s][self.programs[s].param_leaves.index(k)] if acc[s] is not None else None
+                part = send(mine, self.meshes[s], where, aval.shape, aval.dtype) \
+                    if holds(self.meshes[s]) or holds(self.meshes[owner]) else None
                 total = part if total is None else total + part
-            if total is None:
-                aval = fwd.avals[fwd.invars[k]]
+            if total is None and holds(self.meshes[owner]):
                 total = jnp.zeros(aval.shape, aval.dtype, device=where)
             grads.append(total)
+            source[first_grad + g] = owner
+        for j in range(parts.num_aux):
+            source[first_grad + parts.num_grads + j] = len(self.programs) - 1
         consts = list(parts.closed.consts)
-        env = [*consts, *flat, loss, *grads, *aux]
+        env = [*consts, *flat, loss, *grads, *(aux if aux is not None else [None] * parts.num_aux)]
         outputs: list[Any] = [None] * len(parts.update.outvars)
+        invars = parts.update.invars
         for s, entry in enumerate(self.apply_fns):
             if entry is None:
                 continue
             fn, used, outs = entry
             rep = _replicated(self.meshes[s])
-            vals = fn(*[jax.device_put(env[i], rep) for i in used])
-            for k, v in zip(outs, vals):
+            vals = []
+            for i in used:
+                if i in source:
+                    src = self.meshes[source[i]]
+                    if holds(src) or holds(self.meshes[s]):
+                        vals.append(send(env[i], src, rep, invars[i].aval.shape, invars[i].aval.dtype))
+                else:
+                    vals.append(jax.device_put(env[i], rep) if holds(self.meshes[s]) else None)
+            if holds(self.meshes[s]):
+                results = fn(*vals)
+            else:  # another process computes these outputs: stand-ins on its devices
+                results = [placeholder(rep, parts.update.outvars[k].aval.shape, parts.update.outvars[k].aval.dtype)
+                           for k in outs]
+            for k, v in zip(outs, results):
                 outputs[k] = v
         return outputs

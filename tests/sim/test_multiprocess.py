@@ -319,10 +319,79 @@ def test_plan_keeps_the_step_off_the_slow_process_boundary() -> None:
     assert split.plan.param_specs() != node.plan.param_specs()
 
 
+PIPELINE_SCRIPT = """
+    import json, sys
+    from pathlib import Path
+    from autoshard.distributed import (apply_plan, initialize_from_env, multiprocess_cluster, plan_digest,
+                                       plan_multiprocess, process_mesh)
+    initialize_from_env()
+    import jax, numpy as np, optax
+    sys.path.insert(0, sys.argv[2])
+    from mlp_steps import host_args, train_step
+    out, tx = Path(sys.argv[1]), optax.sgd(0.3)
+    step, args = train_step(tx), host_args(optax.sgd(0.3), width=64, batch=32)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+    mesh = process_mesh((8,))
+    plan = plan_multiprocess(step, shapes, mesh=mesh, cluster=multiprocess_cluster("cpu-8"), num_stages=2,
+                             num_microbatches=2)
+    print(f"process {jax.process_index()} runs plan sha256 {plan_digest(plan)}", flush=True)
+    run = apply_plan(plan, step, mesh, shapes)
+    state, losses = args[:2], []
+    for _ in range(3):
+        *state, loss = run(*state, args[2])
+        if loss.is_fully_addressable:
+            losses.append(float(loss))
+    held = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(state[0])
+            if x.is_fully_addressable}
+    np.savez(out / f"params_p{jax.process_index()}.npz", **held)
+    (out / f"run_p{jax.process_index()}.json").write_text(json.dumps({
+        "losses": losses, "stages": [list(st.device_indices) for st in plan.stages],
+        "stage_processes": [sorted({mesh.devices.flat[i].process_index for i in st.device_indices})
+                            for st in plan.stages]}))
+"""
+
+
+def test_two_process_pipeline_matches_one_process(tmp_path: Path) -> None:
+    import optax
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from mlp_steps import host_args, train_step
+
+    script = tmp_path / "pipe.py"
+    script.write_text(textwrap.dedent(PIPELINE_SCRIPT))
+    proc = subprocess.run(_launcher(2, 4, PY, str(script), str(tmp_path), str(ROOT / "tests"), timeout_s=160),
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=175)
+    assert proc.returncode == 0, f"launcher exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    digests = {line.split()[0]: line.split()[-1] for line in proc.stdout.splitlines() if "runs plan sha256" in line}
+    assert set(digests) == {"[p0]", "[p1]"} and len(set(digests.values())) == 1, digests
+    runs = [json.loads((tmp_path / f"run_p{i}.json").read_text()) for i in (0, 1)]
+    assert runs[0]["stage_processes"] == [[0], [1]]  # each process runs the stage on its own devices
+    losses = runs[0]["losses"] or runs[1]["losses"]
+
+    tx = optax.sgd(0.3)
+    step, args = train_step(tx), host_args(optax.sgd(0.3), width=64, batch=32)
+    reference = jax.jit(step)
+    state, ref_losses = args[:2], []
+    for _ in range(3):
+        *state, loss = reference(*state, args[2])
+        ref_losses.append(float(loss))
+    assert len(losses) == 3
+    for got, want in zip(losses, ref_losses, strict=True):
+        assert abs(got - want) <= LOSS_RTOL * abs(want), (losses, ref_losses)
+    held = {}
+    for i in (0, 1):
+        with np.load(tmp_path / f"params_p{i}.npz") as f:
+            held.update({k: f[k] for k in f.files})
+    want = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(state[0])}
+    assert sorted(held) == sorted(want)  # every parameter came back from the process that owns it
+    for key, value in want.items():
+        np.testing.assert_allclose(held[key], value, rtol=PARAM_RTOL, atol=1e-6, err_msg=key)
+
+
 def test_pipeline_plans_are_refused_across_processes() -> None:
     step, args = _mlp_step(16, 32, 64)
     plan = plan_step(step, args, mesh=(2, 4), cluster=PRESETS["cpu-8"]).plan
     check_runs_multiprocess(plan)  # an SPMD plan runs
     staged = replace(plan, stages=({"layers": [0, 1]}, {"layers": [2, 3]}), num_microbatches=4, schedule="1f1b")
-    with pytest.raises(MultiProcessError, match="pipeline plans do not run across processes"):
+    with pytest.raises(MultiProcessError, match="without the layer equations the pipeline runtime needs"):
         check_runs_multiprocess(staged)
