@@ -6,6 +6,8 @@ same step on one device (fp32, rel <= 1e-5).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,6 +78,13 @@ def test_pipeline_plan_on_a_changed_model_says_what_differs(tmp_path, devices8):
 
     with pytest.raises(PlanMismatchError, match="operations, the plan was made for"):
         loaded.apply(train_step(TX, deeper), jax.devices())(*_args())
+
+    # a plan whose stage boundaries were edited: the stage reads parameters the plan does not give it
+    first, second = loaded.stages
+    moved = dataclasses.replace(loaded, stages=(dataclasses.replace(first, last_layer=first.last_layer + 1),
+                                                dataclasses.replace(second, first_layer=second.first_layer + 1)))
+    with pytest.raises(PlanMismatchError, match=r"stage 0 \(layers .*\) reads parameters \[\"\[0\]\['w'\]"):
+        moved.apply(step, jax.devices())(*_args())
 
 
 def _wider():

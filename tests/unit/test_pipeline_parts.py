@@ -138,3 +138,47 @@ def test_forced_stage_count_without_marker_says_what_to_use():
     tx = optax.sgd(0.1)
     with pytest.raises(autoshard.PlanningError, match="autoshard.value_and_grad"):
         autoshard.plan(train_step(tx, marker=False), params, _opt_state(tx, params), data, num_stages=2)
+
+
+def test_split_step_reads_closures_keywords_argnums_and_aux_from_the_marker():
+    params, data = _mlp_args(depth=3)
+    tx = optax.sgd(0.1)
+
+    def loss_fn(model, ws, batch, *, scale):
+        x = batch["x"] * scale + model["shift"]
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.mean((x - batch["y"]) ** 2), {"out": x, "norm": jnp.sum(x ** 2)}
+
+    def step(params, opt_state, batch):
+        model = {"shift": jnp.tanh(params["w"][0][0])}  # computed by the step: a prologue leaf
+        (loss, aux), (g0, g1) = autoshard.value_and_grad(
+            lambda first, rest, scale: loss_fn(model, [first, *rest], batch, scale=scale),
+            argnums=(0, 1), has_aux=True)(params["w"][0], params["w"][1:], scale=2.0)
+        updates, opt_state = tx.update([g0, *g1], opt_state, params["w"])
+        return {"w": optax.apply_updates(params["w"], updates)}, opt_state, loss, aux
+
+    parts = split_step(jax.make_jaxpr(step)(params, _opt_state(tx, params), data))
+    # operands: closed over (batch x, y and the computed shift), first, rest (2 leaves), the keyword
+    assert parts.arg_leaf_counts == (3, 1, 2, 1)
+    assert parts.forward.diff == (False, False, False, True, True, True, False)
+    assert parts.num_grads == 3 and parts.num_aux == 2 and len(parts.forward.aux) == 2
+    assert len(parts.computed_leaves) == 1 and parts.prologue is not None
+    batch, split = batch_inputs(parts)
+    assert batch == 12 and sum(split) == 2  # x and y, closed over, are still the microbatched inputs
+
+
+def test_pipeline_plan_file_keeps_the_layer_equations_and_names_a_bad_entry():
+    from autoshard.plans.planfile import PlanFileError, plan_fields, plan_to_json
+    from autoshard.plans.plan import Plan
+
+    params, data = _mlp_args()
+    tx = optax.sgd(0.1)
+    plan = autoshard.plan(train_step(tx), params, _opt_state(tx, params), data, num_stages=2, num_microbatches=2)
+    text = plan_to_json(plan)
+    assert text["pipeline"]["layer_eqns"][0] == [[0, len(plan.pipeline.layer_eqns[0]) - 1]]  # one run per layer
+    again = Plan(**plan_fields(text))
+    assert again.pipeline.layer_eqns == plan.pipeline.layer_eqns and again.stages == plan.stages
+    text["pipeline"]["layer_eqns"][1] = [[3]]
+    with pytest.raises(PlanFileError, match=r"pipeline\.layer_eqns\[1\]: expected \[\[first, last\]"):
+        plan_fields(text)
