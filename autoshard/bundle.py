@@ -110,6 +110,13 @@ def write_bundle(plan: Any, out: str | Path) -> list[Path]:
     """Write ``plan`` as a launch bundle in ``out``; the paths written."""
     from autoshard.compiler.multiprocess import check_runs_multiprocess
 
+    if plan.stages:
+        from autoshard.runtime.distributed import MultiProcessError
+
+        raise MultiProcessError(
+            f"plan '{plan.name}' is a pipeline plan ({len(plan.stages)} stages): launch bundles hold SPMD plans, and "
+            "pipeline plans do not run across processes from a bundle yet; run one with plan_multiprocess(..., "
+            "num_stages=N) and apply_plan in your script (README 'Multi-host'), or plan with num_stages=1")
     check_runs_multiprocess(plan)
     if "target" not in plan.origin:
         raise PlanningError(f"plan '{plan.name}' does not record the step it was made from (no origin target): "
