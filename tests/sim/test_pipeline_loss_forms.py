@@ -112,3 +112,18 @@ def test_two_differentiated_arguments_and_keyword_arguments(devices8):
     w, frozen, batch = _data()
     params = {"first": w[0], "rest": w[1:], "scale": frozen}
     _run(step, (params, TX.init({"first": w[0], "rest": w[1:]})), batch)
+
+
+def test_gpt_step_whose_loss_closes_over_the_batch(devices8):
+    """The issue's report: ``value_and_grad(lambda p: loss_fn(p, batch))(params)`` with the nnx GPT."""
+    import dataclasses
+
+    from examples import gpt, pipeline_gpt
+
+    config = dataclasses.replace(gpt.CONFIGS["small"], num_layers=4, d_model=32, num_heads=2, seq_len=8,
+                                 batch_size=8)
+    work = gpt.workload(config)
+    params, _, batch = work.args
+    step = pipeline_gpt.marked_step(work.loss_fn, TX)
+    piped = _run(step, (params, TX.init(params)), batch)
+    assert piped.pipeline_step.parts.arg_leaf_counts[0] == 1  # the closed-over tokens
