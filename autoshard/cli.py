@@ -2,11 +2,12 @@
 
     autoshard trace    TARGET [--config small]                       graph summary of a workload's train step
     autoshard plan     TARGET --mesh 2x4 --cluster 1x8-a100 [--out plan.json]
+    autoshard plan     TARGET --stages 2 [--microbatches 4] [--out pipe.json]   a pipeline (a marked loss)
     autoshard explain  plan.json [--op N] [--html report.html | --png report.png]
     autoshard compare  TARGET --mesh 2x4 --cluster 1x8-a100 [--out plan.json]
     autoshard validate plan.json --cluster 2x8-a100 [--mesh 2x8] [--memory-budget-gib 40]
     autoshard export   plan.json --format flax-rules [--python] [--out rules.json]
-    autoshard verify   plan.json | TARGET [--mesh 2x4]
+    autoshard verify   plan.json | TARGET [--mesh 2x4 | --stages 2]     a pipeline: per stage executable
     autoshard advise   TARGET --cluster 2x8-a100 --out DIR           Accelerate / DeepSpeed / FSDP2 files
     autoshard check-config FILE [--world-size N]                     static check of such a file
     autoshard export   plan.json --format launch --out DIR           plan + run.sh for a cluster or here
@@ -91,12 +92,19 @@ def _plan_pipeline_target(args: argparse.Namespace, say: Callable[[str], None]) 
 def cmd_plan(args: argparse.Namespace) -> int:
     check_writable(args.out, "--out")
     with progress("plan") as say:
-        planned, _step, _args = _plan_target(args, say)
+        if args.stages:
+            plan, _step, _args = _plan_pipeline_target(args, say)
+        else:
+            plan = _plan_target(args, say)[0].plan
     from autoshard.report import ledger_table, parameter_table
 
-    print_all(ledger_table(planned.plan), parameter_table(planned.plan))
+    print_all(ledger_table(plan), parameter_table(plan))
+    if args.stages:
+        console.print(escape(str(plan.pipeline)))
+        for stage in plan.stages:
+            console.print(escape(str(stage)))
     if args.out:
-        write_or_fail(args.out, lambda: planned.plan.save(args.out), "--out")
+        write_or_fail(args.out, lambda: plan.save(args.out), "--out")
         console.print(f"plan written to {args.out}")
     return 0
 
@@ -261,6 +269,12 @@ def _planning_flags(p: argparse.ArgumentParser, *, mesh_help: str = "logical mes
     p.add_argument("--time-limit", type=positive, default=None, help="ILP time limit in seconds per solve")
 
 
+def _pipeline_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stages", type=positive_int, default=None,
+                   help="plan TARGET as a pipeline of this many stages (its loss marked with autoshard.value_and_grad)")
+    p.add_argument("--microbatches", type=positive_int, default=None, help="pipeline microbatches (default: searched)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autoshard", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -273,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", help="MODULE:FUNCTION, a module or a .py file with workload()")
     _planning_flags(p, mesh_help="logical mesh shape, e.g. 2x4 (default: searched)")
     p.add_argument("--devices", type=positive_int, default=None, help="device count when --mesh is not given")
+    _pipeline_flags(p)
     p.add_argument("--out", help="write the plan file here")
     p.set_defaults(func=cmd_plan)
 
@@ -310,9 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="compile a plan on simulated devices: predicted vs compiled")
     p.add_argument("target", help="plan file (made by `plan` or `compare`) or a TARGET to plan first")
     _planning_flags(p)
-    p.add_argument("--stages", type=positive_int, default=None,
-                   help="plan TARGET as a pipeline of this many stages: verify each stage executable")
-    p.add_argument("--microbatches", type=positive_int, default=None, help="pipeline microbatches (default: searched)")
+    _pipeline_flags(p)
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("profile", help="time the devices present and write the ClusterSpec they make")

@@ -182,3 +182,15 @@ def test_pipeline_plan_file_keeps_the_layer_equations_and_names_a_bad_entry():
     text["pipeline"]["layer_eqns"][1] = [[3]]
     with pytest.raises(PlanFileError, match=r"pipeline\.layer_eqns\[1\]: expected \[\[first, last\]"):
         plan_fields(text)
+
+
+def test_plan_command_with_stages_writes_a_pipeline_plan_that_verify_can_rebuild(tmp_path, capsys):
+    from autoshard import cli
+
+    out = tmp_path / "pipe.json"
+    code = cli.main(["plan", "examples/pipeline_gpt.py", "--config", "tiny", "--stages", "2", "--microbatches", "2",
+                     "--cluster", "cpu-8", "--out", str(out)])
+    assert code == 0 and "stage 1: layers" in capsys.readouterr().out
+    plan = autoshard.load_plan(out)
+    assert len(plan.stages) == 2 and plan.num_microbatches == 2 and plan.pipeline.layer_eqns
+    assert plan.origin["target"].endswith("examples/pipeline_gpt.py") and plan.origin["config"] == "tiny"
