@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import autoshard
 
@@ -33,9 +34,12 @@ def _mlp(ws, x):
     return x
 
 
-def _run(step, state, batch, outputs=1):
-    """3 steps pipelined and on one device; returns both final states and all the outputs."""
-    piped = autoshard.autoshard(step, num_stages=2, num_microbatches=2, schedule="1f1b")
+SCHEDULES = [("1f1b", 2), ("gpipe", 4)]
+
+
+def _run(step, state, batch, outputs=1, schedule="1f1b", microbatches=2):
+    """3 steps pipelined and on one device, compared after each step; returns the decorated step."""
+    piped = autoshard.autoshard(step, num_stages=2, num_microbatches=microbatches, schedule=schedule)
     reference = jax.jit(step)
     ref = got = state
     for _ in range(3):
@@ -51,7 +55,8 @@ def _run(step, state, batch, outputs=1):
     return piped
 
 
-def test_loss_closing_over_the_model_and_the_batch(devices8):
+@pytest.mark.parametrize("schedule, microbatches", SCHEDULES)
+def test_loss_closing_over_the_model_and_the_batch(devices8, schedule, microbatches):
     def loss_fn(model, ws, batch):
         x = batch["x"] * model["scale"] + model["shift"]
         return jnp.mean((_mlp(ws, x) - batch["y"]) ** 2)
@@ -64,7 +69,7 @@ def test_loss_closing_over_the_model_and_the_batch(devices8):
         return {"w": optax.apply_updates(params["w"], updates), "frozen": params["frozen"]}, opt_state, loss
 
     w, frozen, batch = _data()
-    piped = _run(step, ({"w": w, "frozen": frozen}, TX.init(w)), batch)
+    piped = _run(step, ({"w": w, "frozen": frozen}, TX.init(w)), batch, schedule=schedule, microbatches=microbatches)
     assert piped.pipeline_step.parts.computed_leaves  # "shift" came from the step, not an argument
 
 
@@ -80,11 +85,14 @@ def test_loss_closing_over_a_batch_the_step_prepares(devices8):
     assert piped.pipeline_step.prologue.per_microbatch
 
 
-def test_has_aux_returns_the_whole_batch_aux(devices8):
+@pytest.mark.parametrize("schedule, microbatches", SCHEDULES)
+def test_has_aux_returns_the_whole_batch_aux(devices8, schedule, microbatches):
     def loss_fn(ws, batch):
-        pred = _mlp(ws, batch["x"])
+        first = jnp.tanh(batch["x"] @ ws[0])
+        early = jnp.mean(first ** 2)  # made before the first cut, in the first stage: it travels to the last
+        pred = _mlp(ws[1:], autoshard.layer_boundary(first))
         err = (pred - batch["y"]) ** 2
-        aux = {"pred": pred, "mae": jnp.mean(jnp.abs(pred - batch["y"])), "hits": jnp.sum(err < 0.5)}
+        aux = {"pred": pred, "mae": jnp.mean(jnp.abs(pred - batch["y"])), "hits": jnp.sum(err < 0.5), "early": early}
         return jnp.mean(err), aux
 
     def step(ws, opt_state, batch):
@@ -93,8 +101,11 @@ def test_has_aux_returns_the_whole_batch_aux(devices8):
         return optax.apply_updates(ws, updates), opt_state, loss, aux
 
     w, _, batch = _data()
-    piped = _run(step, (w, TX.init(w)), batch, outputs=2)
-    assert piped.pipeline_step.aux_per_example == (False, False, True)  # hits, mae, pred (sorted keys)
+    piped = _run(step, (w, TX.init(w)), batch, outputs=2, schedule=schedule, microbatches=microbatches)
+    assert piped.pipeline_step.aux_per_example == (False, False, False, True)  # early, hits, mae, pred (sorted)
+    runtime = piped.pipeline_step
+    early_var = runtime.parts.forward.aux[0]
+    assert early_var in runtime.programs[0].out_acts and early_var in runtime.programs[1].in_acts
 
 
 def test_two_differentiated_arguments_and_keyword_arguments(devices8):
