@@ -66,7 +66,7 @@ def send(x: Any, src: Mesh, dst: NamedSharding, shape: Sequence[int], dtype: Any
     me = jax.process_index()
     local: dict[Any, Any] = {}
     if x is not None and holds(src):
-        whole = jax.device_put(x, NamedSharding(src, PartitionSpec()))
+        whole = _relayout(x, NamedSharding(src, PartitionSpec()))
         for shard in whole.addressable_shards:
             local[shard.device] = shard.data.reshape((1, *shape))
     parts = []
@@ -82,7 +82,22 @@ def send(x: Any, src: Mesh, dst: NamedSharding, shape: Sequence[int], dtype: Any
     dst_here = [mine[d] for d in dst.mesh.devices.flat if d.process_index == me]
     replicated = jax.make_array_from_single_device_arrays(shape, NamedSharding(dst.mesh, PartitionSpec()), dst_here,
                                                           dtype=dtype)
-    return jax.device_put(replicated, dst)
+    return _relayout(replicated, dst)
+
+
+def _relayout(x: Any, sharding: NamedSharding) -> Any:
+    """``x`` laid out as ``sharding`` on the same devices. On a mesh spanning processes, a jitted identity: it
+    reshards by collectives (device_put would ask for a cross-host transfer); not exercised by a test yet."""
+    if getattr(x, "sharding", None) == sharding:
+        return x
+    if single_process(sharding.mesh):
+        return jax.device_put(x, sharding)  # a local copy (a jitted all-gather here can stall gloo's rendezvous)
+    return _identity(sharding)(x)
+
+
+@functools.lru_cache(maxsize=256)
+def _identity(sharding: NamedSharding) -> Any:
+    return jax.jit(lambda a: a, out_shardings=sharding)
 
 
 def placeholder(sharding: NamedSharding, shape: Sequence[int], dtype: Any) -> jax.Array:
