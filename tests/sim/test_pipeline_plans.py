@@ -135,3 +135,17 @@ def test_verify_reports_each_stage_executable_predicted_vs_compiled(devices8):
         assert row.predicted == grads and len(st.device_indices) > 1
         assert row.ok, str(report)  # XLA all-reduces what the plan predicts (within 10%)
     assert report.ok, str(report)
+
+
+def test_applied_pipeline_with_recompute_lowers_and_runs(devices8):
+    from autoshard.plans.applied_pipeline import AppliedPipeline
+
+    step, args = train_step(TX), _args()
+    plan = autoshard.plan(step, *args, num_stages=2, num_microbatches=2, schedule="gpipe")
+    run = AppliedPipeline(plan, step, jax.devices(), recompute=True)
+    lowered = run.lower(*args)
+    assert lowered.names[:2] == ("stage 0 forward", "stage 0 backward")
+    assert all("HloModule" in text for text in lowered.compile().as_text().values())
+    ref_losses, _ = _reference_losses(step, args, steps=1)
+    *_, loss = run(*args)
+    assert abs(float(loss) - ref_losses[0]) <= 1e-5 * abs(ref_losses[0])
