@@ -39,6 +39,12 @@ summed on its owner, the first stage that reads it.
 
 Activations and their gradients move between stages with ``jax.device_put``
 to the receiving stage's sharding.
+
+Loss arguments the step computes before the loss run first (``runtime/loss_io.Prologue``);
+with ``has_aux=True`` the last stage also returns each microbatch's aux outputs, combined
+by ``loss_io.combine_aux``. In a multi-process job every process builds every stage and
+runs those whose devices it holds; values crossing processes move with
+``runtime/cross_process.send`` and outputs held by another process come back as stand-ins.
 """
 from __future__ import annotations
 
