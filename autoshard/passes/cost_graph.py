@@ -13,6 +13,12 @@ Built once per (graph, logical mesh, options) and read, never mutated, by the se
   required input spec, and, for state the step returns updated, from the new
   value's spec back to the input's storage spec (the next step reads it);
 - memory: per-device bytes of the values live at a few liveness peaks.
+
+Loops (a flattened scan, ``ir/graph.LoopRegion``): an op inside runs
+``trip_count`` times, so its compute and collectives, and the resharding into
+it, count that many times (``edge_weight``); a carry's layout is one choice
+(its ``loop_carry`` node), and the body's carry out reshards to it every
+iteration, priced as an edge from the carry out's producer to that node.
 """
 from __future__ import annotations
 
@@ -133,22 +139,35 @@ class CostGraph:
         self.budget_probes: dict[tuple[float, float], float] = {}  # intra_op: smallest budgets already found
 
     def op_work(self, j: int) -> tuple[np.ndarray, np.ndarray]:
-        """Per strategy of op ``j`` (its own list, not its class's): fused compute seconds and HBM bytes."""
+        """Per strategy of op ``j`` (its own list, not its class's): fused compute seconds and HBM bytes,
+        of all its runs (``Op.trip_count``)."""
         op, strategies = self.graph.ops[j], self.strategies[self.num_inputs + j]
-        key = (id(strategies), self.traffic[j], compute_dtype(op, self.graph))
+        key = (id(strategies), self.traffic[j], compute_dtype(op, self.graph), op.trip_count)
         if key not in self._compute_cache:
-            hbm = np.array([strategy_hbm_bytes(self.graph, op, self.traffic[j], s.in_specs, s.out_specs, self.sizes)
-                            for s in strategies])
+            hbm = op.trip_count * np.array([
+                strategy_hbm_bytes(self.graph, op, self.traffic[j], s.in_specs, s.out_specs, self.sizes)
+                for s in strategies])
             flops = np.array([s.flops for s in strategies])
             self._compute_cache[key] = (strategy_compute_s(self.mesh.cluster, flops, hbm, key[2]), hbm)
         return self._compute_cache[key]
 
     def comm_s(self, j: int, strategy: Strategy) -> float:
-        """The strategy's own collectives; for a late reduction (``late_reductions``) without their
-        latency, which the combined all-reduce pays once for all of them."""
+        """The strategy's own collectives, all runs of the op; for a late reduction (``late_reductions``)
+        without their latency, which the combined all-reduce pays once for all of them."""
+        trips = self.graph.ops[j].trip_count
         if j not in self.late or not strategy.collectives:
-            return strategy.comm_s
-        return max(0.0, strategy.comm_s - sum(cost.latency_s(self.mesh, c) for c in strategy.collectives))
+            return strategy.comm_s * trips
+        return trips * max(0.0, strategy.comm_s - sum(cost.latency_s(self.mesh, c) for c in strategy.collectives))
+
+    def edge_weight(self, c: int, pos: int) -> int:
+        """How many times a reshard into node ``c`` (input ``pos``; -1: written back) runs per step: the
+        consumer op's trip count; a loop's carry out written back to its carry, every iteration."""
+        if c < self.num_inputs:
+            return 1
+        op = self.graph.ops[c - self.num_inputs]
+        if pos < 0 and op.primitive == "loop_carry":
+            return op.trip_count * int(op.params["length"])
+        return op.trip_count
 
     # per-node views indexed by class strategy
     def node_cost(self, node: int) -> np.ndarray:
@@ -182,6 +201,13 @@ class CostGraph:
             if in_index is not None and vid in self.producer and self.producer[vid][0] != in_index:
                 p, k = self.producer[vid]
                 yield p, k, in_index, -1, vid
+        for region in graph.loops:  # a scan's carry out, written back to its carry's layout
+            for carry, final in zip(region.carry_ops, region.final_ops):
+                vid = graph.ops[final].inputs[0]
+                c = self.num_inputs + carry
+                if vid in self.producer and self.producer[vid][0] != c:
+                    p, k = self.producer[vid]
+                    yield p, k, c, -1, vid
 
     def edge_matrix(self, p: int, k: int, c: int, pos: int, vid: ValueId) -> np.ndarray:
         value = self.graph.values[vid]
@@ -192,7 +218,8 @@ class CostGraph:
         cached = self._edge_cache.get(key)
         if cached is None:
             cached = self._edge_cache[key] = self._edge_matrix(p, k, c, pos, value)
-        return cached
+        weight = self.edge_weight(c, pos)
+        return cached if weight == 1 else cached * weight
 
     def _edge_matrix(self, p: int, k: int, c: int, pos: int, value: Value) -> np.ndarray:
         srcs = self.out_specs(p, k)

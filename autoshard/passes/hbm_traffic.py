@@ -94,8 +94,11 @@ def op_traffic(graph: OpGraph, fusion: Fusion | None = None) -> list[OpTraffic]:
         counts[t_p] += 1
     out: list[OpTraffic] = []
     for t, op in enumerate(graph.ops):
-        if t in views:
+        if t in views or op.primitive == "loop_slice":  # the body's readers read the slice, trip count times
             out.append(OpTraffic())
+            continue
+        if op.primitive == "loop_stack":  # each iteration writes its slice into the stack, in place
+            out.append(OpTraffic(((0, 1),)))
             continue
         reads = tuple((p, counts[(t, p)]) for p in range(len(op.inputs)) if counts.get((t, p)))
         writes = tuple(k for k, v in enumerate(op.outputs) if v in fusion.materialized)
@@ -170,7 +173,7 @@ def graph_costs(graph: OpGraph, cluster: ClusterSpec) -> GraphCosts:
         ins = [Spec.replicated(graph.values[v].rank) for v in op.inputs]
         outs = [Spec.replicated(graph.values[v].rank) for v in op.outputs]
         flops.append(op.flops)
-        nbytes.append(strategy_hbm_bytes(graph, op, tr, ins, outs, {}))
+        nbytes.append(op.trip_count * strategy_hbm_bytes(graph, op, tr, ins, outs, {}))
         peaks.append(cluster.peak_flops(compute_dtype(op, graph)))
     return GraphCosts(np.asarray(flops, dtype=float), np.asarray(nbytes, dtype=float), np.asarray(peaks, dtype=float))
 
