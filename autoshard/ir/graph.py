@@ -151,6 +151,15 @@ class OpGraph:
                 users[v].append(op)
         return users
 
+    def loop_of(self) -> list[int]:
+        """Per op, the index in ``loops`` of the innermost loop whose body holds it; -1 outside every loop."""
+        inner = [-1] * len(self.ops)
+        for k, region in enumerate(self.loops):  # outermost first: inner loops overwrite
+            for t in range(region.body_start, region.body_stop):
+                if inner[t] < 0 or self.loops[inner[t]].body_start <= region.body_start:
+                    inner[t] = k
+        return inner
+
     def inputs_with_role(self, *roles: Role) -> list[Value]:
         return [self.values[v] for v in self.inputs if self.values[v].role in roles]
 

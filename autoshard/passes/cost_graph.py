@@ -69,6 +69,9 @@ class IntraOpOptions:
 
 
 
+LOOP_EXITS = frozenset({"loop_stack", "loop_final"})
+
+
 def late_reductions(graph: OpGraph) -> frozenset[int]:
     """Ops whose results reach no contraction, reduction or other unfusible op: the partial sums they
     reduce (the gradients of a data-parallel step) are independent of each other, and XLA's all-reduce
@@ -78,7 +81,9 @@ def late_reductions(graph: OpGraph) -> frozenset[int]:
     index = {id(op): t for t, op in enumerate(graph.ops)}
     for t in range(len(graph.ops) - 1, -1, -1):
         users = [c for v in graph.ops[t].outputs for c in consumers.get(v, ())]
-        feeds[t] = any(op_kind(c) in (OpKind.OPAQUE, OpKind.REDUCTION) or feeds[index[id(c)]] for c in users)
+        # a loop's stacked outputs and final carries are written where they lie: their readers decide
+        feeds[t] = any((op_kind(c) in (OpKind.OPAQUE, OpKind.REDUCTION) and c.primitive not in LOOP_EXITS)
+                       or feeds[index[id(c)]] for c in users)
     return frozenset(t for t in range(len(graph.ops)) if not feeds[t])
 
 
@@ -275,6 +280,7 @@ def combined_latency_charges(cg: CostGraph) -> list[SharedCharge]:
     members: dict[tuple, dict[int, np.ndarray]] = {}
     latency: dict[tuple, float] = {}
     cls = cg.classes
+    loop = cg.graph.loop_of()  # a loop body combines its own reductions, once per iteration
     for j in sorted(cg.late):
         node = cg.num_inputs + j
         strategies, own = cg.strategies[node], cls.strategy_map[node]
@@ -284,10 +290,11 @@ def combined_latency_charges(cg: CostGraph) -> list[SharedCharge]:
             for col in s.collectives:
                 if col.kind not in ("all-reduce", "reduce-scatter"):
                     continue
-                key = ("all-reduce", col.axes, s.reduction)  # XLA combines reduce-scatters with them
+                key = ("all-reduce", col.axes, s.reduction, loop[j])  # XLA combines reduce-scatters with them
                 mask = members.setdefault(key, {}).setdefault(c, np.zeros(len(own), dtype=bool))
                 mask[a] = True
-                latency[key] = max(latency.get(key, 0.0), cost.latency_s(cg.mesh, col))
+                runs = cg.graph.ops[j].trip_count
+                latency[key] = max(latency.get(key, 0.0), runs * cost.latency_s(cg.mesh, col))
     return [SharedCharge(f"combined {key[0]}[{','.join(key[1])}]", latency[key], tuple(members[key].items()))
             for key in members if latency[key] > 0]
 
