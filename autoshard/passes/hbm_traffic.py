@@ -97,8 +97,8 @@ def op_traffic(graph: OpGraph, fusion: Fusion | None = None) -> list[OpTraffic]:
         if t in views or op.primitive == "loop_slice":  # the body's readers read the slice, trip count times
             out.append(OpTraffic())
             continue
-        if op.primitive == "loop_stack":  # each iteration writes its slice into the stack, in place
-            out.append(OpTraffic(((0, 1),)))
+        if op.primitive == "loop_stack":  # its operand's fusion writes into the stack in place (XLA's DUS fusion)
+            out.append(OpTraffic())
             continue
         reads = tuple((p, counts[(t, p)]) for p in range(len(op.inputs)) if counts.get((t, p)))
         writes = tuple(k for k, v in enumerate(op.outputs) if v in fusion.materialized)
