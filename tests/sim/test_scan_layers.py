@@ -55,3 +55,51 @@ def test_scanned_gpt_and_unrolled_twin_match_one_device(mesh, devices8):
     assert any(not spec.is_replicated for spec in step.plan.input_specs.values()), "the plan shards nothing"
     assert step.spmd_step.graph.loops, "the scan was not planned as a loop"
     _check_three_steps(unrolled.loss_fn, unrolled.args[0], unrolled.args[2], mesh)
+
+
+# A GPT big enough that its plan shards (d_model 512, 4 layers, 32 x 128 tokens; ~13M parameters), small
+# enough to compile twice here in about a minute. Planned on 1x8-a100 from shapes; compiled for 8 CPU devices.
+COMPARED = gpt.Config(vocab_size=2048, seq_len=128, d_model=512, num_heads=8, num_layers=4, batch_size=32)
+
+
+def _compiled_peak_bytes(compiled) -> float:
+    m = compiled.memory_analysis()
+    return float(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes)
+
+
+def _plans_compared() -> dict[str, tuple[float, float, float, str]]:
+    """Per model (scanned, unrolled): modeled step, compiled per-device peak, one device's, the HLO text."""
+    found = {}
+    for name, module in (("scanned", gpt_scan), ("unrolled", gpt)):
+        work = module.workload(COMPARED, abstract=True)
+        step = autoshard.autoshard(work.step, mesh=(2, 4), cluster="1x8-a100", num_stages=1,
+                                   options=IntraOpOptions(time_limit_s=2.0))
+        compiled = step.lower(*work.args).compile()
+        one_device = jax.jit(work.step).lower(*work.args).compile()
+        found[name] = (step.plan.ledger.step_s, _compiled_peak_bytes(compiled), _compiled_peak_bytes(one_device),
+                       compiled.as_text())
+    return found
+
+
+@pytest.fixture(scope="module")
+def compared(devices8):
+    return _plans_compared()
+
+
+@pytest.mark.slow
+def test_scanned_plan_memory_matches_the_unrolled_plan(compared):
+    """The compiled program's per-device memory: scanned within 10% of unrolled, both far below one device's;
+    the scan stays a loop."""
+    (_, scan_bytes, scan_one, scan_hlo), (_, flat_bytes, flat_one, _) = compared["scanned"], compared["unrolled"]
+    assert "while" in scan_hlo, "the scanned step was unrolled"
+    assert scan_bytes <= 0.25 * scan_one and flat_bytes <= 0.25 * flat_one
+    assert abs(scan_bytes / flat_bytes - 1) <= 0.10, f"compiled peak {scan_bytes / 2**20:.1f} vs {flat_bytes / 2**20:.1f} MiB"
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="measured +10.0% (1.719 vs 1.562 ms): inside the loop each iteration pays its "
+                   "own combined all-reduce latency, and the solver keeps a ZeRO-2-like start for the stacked weights "
+                   "where the unrolled plan finds plain data parallelism; remove this mark when it passes")
+def test_scanned_plan_step_matches_the_unrolled_plan(compared):
+    scan_s, flat_s = compared["scanned"][0], compared["unrolled"][0]
+    assert abs(scan_s / flat_s - 1) <= 0.10, f"modeled step {scan_s * 1e3:.3f} vs {flat_s * 1e3:.3f} ms"
