@@ -77,7 +77,7 @@ def op_explanations(result, top_k: int = 5) -> dict[int, OpExplanation]:  # resu
         ins = [graph.values[v] for v in op.inputs]
         outs = [graph.values[v] for v in op.outputs]
         key = (op.primitive, repr(sorted(op.params.items(), key=lambda kv: kv[0]))[:400],
-               tuple((v.shape, v.dtype) for v in ins), tuple((v.shape, v.dtype) for v in outs))
+               tuple((v.shape, v.dtype) for v in ins), tuple((v.shape, v.dtype) for v in outs), op.trip_count)
         if key not in cache:
             cache[key] = strategies_for(op, ins, outs, mesh)
         options = cache[key]

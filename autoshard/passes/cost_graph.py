@@ -112,7 +112,7 @@ def node_strategies(graph: OpGraph, mesh: LogicalMesh, options: IntraOpOptions) 
     found = input_strategies(graph, mesh, options)
     cache: dict[tuple, list[Strategy]] = {}
     for op in graph.ops:
-        key = op_token(graph, op)
+        key = (op_token(graph, op), op.trip_count)  # a strategy's FLOPs count every run of its op
         if key not in cache:
             ins = [graph.values[v] for v in op.inputs]
             outs = [graph.values[v] for v in op.outputs]

@@ -13,6 +13,7 @@ import optax
 import pytest
 
 import autoshard
+from autoshard.compiler.verify import verify_compiled
 from autoshard.passes.intra_op import IntraOpOptions
 from examples import gpt, gpt_scan
 from examples.common import make_train_step
@@ -67,8 +68,9 @@ def _compiled_peak_bytes(compiled) -> float:
     return float(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes)
 
 
-def _plans_compared() -> dict[str, tuple[float, float, float, str]]:
-    """Per model (scanned, unrolled): modeled step, compiled per-device peak, one device's, the HLO text."""
+def _plans_compared() -> dict[str, tuple]:
+    """Per model (scanned, unrolled): modeled step, compiled per-device peak, one device's, the HLO text, and
+    the fidelity report (the plan's collectives, FLOPs and HBM bytes against the compiled program's)."""
     found = {}
     for name, module in (("scanned", gpt_scan), ("unrolled", gpt)):
         work = module.workload(COMPARED, abstract=True)
@@ -77,7 +79,7 @@ def _plans_compared() -> dict[str, tuple[float, float, float, str]]:
         compiled = step.lower(*work.args).compile()
         one_device = jax.jit(work.step).lower(*work.args).compile()
         found[name] = (step.plan.ledger.step_s, _compiled_peak_bytes(compiled), _compiled_peak_bytes(one_device),
-                       compiled.as_text())
+                       compiled.as_text(), verify_compiled(step.plan, compiled))
     return found
 
 
@@ -90,16 +92,36 @@ def compared(devices8):
 def test_scanned_plan_memory_matches_the_unrolled_plan(compared):
     """The compiled program's per-device memory: scanned within 10% of unrolled, both far below one device's;
     the scan stays a loop."""
-    (_, scan_bytes, scan_one, scan_hlo), (_, flat_bytes, flat_one, _) = compared["scanned"], compared["unrolled"]
+    (_, scan_bytes, scan_one, scan_hlo, _), (_, flat_bytes, flat_one, _, _) = compared["scanned"], compared["unrolled"]
     assert "while" in scan_hlo, "the scanned step was unrolled"
     assert scan_bytes <= 0.25 * scan_one and flat_bytes <= 0.25 * flat_one
     assert abs(scan_bytes / flat_bytes - 1) <= 0.10, f"compiled peak {scan_bytes / 2**20:.1f} vs {flat_bytes / 2**20:.1f} MiB"
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="measured +10.0% (1.719 vs 1.562 ms): inside the loop each iteration pays its "
-                   "own combined all-reduce latency, and the solver keeps a ZeRO-2-like start for the stacked weights "
-                   "where the unrolled plan finds plain data parallelism; remove this mark when it passes")
+def test_scanned_plan_is_priced_as_xla_compiles_it(compared):
+    """The scanned plan's collectives (XLA runs a loop body's trip-count times) and FLOPs against the compiled
+    program, within ``autoshard verify``'s tolerances."""
+    report = compared["scanned"][4]
+    for what in ("all collective bytes", "flops per device"):
+        assert report.row(what).ok, str(report)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="measured: the plan predicts 2.59e9 HBM bytes per device, XLA's scanned program "
+                   "moves 4.28e9 (39% more; the unrolled twin's prediction is within 5%): the while loop's own "
+                   "traffic (its state, the slices and stacks of each iteration) is not modeled yet")
+def test_scanned_plan_hbm_bytes_as_xla_compiles_it(compared):
+    report = compared["scanned"][4]
+    assert report.row("hbm bytes per device").ok, str(report)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="measured +39% (2.167 vs 1.562 ms modeled): XLA's scanned program moves more "
+                   "HBM bytes than the unrolled one (the slices and stacks of each iteration; "
+                   "test_scanned_plan_is_priced_as_xla_compiles_it holds the model to the compiled bytes), each "
+                   "iteration pays its own combined all-reduce latency, and the solver keeps a ZeRO-2-like plan "
+                   "for the stacked weights; remove this mark when it passes")
 def test_scanned_plan_step_matches_the_unrolled_plan(compared):
     scan_s, flat_s = compared["scanned"][0], compared["unrolled"][0]
     assert abs(scan_s / flat_s - 1) <= 0.10, f"modeled step {scan_s * 1e3:.3f} vs {flat_s * 1e3:.3f} ms"
