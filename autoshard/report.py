@@ -155,7 +155,8 @@ def op_table(plan: Plan, op: int) -> Table | Text:
                     f"{', '.join(map(str, specs)) or '?'}. Ops with recorded choices: "
                     f"{_ranges(sorted(plan.explanations))[:200]}")
     table = Table(title=f"op {op}: {ex.primitive} {ex.shapes}" + (f"  ({ex.source})" if ex.source else "")
-                  + f"; {ex.num_strategies} strategies, cheapest {len(ex.alternatives)} others shown",
+                  + f"; {ex.num_strategies} strategies, cheapest {len(ex.alternatives)} others shown"
+                  + (f"\n{ex.loop}" if ex.loop else ""),
                   caption="local prices: the op's compute and collectives, plus resharding from its producers' and "
                           "to its consumers' chosen layouts. A cheaper alternative loses because the op is tied to "
                           "others (repeated layer, elementwise chain) or to stay within memory.")

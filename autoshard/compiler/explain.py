@@ -11,6 +11,11 @@ or the memory budget forbade the cheaper one. The plan file keeps the chosen
 strategy and the ``top_k`` cheapest alternatives per op, for every op with a
 choice except elementwise and view ops that neither communicate nor reshard
 (they follow their producer; keeping them would make files of megabytes).
+
+Inside a loop (a scan's body, flattened by ``ir/trace.py``) prices count every
+iteration, and each explanation says how the loop was planned (``loop_notes``):
+its trip count, the layout each carry keeps across iterations, and the layout
+each stacked input is read in (leading layer axis whole, sliced per iteration).
 """
 from __future__ import annotations
 
@@ -64,13 +69,15 @@ def op_explanations(result, top_k: int = 5) -> dict[int, OpExplanation]:  # resu
             readers[vid].append((result.input_specs[carried], vid))
     cache: dict[tuple, list[Strategy]] = {}
     out: dict[int, OpExplanation] = {}
+    notes = loop_notes(result)
+    loop_of = graph.loop_of()
     traffic = op_traffic(graph)
     sizes = dict(zip(mesh.axis_names, mesh.shape))
     for j, op in enumerate(graph.ops):
         ins = [graph.values[v] for v in op.inputs]
         outs = [graph.values[v] for v in op.outputs]
         key = (op.primitive, repr(sorted(op.params.items(), key=lambda kv: kv[0]))[:400],
-               tuple((v.shape, v.dtype) for v in ins), tuple((v.shape, v.dtype) for v in outs))
+               tuple((v.shape, v.dtype) for v in ins), tuple((v.shape, v.dtype) for v in outs), op.trip_count)
         if key not in cache:
             cache[key] = strategies_for(op, ins, outs, mesh)
         options = cache[key]
@@ -88,9 +95,9 @@ def op_explanations(result, top_k: int = 5) -> dict[int, OpExplanation]:  # resu
                 for dst, _vid in readers.get(value.id, ()):
                     if dst != s.out_specs[k]:
                         seconds += reshard(value.shape, _itemsize(value.dtype), s.out_specs[k], dst, mesh).seconds
-            hbm = strategy_hbm_bytes(graph, op, traffic[j], s.in_specs, s.out_specs, sizes)
+            hbm = op.trip_count * strategy_hbm_bytes(graph, op, traffic[j], s.in_specs, s.out_specs, sizes)
             compute = float(roofline_s(mesh.cluster, s.flops, hbm, compute_dtype(op, graph)))
-            return Choice(str(s), compute, s.comm_s, seconds)
+            return Choice(str(s), compute, s.comm_s * op.trip_count, seconds * op.trip_count)
 
         chosen = price(chosen_s)
         if op.primitive in FUSIBLE | _VIEWS and not chosen.comm_s and not chosen.reshard_s:
@@ -100,5 +107,36 @@ def op_explanations(result, top_k: int = 5) -> dict[int, OpExplanation]:  # resu
                         key=lambda c: c.total_s)
         shapes = " x ".join(map(_typed, ins)) + " -> " + ", ".join(map(_typed, outs))
         out[j] = OpExplanation(op.primitive, _short_source(op.source), shapes, chosen, tuple(others[:top_k]),
-                               len(options))
+                               len(options), _loop_note(graph, j, loop_of, notes))
     return out
+
+
+def _loop_note(graph: OpGraph, j: int, loop_of: list[int], notes: tuple[str, ...]) -> str:
+    k = loop_of[j]
+    if k < 0:  # a loop's own pseudo-ops sit outside its body
+        k = next((i for i, r in enumerate(graph.loops) if r.start <= j < r.stop), -1)
+    if k < 0:
+        return ""
+    where = "in the body of" if loop_of[j] == k else "at the boundary of"
+    return f"{where} {notes[k]}"
+
+
+def _counted(specs) -> str:
+    counts = collections.Counter(specs)
+    return ", ".join(f"{spec}" + (f" x{n}" if n > 1 else "") for spec, n in counts.most_common()) or "none"
+
+
+def loop_notes(result) -> tuple[str, ...]:  # result: passes.intra_op.IntraOpResult
+    """Per flattened scan of the graph, one line on how it was planned."""
+    graph: OpGraph = result.graph
+    notes = []
+    for region in graph.loops:
+        ops = graph.ops
+        carries = _counted(str(result.value_specs[ops[t].outputs[0]]) for t in region.carry_ops)
+        stacked = _counted(str(result.op_strategy(t).in_specs[0]) for t in region.slice_ops)
+        notes.append(
+            f"the scan at {_short_source(region.source) or '?'}: {region.length} iterations, its "
+            f"{region.body_stop - region.body_start} body ops planned like any and priced {region.length} times; "
+            f"carries kept in one layout across iterations ({carries}); stacked inputs read with the layer axis "
+            f"whole, one slice per iteration ({stacked})")
+    return tuple(notes)

@@ -3,8 +3,10 @@
 A graph is a list of ops in topological order over values. Values are arrays
 (shape, dtype, role, and for graph inputs/outputs the pytree path of the leaf).
 Nested ``pjit`` / ``closed_call`` / ``custom_jvp_call`` / ``custom_vjp_call`` /
-``checkpoint`` bodies are inlined by the tracer; ``scan`` / ``while`` / ``cond``
-stay one op each and carry their body as a nested OpGraph (``Op.bodies``).
+``checkpoint`` bodies are inlined by the tracer; a ``scan``'s body is flattened
+into the graph as a ``LoopRegion`` (its ops run ``trip_count`` times per step);
+``while`` / ``cond`` stay one op each and carry their body as a nested OpGraph
+(``Op.bodies``).
 
 Each op keeps its jax primitive and bind parameters, so the graph can be
 evaluated again (``evaluate``), which is what the runtime does with sharding
@@ -81,13 +83,44 @@ class Op:
     flops: float
     bytes_accessed: float
     prim: Any = field(repr=False, default=None)  # the jax Primitive, for re-evaluation
-    bodies: tuple["OpGraph", ...] = ()  # scan/while/cond bodies (cond: one per branch)
+    bodies: tuple["OpGraph", ...] = ()  # while/cond bodies (cond: one per branch)
     source: str = ""  # user source line, when jax knows it
+    # times the op runs per step: the product of the lengths of the loops around it. ``flops`` and
+    # ``bytes_accessed`` count every run; costs computed from value sizes are multiplied by it
+    trip_count: int = 1
 
     def __str__(self) -> str:
         ins = ", ".join(f"v{i}" for i in self.inputs)
         outs = ", ".join(f"v{i}" for i in self.outputs)
         return f"{outs} = {self.primitive}({ins})"
+
+
+LOOP_PSEUDO_OPS = ("loop_carry", "loop_slice", "loop_stack", "loop_final")
+
+
+@dataclass(frozen=True)
+class LoopRegion:
+    """A scan flattened into the graph: ops ``[start, stop)`` (module docstring of ``ir/trace.py``).
+
+    In order: ``carry_ops`` (``loop_carry``: init -> the carry the body reads; its spec is the carry's
+    in every iteration), ``slice_ops`` (``loop_slice``: stacked ``[length, ...]`` -> one slice), the body
+    ``[body_start, body_stop)``, ``stack_ops`` (``loop_stack``: a body output -> stacked) and
+    ``final_ops`` (``loop_final``: the body's carry out -> the scan's final carry). Op indices.
+    """
+
+    kind: str  # "scan"
+    start: int
+    stop: int
+    body_start: int
+    body_stop: int
+    carry_ops: tuple[int, ...]
+    slice_ops: tuple[int, ...]
+    stack_ops: tuple[int, ...]
+    final_ops: tuple[int, ...]
+    length: int
+    reverse: bool = False
+    unroll: Any = 1
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -102,6 +135,7 @@ class OpGraph:
     output_paths: tuple[str, ...] = ()  # pytree path of each output leaf
     carried: tuple[int | None, ...] = ()  # per output leaf: the flat input index it updates (state), or None
     jaxpr: Any = field(default=None, repr=False, compare=False)  # the ClosedJaxpr a step was traced from
+    loops: tuple[LoopRegion, ...] = ()  # flattened scans, outermost first where nested
 
     # ---- queries -----------------------------------------------------------
     def value(self, vid: ValueId) -> Value:
@@ -116,6 +150,15 @@ class OpGraph:
             for v in op.inputs:
                 users[v].append(op)
         return users
+
+    def loop_of(self) -> list[int]:
+        """Per op, the index in ``loops`` of the innermost loop whose body holds it; -1 outside every loop."""
+        inner = [-1] * len(self.ops)
+        for k, region in enumerate(self.loops):  # outermost first: inner loops overwrite
+            for t in range(region.body_start, region.body_stop):
+                if inner[t] < 0 or self.loops[inner[t]].body_start <= region.body_start:
+                    inner[t] = k
+        return inner
 
     def inputs_with_role(self, *roles: Role) -> list[Value]:
         return [self.values[v] for v in self.inputs if self.values[v].role in roles]
@@ -170,7 +213,20 @@ class OpGraph:
         env: dict[ValueId, Any] = dict(self.constants)
         for vid, arg in zip(self.inputs, args):
             env[vid] = arg
-        for op in self.ops:
+        self._run(0, len(self.ops), env, before_op, after_op)
+        return [env[v] for v in self.outputs]
+
+    def _run(self, start: int, stop: int, env: dict[ValueId, Any], before_op: Any, after_op: Any) -> None:
+        """Run ops ``[start, stop)`` into ``env``; a loop region there runs as one ``lax.scan``."""
+        regions = {r.start: r for r in self.loops}
+        t = start
+        while t < stop:
+            region = regions.get(t)
+            if region is not None:
+                self._run_scan(region, env, before_op, after_op)
+                t = region.stop
+                continue
+            op = self.ops[t]
             in_vals = [env[v] for v in op.inputs]
             if before_op is not None:
                 in_vals = before_op(op, in_vals)
@@ -180,7 +236,42 @@ class OpGraph:
                 outs = after_op(op, outs)
             for vid, val in zip(op.outputs, outs):
                 env[vid] = val
-        return [env[v] for v in self.outputs]
+            t += 1
+
+    def _run_scan(self, region: LoopRegion, env: dict[ValueId, Any], before_op: Any, after_op: Any) -> None:
+        """Re-emit a flattened scan: ``before_op``/``after_op`` run on the body's ops inside its body, on
+        a carry's init and its carry out (both pinned to the carry's layout: ``after_op`` of its
+        ``loop_carry``), on a stacked input outside (``before_op`` of its ``loop_slice``) and its slice
+        inside (``after_op``), on a stacked output's slice inside and the stack outside."""
+        import jax  # the graph module stays importable without a backend
+
+        keep = before_op or (lambda op, vals: vals)
+        pin = after_op or (lambda op, vals: vals)
+        ops = self.ops
+
+        def through(t: int, value: Any, hook: Any) -> Any:
+            return hook(ops[t], [value])[0]
+
+        inits = [through(t, through(t, env[ops[t].inputs[0]], keep), pin) for t in region.carry_ops]
+        xs = [through(t, env[ops[t].inputs[0]], keep) for t in region.slice_ops]
+
+        def body(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+            local = dict(env)
+            for t, value in zip(region.carry_ops, carry):
+                local[ops[t].outputs[0]] = value
+            for t, value in zip(region.slice_ops, x):
+                local[ops[t].outputs[0]] = through(t, value, pin)
+            self._run(region.body_start, region.body_stop, local, before_op, after_op)
+            new_carry = [through(c, local[ops[f].inputs[0]], pin) for c, f in zip(region.carry_ops, region.final_ops)]
+            ys = [through(t, local[ops[t].inputs[0]], keep) for t in region.stack_ops]
+            return new_carry, ys
+
+        final, stacked = jax.lax.scan(body, inits, xs, length=region.length, reverse=region.reverse,
+                                      unroll=region.unroll)
+        for t, value in zip(region.stack_ops, stacked):
+            env[ops[t].outputs[0]] = through(t, value, pin)
+        for t, value in zip(region.final_ops, final):
+            env[ops[t].outputs[0]] = through(t, through(t, value, keep), pin)
 
 
 def same_structure(a: OpGraph, b: OpGraph) -> bool:

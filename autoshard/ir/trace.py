@@ -5,7 +5,15 @@ arrays or ``jax.ShapeDtypeStruct`` pytrees), then walks the jaxpr the way
 ``jax.core.eval_jaxpr`` does: an environment from jaxpr variables to value
 ids, one loop over equations. Call-like equations (``jit``/``pjit``,
 ``closed_call``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat``) are
-inlined; ``scan``/``while``/``cond`` stay single ops carrying their bodies.
+inlined. A ``scan`` (``lax.scan``, ``fori_loop`` with static bounds, ``nn.scan``
+/ ``nnx.scan``) is flattened into a loop region (``ir/graph.LoopRegion``): its
+body's ops join the graph with ``trip_count`` = its length (times the trip
+count of the loops around it), between pseudo-ops that say how values enter
+and leave it (``loop_carry``: a carry's init becomes the carry the body reads;
+``loop_slice``: a stacked input gives the body one slice; ``loop_stack``: a
+body output is stacked; ``loop_final``: the last carry leaves). The planner
+plans body ops like any; the runtime re-emits the scan (``OpGraph.evaluate``).
+``while``/``cond`` stay single ops carrying their bodies.
 
 Roles of the inputs come from the pytrees: leaves inside an optax state
 object (or under a key named ``opt_state``) are optimizer state; other leaves
@@ -26,7 +34,7 @@ from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jcore
 
 from autoshard.ir.flops import op_flops
-from autoshard.ir.graph import Op, OpGraph, Role, Value, ValueId
+from autoshard.ir.graph import LoopRegion, Op, OpGraph, Role, Value, ValueId
 from autoshard.errors import PlanningError
 
 log = logging.getLogger(__name__)
@@ -63,6 +71,8 @@ class _Builder:
         self.values: dict[ValueId, Value] = {}
         self.ops: list[Op] = []
         self.constants: dict[ValueId, Any] = {}
+        self.loops: list[LoopRegion] = []
+        self.trip = 1  # how many times the ops being walked run per step (loops around them)
 
     def new_value(self, aval: Any, role: Role, path: str | None = None) -> ValueId:
         vid = len(self.values)
@@ -90,6 +100,12 @@ class _Builder:
             ins = [read(a) for a in eqn.invars]
             name = eqn.primitive.name
             body = _inline_body(eqn) if name in INLINED else None
+            if name == "scan":
+                outs = self._flatten_scan(eqn, ins)
+                for var, vid in zip(eqn.outvars, outs):
+                    if not isinstance(var, jcore.DropVar):
+                        env[var] = vid
+                continue
             if body is not None:
                 inner, inner_consts = body
                 outs = self.walk(inner, inner_consts, ins)
@@ -111,8 +127,44 @@ class _Builder:
         flops = op_flops(name, eqn.params, [v.shape for v in in_vals], [v.shape for v in out_vals],
                          [b.total_flops for b in bodies])
         nbytes = float(sum(v.nbytes for v in in_vals) + sum(v.nbytes for v in out_vals))
-        return Op(len(self.ops), name, dict(eqn.params), tuple(ins), tuple(outs), flops, nbytes,
-                  prim=eqn.primitive, bodies=bodies, source=_source(eqn))
+        return Op(len(self.ops), name, dict(eqn.params), tuple(ins), tuple(outs), flops * self.trip,
+                  nbytes * self.trip, prim=eqn.primitive, bodies=bodies, source=_source(eqn), trip_count=self.trip)
+
+    def _pseudo(self, name: str, src: ValueId, shape: tuple[int, ...], trip: int, length: int) -> int:
+        """A loop pseudo-op (module docstring) reading ``src`` and making one value of ``shape``; its index."""
+        value = self.values[src]
+        out = len(self.values)
+        self.values[out] = Value(out, shape, value.dtype, Role.ACTIVATION)
+        self.ops.append(Op(len(self.ops), name, {"length": length}, (src,), (out,), 0.0, 0.0, trip_count=trip))
+        return len(self.ops) - 1
+
+    def _flatten_scan(self, eqn: Any, ins: list[ValueId]) -> list[ValueId]:
+        """A scan's body walked into the graph as a loop region; the scan's outputs (final carries, stacks)."""
+        params = eqn.params
+        num_consts, num_carry, length = int(params["num_consts"]), int(params["num_carry"]), int(params["length"])
+        consts, inits, xs = ins[:num_consts], ins[num_consts:num_consts + num_carry], ins[num_consts + num_carry:]
+        start, outer = len(self.ops), self.trip
+        carry_ops = [self._pseudo("loop_carry", v, self.values[v].shape, outer, length) for v in inits]
+        slice_ops = [self._pseudo("loop_slice", v, self.values[v].shape[1:], outer, length) for v in xs]
+        body_in = list(consts) + [self.ops[t].outputs[0] for t in carry_ops + slice_ops]
+        body = params["jaxpr"]
+        body_start = len(self.ops)
+        self.trip = outer * length
+        try:
+            body_out = self.walk(body.jaxpr, body.consts, body_in)
+        finally:
+            self.trip = outer
+        body_stop = len(self.ops)
+        # a stacked output is written inside the loop (resharding into it runs every iteration)
+        stack_ops = [self._pseudo("loop_stack", v, (length, *self.values[v].shape), outer * length, length)
+                     for v in body_out[num_carry:]]
+        final_ops = [self._pseudo("loop_final", v, self.values[v].shape, outer, length) for v in body_out[:num_carry]]
+        source = _source(eqn)
+        self.loops.append(LoopRegion(
+            "scan", start, len(self.ops), body_start, body_stop, tuple(carry_ops), tuple(slice_ops),
+            tuple(stack_ops), tuple(final_ops), length, bool(params.get("reverse", False)),
+            params.get("unroll", 1), source))
+        return [self.ops[t].outputs[0] for t in final_ops + stack_ops]
 
 
 def _inline_body(eqn: Any) -> tuple[jcore.Jaxpr, Sequence[Any]] | None:
@@ -151,7 +203,7 @@ def trace_jaxpr(closed: jcore.ClosedJaxpr | jcore.Jaxpr) -> OpGraph:
     b = _Builder()
     in_ids = [b.new_value(v.aval, Role.ACTIVATION) for v in jaxpr.invars]
     out_ids = b.walk(jaxpr, consts, in_ids)
-    return OpGraph(b.values, tuple(b.ops), tuple(in_ids), tuple(out_ids), b.constants)
+    return OpGraph(b.values, tuple(b.ops), tuple(in_ids), tuple(out_ids), b.constants, loops=tuple(b.loops))
 
 
 # ---- roles from pytrees ----------------------------------------------------
@@ -250,7 +302,7 @@ def trace(fn: Callable[..., Any], *args: Any) -> OpGraph:
         values=b.values, ops=tuple(b.ops), inputs=tuple(in_ids), outputs=tuple(out_ids), constants=b.constants,
         in_tree=in_tree, out_tree=out_tree,
         output_paths=tuple(jax.tree_util.keystr(p) for p, _ in out_with_path),
-        carried=tuple(pairs.get(k) for k in range(len(out_ids))), jaxpr=closed,
+        carried=tuple(pairs.get(k) for k in range(len(out_ids))), jaxpr=closed, loops=tuple(b.loops),
     )
     log.info("traced %s in %.2fs: %d ops", getattr(fn, "__name__", "step"), time.perf_counter() - start, len(b.ops))
     return graph

@@ -60,9 +60,11 @@ def transposed_operands(op: Op, ranks: Sequence[int]) -> tuple[tuple[int, ...], 
 def combine_all_reduces(graph: OpGraph, reducing: Sequence[OpIndex],
                          op_collectives: Mapping[OpIndex, Sequence[Collective]],
                          op_reductions: Mapping[OpIndex, str | None]) -> list[list[OpIndex]]:
-    """Rule 5: greedy groups in program order; a group closes at the first member that depends on it."""
+    """Rule 5: greedy groups in program order; a group closes at the first member that depends on it.
+    XLA combines inside one computation: the body of a loop is its own, so groups never cross one."""
     if not reducing:
         return []
+    loop = graph.loop_of()
     producer = {v: t for t, op in enumerate(graph.ops) for v in op.outputs}
     bit = {t: 1 << k for k, t in enumerate(reducing)}
     upstream = [0] * len(graph.ops)  # reducing ops each op depends on (bitmask)
@@ -76,7 +78,7 @@ def combine_all_reduces(graph: OpGraph, reducing: Sequence[OpIndex],
 
     def key(t: OpIndex) -> tuple:
         axes = tuple(sorted({a for c in op_collectives[t] for a in c.axes}))
-        return axes, op_reductions.get(t), graph.values[graph.ops[t].outputs[0]].dtype
+        return axes, op_reductions.get(t), graph.values[graph.ops[t].outputs[0]].dtype, loop[t]
 
     remaining = list(reducing)
     groups: list[list[OpIndex]] = []

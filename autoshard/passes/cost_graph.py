@@ -13,6 +13,12 @@ Built once per (graph, logical mesh, options) and read, never mutated, by the se
   required input spec, and, for state the step returns updated, from the new
   value's spec back to the input's storage spec (the next step reads it);
 - memory: per-device bytes of the values live at a few liveness peaks.
+
+Loops (a flattened scan, ``ir/graph.LoopRegion``): an op inside runs
+``trip_count`` times, so its compute and collectives, and the resharding into
+it, count that many times (``edge_weight``); a carry's layout is one choice
+(its ``loop_carry`` node), and the body's carry out reshards to it every
+iteration, priced as an edge from the carry out's producer to that node.
 """
 from __future__ import annotations
 
@@ -63,6 +69,9 @@ class IntraOpOptions:
 
 
 
+LOOP_EXITS = frozenset({"loop_stack", "loop_final"})
+
+
 def late_reductions(graph: OpGraph) -> frozenset[int]:
     """Ops whose results reach no contraction, reduction or other unfusible op: the partial sums they
     reduce (the gradients of a data-parallel step) are independent of each other, and XLA's all-reduce
@@ -72,7 +81,9 @@ def late_reductions(graph: OpGraph) -> frozenset[int]:
     index = {id(op): t for t, op in enumerate(graph.ops)}
     for t in range(len(graph.ops) - 1, -1, -1):
         users = [c for v in graph.ops[t].outputs for c in consumers.get(v, ())]
-        feeds[t] = any(op_kind(c) in (OpKind.OPAQUE, OpKind.REDUCTION) or feeds[index[id(c)]] for c in users)
+        # a loop's stacked outputs and final carries are written where they lie: their readers decide
+        feeds[t] = any((op_kind(c) in (OpKind.OPAQUE, OpKind.REDUCTION) and c.primitive not in LOOP_EXITS)
+                       or feeds[index[id(c)]] for c in users)
     return frozenset(t for t in range(len(graph.ops)) if not feeds[t])
 
 
@@ -101,7 +112,7 @@ def node_strategies(graph: OpGraph, mesh: LogicalMesh, options: IntraOpOptions) 
     found = input_strategies(graph, mesh, options)
     cache: dict[tuple, list[Strategy]] = {}
     for op in graph.ops:
-        key = op_token(graph, op)
+        key = (op_token(graph, op), op.trip_count)  # a strategy's FLOPs count every run of its op
         if key not in cache:
             ins = [graph.values[v] for v in op.inputs]
             outs = [graph.values[v] for v in op.outputs]
@@ -133,22 +144,35 @@ class CostGraph:
         self.budget_probes: dict[tuple[float, float], float] = {}  # intra_op: smallest budgets already found
 
     def op_work(self, j: int) -> tuple[np.ndarray, np.ndarray]:
-        """Per strategy of op ``j`` (its own list, not its class's): fused compute seconds and HBM bytes."""
+        """Per strategy of op ``j`` (its own list, not its class's): fused compute seconds and HBM bytes,
+        of all its runs (``Op.trip_count``)."""
         op, strategies = self.graph.ops[j], self.strategies[self.num_inputs + j]
-        key = (id(strategies), self.traffic[j], compute_dtype(op, self.graph))
+        key = (id(strategies), self.traffic[j], compute_dtype(op, self.graph), op.trip_count)
         if key not in self._compute_cache:
-            hbm = np.array([strategy_hbm_bytes(self.graph, op, self.traffic[j], s.in_specs, s.out_specs, self.sizes)
-                            for s in strategies])
+            hbm = op.trip_count * np.array([
+                strategy_hbm_bytes(self.graph, op, self.traffic[j], s.in_specs, s.out_specs, self.sizes)
+                for s in strategies])
             flops = np.array([s.flops for s in strategies])
             self._compute_cache[key] = (strategy_compute_s(self.mesh.cluster, flops, hbm, key[2]), hbm)
         return self._compute_cache[key]
 
     def comm_s(self, j: int, strategy: Strategy) -> float:
-        """The strategy's own collectives; for a late reduction (``late_reductions``) without their
-        latency, which the combined all-reduce pays once for all of them."""
+        """The strategy's own collectives, all runs of the op; for a late reduction (``late_reductions``)
+        without their latency, which the combined all-reduce pays once for all of them."""
+        trips = self.graph.ops[j].trip_count
         if j not in self.late or not strategy.collectives:
-            return strategy.comm_s
-        return max(0.0, strategy.comm_s - sum(cost.latency_s(self.mesh, c) for c in strategy.collectives))
+            return strategy.comm_s * trips
+        return trips * max(0.0, strategy.comm_s - sum(cost.latency_s(self.mesh, c) for c in strategy.collectives))
+
+    def edge_weight(self, c: int, pos: int) -> int:
+        """How many times a reshard into node ``c`` (input ``pos``; -1: written back) runs per step: the
+        consumer op's trip count; a loop's carry out written back to its carry, every iteration."""
+        if c < self.num_inputs:
+            return 1
+        op = self.graph.ops[c - self.num_inputs]
+        if pos < 0 and op.primitive == "loop_carry":
+            return op.trip_count * int(op.params["length"])
+        return op.trip_count
 
     # per-node views indexed by class strategy
     def node_cost(self, node: int) -> np.ndarray:
@@ -182,6 +206,13 @@ class CostGraph:
             if in_index is not None and vid in self.producer and self.producer[vid][0] != in_index:
                 p, k = self.producer[vid]
                 yield p, k, in_index, -1, vid
+        for region in graph.loops:  # a scan's carry out, written back to its carry's layout
+            for carry, final in zip(region.carry_ops, region.final_ops):
+                vid = graph.ops[final].inputs[0]
+                c = self.num_inputs + carry
+                if vid in self.producer and self.producer[vid][0] != c:
+                    p, k = self.producer[vid]
+                    yield p, k, c, -1, vid
 
     def edge_matrix(self, p: int, k: int, c: int, pos: int, vid: ValueId) -> np.ndarray:
         value = self.graph.values[vid]
@@ -192,7 +223,8 @@ class CostGraph:
         cached = self._edge_cache.get(key)
         if cached is None:
             cached = self._edge_cache[key] = self._edge_matrix(p, k, c, pos, value)
-        return cached
+        weight = self.edge_weight(c, pos)
+        return cached if weight == 1 else cached * weight
 
     def _edge_matrix(self, p: int, k: int, c: int, pos: int, value: Value) -> np.ndarray:
         srcs = self.out_specs(p, k)
@@ -248,6 +280,7 @@ def combined_latency_charges(cg: CostGraph) -> list[SharedCharge]:
     members: dict[tuple, dict[int, np.ndarray]] = {}
     latency: dict[tuple, float] = {}
     cls = cg.classes
+    loop = cg.graph.loop_of()  # a loop body combines its own reductions, once per iteration
     for j in sorted(cg.late):
         node = cg.num_inputs + j
         strategies, own = cg.strategies[node], cls.strategy_map[node]
@@ -257,10 +290,11 @@ def combined_latency_charges(cg: CostGraph) -> list[SharedCharge]:
             for col in s.collectives:
                 if col.kind not in ("all-reduce", "reduce-scatter"):
                     continue
-                key = ("all-reduce", col.axes, s.reduction)  # XLA combines reduce-scatters with them
+                key = ("all-reduce", col.axes, s.reduction, loop[j])  # XLA combines reduce-scatters with them
                 mask = members.setdefault(key, {}).setdefault(c, np.zeros(len(own), dtype=bool))
                 mask[a] = True
-                latency[key] = max(latency.get(key, 0.0), cost.latency_s(cg.mesh, col))
+                runs = cg.graph.ops[j].trip_count
+                latency[key] = max(latency.get(key, 0.0), runs * cost.latency_s(cg.mesh, col))
     return [SharedCharge(f"combined {key[0]}[{','.join(key[1])}]", latency[key], tuple(members[key].items()))
             for key in members if latency[key] > 0]
 

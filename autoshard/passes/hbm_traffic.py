@@ -94,6 +94,12 @@ def op_traffic(graph: OpGraph, fusion: Fusion | None = None) -> list[OpTraffic]:
         counts[t_p] += 1
     out: list[OpTraffic] = []
     for t, op in enumerate(graph.ops):
+        if op.primitive == "loop_slice":  # each iteration copies its slice out of the stack (a dynamic-slice):
+            out.append(OpTraffic(((0, 1),), (0,)))  # the whole stack read over the loop, and each slice written
+            continue
+        if op.primitive == "loop_stack":  # each iteration reads its slice and writes it into the stack
+            out.append(OpTraffic(((0, 1),), (0,)))  # (a dynamic-update-slice; the write is one layer's: see below)
+            continue
         if t in views:
             out.append(OpTraffic())
             continue
@@ -105,6 +111,16 @@ def op_traffic(graph: OpGraph, fusion: Fusion | None = None) -> list[OpTraffic]:
             copies, output_copied = transposed_operands(op, [graph.values[v].rank for v in op.inputs])
         out.append(OpTraffic(reads, writes, tuple(copies), output_copied))
     return out
+
+
+def _per_run(op: Op) -> float:
+    """How many runs of ``op`` write its output: a scan stack is written a layer per iteration; a slice is
+    written once per iteration and the op runs outside the loop, so its write counts the slice once per layer."""
+    if op.primitive == "loop_stack":
+        return int(op.params["length"])
+    if op.primitive == "loop_slice":
+        return 1 / int(op.params["length"])
+    return 1
 
 
 def _shard_bytes(nbytes: float, spec: Spec, sizes: Mapping[str, int]) -> float:
@@ -121,7 +137,7 @@ def strategy_hbm_bytes(graph: OpGraph, op: Op, traffic: OpTraffic, in_specs: Seq
     for p in traffic.copies:  # read once more and written in the canonical layout
         total += 2 * _shard_bytes(values[op.inputs[p]].nbytes, in_specs[p], sizes)
     for k in traffic.writes:
-        total += _shard_bytes(values[op.outputs[k]].nbytes, out_specs[k], sizes)
+        total += _shard_bytes(values[op.outputs[k]].nbytes, out_specs[k], sizes) / _per_run(op)
     if traffic.output_copied:
         total += 2 * sum(_shard_bytes(values[v].nbytes, s, sizes) for v, s in zip(op.outputs, out_specs))
     return total
@@ -170,7 +186,7 @@ def graph_costs(graph: OpGraph, cluster: ClusterSpec) -> GraphCosts:
         ins = [Spec.replicated(graph.values[v].rank) for v in op.inputs]
         outs = [Spec.replicated(graph.values[v].rank) for v in op.outputs]
         flops.append(op.flops)
-        nbytes.append(strategy_hbm_bytes(graph, op, tr, ins, outs, {}))
+        nbytes.append(op.trip_count * strategy_hbm_bytes(graph, op, tr, ins, outs, {}))
         peaks.append(cluster.peak_flops(compute_dtype(op, graph)))
     return GraphCosts(np.asarray(flops, dtype=float), np.asarray(nbytes, dtype=float), np.asarray(peaks, dtype=float))
 

@@ -53,6 +53,7 @@ class ReshardSite:
     seconds: float
     collectives: tuple[Collective, ...]
     path: tuple[Spec, ...] = ()  # intermediate layouts the priced plan passes through (pinned by emission)
+    runs: int = 1  # times it runs per step (inside a loop: the trip count); ``seconds`` counts them all
 
     @property
     def chain(self) -> tuple[Spec, ...]:
@@ -139,7 +140,8 @@ class IntraOpResult:
         result is only read split over its axes (through views) is what XLA shows as a reduce-scatter
         (an all-reduce and a slice: ``compiler/hlo.py``), so it is reported as one, bytes unchanged."""
         sliced = _sliced_after_all_reduce(self)
-        found = [dataclasses.replace(c, kind="reduce-scatter") if (t, k) in sliced else c
+        ops = self.graph.ops
+        found = [_runs(dataclasses.replace(c, kind="reduce-scatter") if (t, k) in sliced else c, ops[t].trip_count)
                  for t, s in enumerate(self.node_strategies[len(self.graph.inputs):])
                  for k, c in enumerate(s.collectives)]
         found += [c for s in self.node_strategies[:len(self.graph.inputs)] for c in s.collectives]
@@ -148,7 +150,7 @@ class IntraOpResult:
             key = (site.value, site.src, site.chain)
             if key not in seen:
                 seen.add(key)
-                found += list(site.collectives)
+                found += [_runs(c, site.runs) for c in site.collectives]
         return found
 
     def collective_bytes_by_kind(self) -> dict[str, float]:
@@ -156,6 +158,11 @@ class IntraOpResult:
         for c in self.collectives():
             out[c.kind] += c.nbytes
         return dict(out)
+
+
+def _runs(collective: Collective, runs: int) -> Collective:
+    """A collective run ``runs`` times (inside a loop), as one of all their bytes."""
+    return collective if runs == 1 else dataclasses.replace(collective, nbytes=collective.nbytes * runs)
 
 
 _VIEW_CHAIN = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p"})
@@ -381,7 +388,9 @@ def decode(cg: CostGraph, choices: np.ndarray, stats: IlpStats) -> IntraOpResult
             value = graph.values[vid]
             r = reshard(value.shape, dtype_itemsize(value.dtype), src, dst, cg.mesh)
             op_index = -1 if pos < 0 else c - cg.num_inputs
-            reshards.append(ReshardSite(op_index, pos, vid, src, dst, r.seconds, tuple(r.collectives), tuple(r.path)))
+            runs = cg.edge_weight(c, pos)
+            reshards.append(ReshardSite(op_index, pos, vid, src, dst, r.seconds * runs, tuple(r.collectives),
+                                        tuple(r.path), runs))
     output_specs = []
     for out_index, vid in enumerate(graph.outputs):
         carried = graph.carried[out_index] if graph.carried else None
@@ -420,7 +429,7 @@ def _combined_comm_s(cg: CostGraph, op_strategies: Sequence[Strategy]) -> tuple[
                                  {t: op_strategies[t].reduction for t in reducing})
     for group in groups:
         seconds[min(group)] += max(cost.latency_s(mesh, c) for t in group for c in reducing[t])
-    return tuple(float(s) for s in seconds)
+    return tuple(float(s) * op.trip_count for s, op in zip(seconds, graph.ops))
 
 
 def memory_profile(graph: OpGraph, value_specs: Mapping[ValueId, Spec], sizes: Mapping[str, int],

@@ -70,7 +70,10 @@ ELEMENTWISE = frozenset({
     "population_count", "iota", "slice", "dynamic_slice", "dynamic_update_slice", "pad", "concatenate", "rev",
     "gather", "transpose", "bitcast_convert_type", "clz",
 })
-VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "copy", "copy_p", "optimization_barrier"})
+# a flattened scan's carry (``loop_carry``, ``loop_final``: ir/trace.py) is the buffer of its init, and the slice
+# an iteration reads (``loop_slice``) is a window of the stacked buffer, which lives until the body's last reader
+VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "copy", "copy_p", "optimization_barrier", "loop_carry",
+                   "loop_final", "loop_slice"})
 REDUCTIONS = frozenset({
     "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor", "argmax",
     "argmin", "reduce",

@@ -34,6 +34,7 @@ FOLLOWER_EXCLUDED = frozenset({
     "dot_general", "conv_general_dilated", "gather", "scatter-add", "scatter_add", "scatter", "dynamic_slice",
     "dynamic_update_slice", "scan", "while", "cond", "sort", "top_k", "cumsum", "cumprod", "cummax", "cummin",
     "cumlogsumexp", "argmax", "argmin", "iota", "rng_bit_generator", "random_bits",
+    "loop_carry",  # a scan carry's layout is its own choice, not its init's (the init reshards once)
 })
 
 

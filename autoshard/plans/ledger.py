@@ -115,3 +115,4 @@ class OpExplanation:
     chosen: Choice
     alternatives: tuple[Choice, ...]  # cheapest first
     num_strategies: int  # how many the rule table offered
+    loop: str = ""  # how the loop around the op (a scan's body) was planned; "" outside every loop

@@ -203,7 +203,8 @@ def _choice_json(c: Choice) -> list[Any]:
 
 def _explanation_json(e: OpExplanation) -> dict[str, Any]:
     return {"primitive": e.primitive, "source": e.source, "shapes": e.shapes, "num_strategies": e.num_strategies,
-            "chosen": _choice_json(e.chosen), "alternatives": [_choice_json(c) for c in e.alternatives]}
+            "chosen": _choice_json(e.chosen), "alternatives": [_choice_json(c) for c in e.alternatives],
+            **({"loop": e.loop} if e.loop else {})}
 
 
 def _choice(data: Any, where: str) -> Choice:
@@ -220,7 +221,7 @@ def _explanation(data: Any, where: str) -> OpExplanation:
         primitive=str(jf.field(data, "primitive", str, where)), source=str(data.get("source", "")),
         shapes=str(data.get("shapes", "")), chosen=_choice(jf.field(data, "chosen", list, where), f"{where}.chosen"),
         alternatives=tuple(_choice(c, f"{where}.alternatives") for c in data.get("alternatives", [])),
-        num_strategies=int(data.get("num_strategies", 0)),
+        num_strategies=int(data.get("num_strategies", 0)), loop=str(data.get("loop", "")),
     )
 
 

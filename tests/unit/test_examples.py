@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from examples import Workload, convnet, count_params, gpt, is_abstract, mlp, moe
+from examples import Workload, convnet, count_params, gpt, gpt_scan, is_abstract, mlp, moe
 
-MODULES: dict[str, ModuleType] = {"mlp": mlp, "gpt": gpt, "moe": moe, "convnet": convnet}
+MODULES: dict[str, ModuleType] = {"mlp": mlp, "gpt": gpt, "gpt_scan": gpt_scan, "moe": moe, "convnet": convnet}
 
 
 def _live_bytes() -> int:
@@ -85,3 +85,15 @@ def test_big_configs_are_abstract(model: str, name: str, min_params: float) -> N
     work = MODULES[model].workload(name, abstract=True)
     assert is_abstract(work.args)
     assert count_params(work.args[0]) >= min_params
+
+
+def test_gpt_scan_is_gpt_with_stacked_blocks() -> None:
+    """The scanned GPT holds the unrolled one's parameters, each block leaf stacked over the layers, and its
+    traced step keeps one scan over them (forward and transposed), not num_layers copies."""
+    config = gpt.CONFIGS["large"]
+    scanned, unrolled = gpt_scan.workload("large", abstract=True), gpt.workload("large", abstract=True)
+    assert count_params(scanned.args[0]) == count_params(unrolled.args[0])
+    q = scanned.args[0]["blocks"]["attn"]["q"]["kernel"]
+    assert q.shape == (config.num_layers, config.d_model, config.d_model)
+    jaxpr = jax.make_jaxpr(scanned.step)(*scanned.args)
+    assert sum(e.primitive.name == "scan" for e in jaxpr.jaxpr.eqns) >= 2

@@ -103,14 +103,22 @@ def test_train_step_ops_roles_and_paths():
     step, args = _step_and_args()
     graph = trace(step, *args)
     prims = graph.primitive_counts()
-    # call-like bodies are inlined, control flow is kept
-    for inlined in ("jit", "pjit", "custom_vjp_call", "custom_jvp_call", "remat2", "checkpoint", "closed_call"):
+    # call-like bodies are inlined; scans are flattened into loop regions
+    for inlined in ("jit", "pjit", "custom_vjp_call", "custom_jvp_call", "remat2", "checkpoint", "closed_call",
+                    "scan"):
         assert inlined not in prims
-    assert prims["scan"] >= 2  # forward scan and its transpose
+    assert len(graph.loops) >= 2  # forward scan and its transpose
     assert prims["dot_general"] >= 6
-    scan = next(op for op in graph.ops if op.primitive == "scan")
-    assert scan.bodies and scan.bodies[0].primitive_counts().get("dot_general", 0) >= 1
-    assert scan.flops == pytest.approx(scan.params["length"] * scan.bodies[0].total_flops)
+    forward = graph.loops[0]
+    body = graph.ops[forward.body_start:forward.body_stop]
+    assert any(op.primitive == "dot_general" for op in body)
+    assert all(op.trip_count == forward.length == 3 for op in body)
+    assert [graph.ops[t].primitive for t in forward.slice_ops] == ["loop_slice"]  # the (3, 8, 8) stack
+    stack = graph.values[graph.ops[forward.slice_ops[0]].inputs[0]]
+    assert stack.shape == (3, 8, 8) and graph.values[graph.ops[forward.slice_ops[0]].outputs[0]].shape == (8, 8)
+    # FLOPs count every iteration: the body's dot runs 3 times
+    dot = next(op for op in body if op.primitive == "dot_general")
+    assert dot.flops == pytest.approx(3 * 2 * 4 * 8 * 8)
     # roles and paths
     roles = {graph.values[v].path: graph.values[v].role for v in graph.inputs}
     assert roles["[0]['Dense_0']['kernel']"] is Role.PARAM

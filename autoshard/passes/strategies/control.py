@@ -1,9 +1,17 @@
 """Control flow, random numbers, identities and host callbacks.
 
-scan / while / cond are planned replicated for now: their bodies are not
-solved, so every operand and result is whole on every device (correct, and
-the warning-free default until a later pass solves bodies and offers the
-body's strategies here).
+A scan is flattened by the tracer (``ir/trace.py``): its body's ops are planned
+like any, between four pseudo-ops with rules here. ``loop_carry`` and
+``loop_final`` pass a carry through in any layout (the carry's layout holds in
+every iteration: the cost graph prices the body's carry out against it, trip
+count times); ``loop_slice`` gives the body a slice of a stacked input and
+``loop_stack`` stacks a body output: the slice may be split any way, the
+leading layer axis never is, so each iteration reads its slice where it lies.
+A ``scan`` op itself (never left by the tracer) is planned replicated.
+
+``while`` and ``cond`` are not planned inside yet: they are planned replicated
+with an ``UnsupportedPrimitiveWarning`` naming them (a while loop's trip count
+is not static; cond's branches are kept whole).
 
 Random primitives are replicated only: a shard of ``random_bits`` is not the
 local computation on a shard of the key (the counter is a global iota), and
@@ -18,13 +26,16 @@ identity itself (``LOCAL_IDENTITY``), not a bind of the primitive.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 from autoshard.ir.graph import Op, Value
 from autoshard.meshes.logical import LogicalMesh
-from autoshard.passes.strategies.base import Factor, Strategy, factor_strategies, register
+from autoshard.passes.strategies.base import (Factor, Strategy, UnsupportedPrimitiveWarning, factor_strategies,
+                                              register)
 
-CONTROL_FLOW = ("scan", "while", "cond")
+CONTROL_FLOW = ("scan",)
+UNPLANNED_LOOPS = ("while", "cond")
 RANDOM = (
     "random_seed", "random_bits", "random_split", "random_fold_in", "random_wrap", "random_unwrap",
     "random_clone", "random_gamma", "threefry2x32", "threefry4x32", "philox2x32", "philox4x32",
@@ -32,7 +43,7 @@ RANDOM = (
 )
 REPLICATED_ONLY = ("pure_callback", "io_callback", "platform_index")
 LOCAL_IDENTITY = ("sharding_constraint", "reshard", "device_put", "layout_constraint")
-IDENTITY = ("optimization_barrier", "name", *LOCAL_IDENTITY)
+IDENTITY = ("optimization_barrier", "name", "loop_carry", "loop_final", *LOCAL_IDENTITY)
 
 
 @register(*CONTROL_FLOW, *RANDOM, *REPLICATED_ONLY)
@@ -58,3 +69,28 @@ def _identity_rule(op: Op, ins: Sequence[Value], outs: Sequence[Value], mesh: Lo
         ]
         strategies += factor_strategies(op, ins, outs, mesh, one_at_a_time)
     return strategies
+
+
+@register(*UNPLANNED_LOOPS)
+def _unplanned_loop_rule(op: Op, ins: Sequence[Value], outs: Sequence[Value], mesh: LogicalMesh) -> list[Strategy]:
+    why = ("its trip count is not static" if op.primitive == "while" else "its branches are not planned inside")
+    warnings.warn(
+        f"autoshard does not plan inside {op.primitive!r} ({why}); it is planned replicated: every operand and "
+        f"result whole on every device{' at ' + op.source if op.source else ''}. Write a loop with a static trip "
+        "count as lax.scan or fori_loop with Python-int bounds to have its body planned.",
+        UnsupportedPrimitiveWarning, stacklevel=2)
+    return []
+
+
+@register("loop_slice")
+def _loop_slice_rule(op: Op, ins: Sequence[Value], outs: Sequence[Value], mesh: LogicalMesh) -> list[Strategy]:
+    """``[length, *s] -> s``: every slice dim may split, with the same axes in the stack; dim 0 never."""
+    factors = [Factor(size, (d + 1,), (d,)) for d, size in enumerate(outs[0].shape)]
+    return factor_strategies(op, ins, outs, mesh, factors, note="slice per iteration")
+
+
+@register("loop_stack")
+def _loop_stack_rule(op: Op, ins: Sequence[Value], outs: Sequence[Value], mesh: LogicalMesh) -> list[Strategy]:
+    """``s -> [length, *s]``, the slice's layout kept under an unsplit leading axis."""
+    factors = [Factor(size, (d,), (d + 1,)) for d, size in enumerate(ins[0].shape)]
+    return factor_strategies(op, ins, outs, mesh, factors, note="stacked per iteration")

@@ -1,0 +1,128 @@
+"""A GPT whose blocks run under ``nnx.scan`` (examples/gpt_scan.py) against its unrolled twin (examples/gpt.py,
+the same weights): both planned and run sharded, each step equal to the same step on one device.
+
+The scan's body is planned like any ops (``ir/trace.py`` flattens it; the runtime re-emits the scan with
+the body's sharding constraints), so the sharded scanned step must still be one ``while`` loop in the
+compiled program, not an unrolled copy.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import autoshard
+from autoshard.compiler.verify import verify_compiled
+from autoshard.passes.intra_op import IntraOpOptions
+from examples import gpt, gpt_scan
+from examples.common import make_train_step
+
+FAST = IntraOpOptions(time_limit_s=1.0)
+MESHES = [(2, 4), (1, 8), (8, 1)]
+
+
+def _rel(a, b, floor: float = 0.0) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), floor, 1e-30))
+
+
+def _check_three_steps(step_fn, params, batch, mesh):
+    """3 SGD steps sharded and on one device: loss and every parameter leaf within 1e-5 relative."""
+    tx = optax.sgd(0.1)
+    step = make_train_step(step_fn, tx)
+    reference = jax.jit(step)
+    ref = (jax.tree.map(lambda x: x.copy(), params), tx.init(params))
+    sharded = autoshard.autoshard(step, mesh=mesh, options=FAST)
+    state = (params, tx.init(params))
+    for _ in range(3):
+        *ref, ref_loss = reference(*ref, batch)
+        *state, loss = sharded(*state, batch)
+        assert _rel(loss, ref_loss) <= 1e-5, f"loss {float(loss)} vs one device {float(ref_loss)}"
+    # a leaf whose gradient is zero in theory (attention key biases) holds rounding noise: floor its scale
+    floor = 1e-2 * max(float(np.max(np.abs(np.asarray(x)))) for x in jax.tree.leaves(ref[0]))
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(state[0]), jax.tree.leaves(ref[0])):
+        assert _rel(got, want, floor) <= 1e-5, f"{jax.tree_util.keystr(path)}: rel err {_rel(got, want, floor):.2e}"
+    return sharded
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=["x".join(map(str, m)) for m in MESHES])
+def test_scanned_gpt_and_unrolled_twin_match_one_device(mesh, devices8):
+    scanned, unrolled = gpt_scan.workload("tiny"), gpt.workload("tiny")
+    assert float(scanned.loss_fn(scanned.args[0], scanned.args[2])) == pytest.approx(
+        float(unrolled.loss_fn(unrolled.args[0], unrolled.args[2])), rel=1e-6)  # the same weights
+    step = _check_three_steps(scanned.loss_fn, scanned.args[0], scanned.args[2], mesh)
+    assert step.plan.mesh_shape == mesh
+    assert any(not spec.is_replicated for spec in step.plan.input_specs.values()), "the plan shards nothing"
+    assert step.spmd_step.graph.loops, "the scan was not planned as a loop"
+    _check_three_steps(unrolled.loss_fn, unrolled.args[0], unrolled.args[2], mesh)
+
+
+# A GPT big enough that its plan shards (d_model 512, 4 layers, 32 x 128 tokens; ~13M parameters), small
+# enough to compile twice here in about a minute. Planned on 1x8-a100 from shapes; compiled for 8 CPU devices.
+COMPARED = gpt.Config(vocab_size=2048, seq_len=128, d_model=512, num_heads=8, num_layers=4, batch_size=32)
+
+
+def _compiled_peak_bytes(compiled) -> float:
+    m = compiled.memory_analysis()
+    return float(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes)
+
+
+def _plans_compared() -> dict[str, tuple]:
+    """Per model (scanned, unrolled): modeled step, compiled per-device peak, one device's, the HLO text, and
+    the fidelity report (the plan's collectives, FLOPs and HBM bytes against the compiled program's)."""
+    found = {}
+    for name, module in (("scanned", gpt_scan), ("unrolled", gpt)):
+        work = module.workload(COMPARED, abstract=True)
+        step = autoshard.autoshard(work.step, mesh=(2, 4), cluster="1x8-a100", num_stages=1,
+                                   options=IntraOpOptions(time_limit_s=2.0))
+        compiled = step.lower(*work.args).compile()
+        one_device = jax.jit(work.step).lower(*work.args).compile()
+        found[name] = (step.plan.ledger.step_s, _compiled_peak_bytes(compiled), _compiled_peak_bytes(one_device),
+                       compiled.as_text(), verify_compiled(step.plan, compiled))
+    return found
+
+
+@pytest.fixture(scope="module")
+def compared(devices8):
+    return _plans_compared()
+
+
+@pytest.mark.slow
+def test_scanned_plan_memory_matches_the_unrolled_plan(compared):
+    """The compiled program's per-device memory: scanned within 10% of unrolled, both far below one device's;
+    the scan stays a loop."""
+    (_, scan_bytes, scan_one, scan_hlo, _), (_, flat_bytes, flat_one, _, _) = compared["scanned"], compared["unrolled"]
+    assert "while" in scan_hlo, "the scanned step was unrolled"
+    assert scan_bytes <= 0.25 * scan_one and flat_bytes <= 0.25 * flat_one
+    assert abs(scan_bytes / flat_bytes - 1) <= 0.10, f"compiled peak {scan_bytes / 2**20:.1f} vs {flat_bytes / 2**20:.1f} MiB"
+
+
+@pytest.mark.slow
+def test_scanned_plan_is_priced_as_xla_compiles_it(compared):
+    """The scanned plan's collectives (XLA runs a loop body's trip-count times) and FLOPs against the compiled
+    program, within ``autoshard verify``'s tolerances."""
+    report = compared["scanned"][4]
+    for what in ("all collective bytes", "flops per device"):
+        assert report.row(what).ok, str(report)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="measured: the plan predicts 2.59e9 HBM bytes per device, XLA's scanned program "
+                   "moves 4.28e9 (39% more; `autoshard verify` of the unrolled gpt tiny is within 3%). Part of it is the "
+                   "loop's own traffic (carry copies), part likely cost_analysis counting the whole stacked operand "
+                   "of each iteration's dynamic-slice fusion (f32[4,256,256] read to take one [256,256] layer)")
+def test_scanned_plan_hbm_bytes_as_xla_compiles_it(compared):
+    report = compared["scanned"][4]
+    assert report.row("hbm bytes per device").ok, str(report)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="measured +39% (2.167 vs 1.562 ms modeled): XLA's scanned program moves more "
+                   "HBM bytes than the unrolled one (the slices and stacks of each iteration; the model still "
+                   "under-counts them: test_scanned_plan_hbm_bytes_as_xla_compiles_it), each "
+                   "iteration pays its own combined all-reduce latency, and the solver keeps a ZeRO-2-like plan "
+                   "for the stacked weights; remove this mark when it passes")
+def test_scanned_plan_step_matches_the_unrolled_plan(compared):
+    scan_s, flat_s = compared["scanned"][0], compared["unrolled"][0]
+    assert abs(scan_s / flat_s - 1) <= 0.10, f"modeled step {scan_s * 1e3:.3f} vs {flat_s * 1e3:.3f} ms"
