@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from examples import Workload, common, convnet, gpt, is_abstract, mlp, moe
+from examples import Workload, common, convnet, gpt, is_abstract, mlp, moe, moe_topk
 
-MODULES: dict[str, ModuleType] = {"mlp": mlp, "gpt": gpt, "moe": moe, "convnet": convnet}
+MODULES: dict[str, ModuleType] = {"mlp": mlp, "gpt": gpt, "moe": moe, "moe_topk": moe_topk, "convnet": convnet}
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
