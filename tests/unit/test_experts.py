@@ -62,3 +62,4 @@ def test_expert_layouts_split_experts_and_keep_the_batch_split_everywhere():
                 assert layout[i].dims[0], value.path  # Adam's moments follow their expert weight
     assert seen == {("x",), ("y",)}
     assert expert_layouts(_graph(gpt), mesh) == []
+

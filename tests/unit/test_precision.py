@@ -113,3 +113,21 @@ def test_bf16_parameters_and_moments_halve_the_argument_bytes():
 def _step_and_args(config):
     work = gpt.workload(config, abstract=True)
     return (work.step, *work.args)
+
+
+def test_autoshard_plan_and_export_of_a_bf16_gpt_write_every_parameter_spec(tmp_path):
+    """The command line, as a user runs it: ``autoshard plan`` then ``autoshard export``."""
+    import json
+
+    from autoshard import cli
+
+    plan_file, rules = tmp_path / "plan.json", tmp_path / "rules.json"
+    assert cli.main(["plan", "examples/gpt.py", "--config", "tiny-bf16", "--mesh", "2x4", "--cluster", "1x8-a100",
+                     "--time-limit", "0.5", "--out", str(plan_file)]) == 0
+    assert cli.main(["export", str(plan_file), "--format", "flax-rules", "--out", str(rules)]) == 0
+    data = json.loads(rules.read_text())
+    params = gpt.workload("tiny-bf16", abstract=True).args[0]
+    assert sorted(data["params"]) == sorted(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params))
+    assert all(len(entries) == len(leaf.shape) for entries, leaf in
+               zip((data["params"][jax.tree_util.keystr(p)] for p, _ in jax.tree_util.tree_leaves_with_path(params)),
+                   jax.tree.leaves(params)))
