@@ -94,7 +94,7 @@ def test_mixed_precision_memory_holds_the_fp32_master_and_its_bf16_copy():
     master, copy = 4 * n * n, 2 * n * n
     f32, mixed = ledgers[jnp.float32], ledgers[jnp.bfloat16]
     assert mixed.memory_by_kind["param"] == f32.memory_by_kind["param"] == master
-    assert mixed.peak_memory_bytes >= master + copy  # both copies at once (tests/sim/test_precision_numerics.py: XLA too)
+    assert mixed.peak_memory_bytes >= master + copy  # both copies at once
 
 
 def test_bf16_parameters_and_moments_halve_the_argument_bytes():
