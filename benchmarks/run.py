@@ -51,7 +51,7 @@ CLUSTERS = ("1x8-a100", "2x8-a100", "4x8-h100")
 # node, at 8 autoshard's does, so it runs at 8 on every cluster.
 WORKLOADS: tuple[tuple[str, str, int | None], ...] = (
     ("gpt", "small", None), ("gpt", "medium", None), ("gpt", "large", None), ("gpt", "xl", 8),
-    ("moe", "large", None), ("convnet", "large", None),
+    ("moe", "large", None), ("moe_topk", "large", None), ("convnet", "large", None),
     ("gpt_scan", "medium", None))  # gpt-medium with its blocks under nnx.scan: the body planned once
 # Workloads whose one-node plan is also compiled for 8 simulated CPU devices (7-30 s each; gpt-xl left out).
 FIDELITY = (("gpt", "small"), ("gpt", "medium"), ("gpt", "large"), ("moe", "large"), ("convnet", "large"),

@@ -195,7 +195,7 @@ def evaluate(results: Sequence[CellResult], points: Sequence[ScalingPoint],
              spots: Sequence[Hotspot] = ()) -> list[Target]:
     """``spots``: a profile of one planning run (planning_scaling.hotspots), quoted where planning is slow."""
     big = [r for r in results if r.cell.config != "small" or r.cell.model == "gpt"]
-    moe = [r for r in big if r.cell.model == "moe"]
+    moe = [r for r in big if r.cell.model in ("moe", "moe_topk")]
     two_node = [r for r in big if r.cell.cluster == TWO_NODE_CLUSTER]
     return [
         _min_speedup(results),

@@ -5,6 +5,13 @@ blocks (causal multi-head self-attention with separate q/k/v/out projections,
 then a 4x GELU MLP, each with a residual), a final LayerNorm and an untied LM
 head. The loss is next-token cross-entropy and the optimizer ``optax.adamw``.
 
+Precision: ``param_dtype`` is the dtype parameters (and Adam's moments) are
+stored in, ``dtype`` the dtype the forward computes in. Both ``"float32"``
+is the default; both ``"bfloat16"`` is a bf16 model; ``param_dtype="float32"``
+with ``dtype="bfloat16"`` is the usual mixed-precision recipe (fp32 master
+weights, cast to bf16 in every layer's forward, as Flax's ``dtype`` argument
+does); the loss is computed in float32 either way.
+
 The blocks are an ``nnx.List`` walked by a Python for-loop (no scan), so a
 traced step shows ``num_layers`` copies of the same layer, which is what the
 planner's repeated-layer detection and layer clustering look for.
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,10 +52,16 @@ class Config:
     batch_size: int = 24  # sequences per step
     learning_rate: float = 1e-3  # adamw step size
     weight_decay: float = 0.01  # adamw decoupled weight decay
+    param_dtype: str = "float32"  # storage dtype of the parameters (and of adamw's moments)
+    dtype: str = "float32"  # compute dtype of the forward: params are cast to it in each layer
 
     def __post_init__(self) -> None:
         if self.d_model % self.num_heads:
             raise ValueError(f"num_heads={self.num_heads} must divide d_model={self.d_model}")
+        for field in ("param_dtype", "dtype"):
+            name = getattr(self, field)
+            if not jnp.issubdtype(jnp.dtype(name), jnp.floating):
+                raise ValueError(f"{field}={name!r} is not a floating dtype; use 'float32', 'bfloat16' or 'float16'")
 
     @property
     def head_dim(self) -> int:
@@ -66,6 +80,14 @@ CONFIGS: dict[str, Config] = {
     "large": Config(
         vocab_size=50304, seq_len=1024, d_model=2048, num_heads=16, num_layers=24, batch_size=48
     ),
+    # The tiny model in bf16 throughout, and in mixed precision (fp32 master weights, bf16 compute).
+    "tiny-bf16": Config(vocab_size=64, seq_len=8, d_model=48, num_heads=4, num_layers=2, batch_size=24,
+                        param_dtype="bfloat16", dtype="bfloat16"),
+    "tiny-mixed": Config(vocab_size=64, seq_len=8, d_model=48, num_heads=4, num_layers=2, batch_size=24,
+                         dtype="bfloat16"),
+    # GPT-2 small's shape in bf16 (parameters, moments and compute); used abstractly.
+    "medium-bf16": Config(vocab_size=50304, seq_len=1024, d_model=768, num_heads=12, num_layers=12, batch_size=48,
+                          param_dtype="bfloat16", dtype="bfloat16"),
     # ~6.86B parameters; used abstractly by the benchmarks.
     "xl": Config(
         vocab_size=50304, seq_len=2048, d_model=4096, num_heads=32, num_layers=32, batch_size=48
@@ -73,15 +95,22 @@ CONFIGS: dict[str, Config] = {
 }
 
 
+def precision_kwargs(config: Config) -> dict[str, Any]:
+    """``param_dtype`` / ``dtype`` for every Flax layer; empty at float32 (the layers' defaults)."""
+    if config.param_dtype == config.dtype == "float32":
+        return {}
+    return {"param_dtype": jnp.dtype(config.param_dtype), "dtype": jnp.dtype(config.dtype)}
+
+
 class CausalSelfAttention(nnx.Module):
     """Multi-head causal self-attention with separate q, k, v and output projections."""
 
-    def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs | InitKeys) -> None:
+    def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs | InitKeys, **precision: Any) -> None:
         self.num_heads = num_heads
-        self.q = nnx.Linear(d_model, d_model, rngs=rngs)
-        self.k = nnx.Linear(d_model, d_model, rngs=rngs)
-        self.v = nnx.Linear(d_model, d_model, rngs=rngs)
-        self.out = nnx.Linear(d_model, d_model, rngs=rngs)
+        self.q = nnx.Linear(d_model, d_model, rngs=rngs, **precision)
+        self.k = nnx.Linear(d_model, d_model, rngs=rngs, **precision)
+        self.v = nnx.Linear(d_model, d_model, rngs=rngs, **precision)
+        self.out = nnx.Linear(d_model, d_model, rngs=rngs, **precision)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         batch, seq, d_model = x.shape
@@ -101,9 +130,9 @@ class CausalSelfAttention(nnx.Module):
 class Mlp(nnx.Module):
     """Position-wise feed-forward: Dense(hidden) -> GELU -> Dense(d_model)."""
 
-    def __init__(self, d_model: int, hidden: int, *, rngs: nnx.Rngs | InitKeys) -> None:
-        self.up = nnx.Linear(d_model, hidden, rngs=rngs)
-        self.down = nnx.Linear(hidden, d_model, rngs=rngs)
+    def __init__(self, d_model: int, hidden: int, *, rngs: nnx.Rngs | InitKeys, **precision: Any) -> None:
+        self.up = nnx.Linear(d_model, hidden, rngs=rngs, **precision)
+        self.down = nnx.Linear(hidden, d_model, rngs=rngs, **precision)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down(jax.nn.gelu(self.up(x)))
@@ -113,10 +142,11 @@ class Block(nnx.Module):
     """Pre-LayerNorm decoder block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
     def __init__(self, config: Config, *, rngs: nnx.Rngs | InitKeys) -> None:
-        self.ln_attn = nnx.LayerNorm(config.d_model, rngs=rngs)
-        self.attn = CausalSelfAttention(config.d_model, config.num_heads, rngs=rngs)
-        self.ln_mlp = nnx.LayerNorm(config.d_model, rngs=rngs)
-        self.mlp = Mlp(config.d_model, config.mlp_ratio * config.d_model, rngs=rngs)
+        precision = precision_kwargs(config)
+        self.ln_attn = nnx.LayerNorm(config.d_model, rngs=rngs, **precision)
+        self.attn = CausalSelfAttention(config.d_model, config.num_heads, rngs=rngs, **precision)
+        self.ln_mlp = nnx.LayerNorm(config.d_model, rngs=rngs, **precision)
+        self.mlp = Mlp(config.d_model, config.mlp_ratio * config.d_model, rngs=rngs, **precision)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x + self.attn(self.ln_attn(x))
@@ -127,13 +157,15 @@ class GPT(nnx.Module):
     """Decoder-only transformer returning next-token logits ``[batch, seq, vocab]``."""
 
     def __init__(self, config: Config, *, rngs: nnx.Rngs | InitKeys) -> None:
+        precision = precision_kwargs(config)
         self.token_embed = nnx.Embed(
-            config.vocab_size, config.d_model, embedding_init=EMBED_INIT, rngs=rngs
+            config.vocab_size, config.d_model, embedding_init=EMBED_INIT, rngs=rngs, **precision
         )
-        self.pos_embed = nnx.Embed(config.seq_len, config.d_model, embedding_init=EMBED_INIT, rngs=rngs)
+        self.pos_embed = nnx.Embed(config.seq_len, config.d_model, embedding_init=EMBED_INIT, rngs=rngs,
+                                   **precision)
         self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
-        self.ln_final = nnx.LayerNorm(config.d_model, rngs=rngs)
-        self.lm_head = nnx.Linear(config.d_model, config.vocab_size, rngs=rngs)
+        self.ln_final = nnx.LayerNorm(config.d_model, rngs=rngs, **precision)
+        self.lm_head = nnx.Linear(config.d_model, config.vocab_size, rngs=rngs, **precision)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.token_embed(tokens) + self.pos_embed(jnp.arange(tokens.shape[-1]))
@@ -167,8 +199,8 @@ def make_batch(config: Config, key: jax.Array, batch_size: int) -> Batch:
 
 
 def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    """Mean next-token cross-entropy, in float32 whatever the logits' dtype."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
 
 
 def workload(

@@ -17,7 +17,7 @@ if not __package__:  # run as a file (python examples/train.py): make the reposi
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="gpt", choices=["mlp", "gpt", "gpt_scan", "moe", "convnet"])
+    parser.add_argument("--model", default="gpt", choices=["mlp", "gpt", "gpt_scan", "moe", "moe_topk", "convnet"])
     parser.add_argument("--config", default="small")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--devices", type=int, default=8)

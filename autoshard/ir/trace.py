@@ -19,7 +19,8 @@ Roles of the inputs come from the pytrees: leaves inside an optax state
 object (or under a key named ``opt_state``) are optimizer state; other leaves
 that the step returns updated (same position-independent tree structure,
 shapes and dtypes in the output) are parameters when floating point of rank
-≥ 1, state otherwise; everything else is batch.
+≥ 1 (any floating dtype: float32, bfloat16, float16, the float8 types), state
+otherwise; everything else is batch.
 """
 from __future__ import annotations
 
@@ -254,13 +255,26 @@ def carried_pairs(args: tuple[Any, ...], out_shape: Any) -> dict[int, int]:
     return pairs
 
 
+def is_floating(dtype_name: str) -> bool:
+    """True for every floating dtype, bfloat16, float16 and the float8 types included.
+
+    ``np.issubdtype(jnp.bfloat16, np.floating)`` is False (ml_dtypes types are not numpy floating
+    subclasses); ``jnp.issubdtype`` knows them.
+    """
+    if dtype_name.startswith("key"):
+        return False
+    try:
+        return bool(jax.numpy.issubdtype(np.dtype(dtype_name), jax.numpy.floating))
+    except TypeError:  # extended dtypes (PRNG keys) have no numpy dtype
+        return False
+
+
 def _input_roles(args: tuple[Any, ...], leaves: list[Any], carried: set[int]) -> list[Role]:
     opt_mask = _opt_state_leaf_mask(args)
     roles: list[Role] = []
     first_arg_leaves = len(jax.tree_util.tree_leaves(args[0])) if args else 0
     for i, leaf in enumerate(leaves):
-        name = _dtype_name(leaf)
-        floating = not name.startswith("key") and np.issubdtype(np.dtype(name), np.floating)
+        floating = is_floating(_dtype_name(leaf))
         if opt_mask[i]:
             roles.append(Role.OPT_STATE)
         elif i in carried:

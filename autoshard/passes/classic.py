@@ -93,7 +93,7 @@ def node_axes(mesh: LogicalMesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
 # ----------------------------------------------------------------------------- pins
 
 
-def _mirror_params(graph: OpGraph, param_specs: Mapping[int, Spec]) -> dict[int, Spec]:
+def mirror_params(graph: OpGraph, param_specs: Mapping[int, Spec]) -> dict[int, Spec]:
     """Optimizer-state leaves that mirror a parameter (same shape, path ending in its path) get its spec."""
     by_suffix: dict[tuple[str, tuple[int, ...]], Spec] = {}
     for i, spec in param_specs.items():
@@ -156,7 +156,7 @@ def baseline_pins(graph: OpGraph, mesh: LogicalMesh, kind: Baseline,
             dims[dim] = axes
             state[i] = Spec(tuple(dims))
         pins.update(state)
-        pins.update(_mirror_params(graph, state))
+        pins.update(mirror_params(graph, state))
     return pins
 
 

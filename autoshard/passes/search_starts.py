@@ -5,8 +5,9 @@ perturbation rounds) from each of several greedy starts and keeps the best valid
 ILP hint, so the plan is never worse than it under the model. The starts: the
 batch split over all axes, each axis, or none, with state replicated or sharded
 (:func:`_greedy_hint`); everything replicated (:func:`_replicated_start`); every
-classic strategy's storage layouts (``passes/classic.py``, unless
-``classic_starts=False``) and the ``start_layouts`` option's (:func:`_layout_start`);
+classic strategy's storage layouts (``passes/classic.py``) and the expert x data
+layouts of a step with expert weights (``passes/experts.py``), unless
+``classic_starts=False``, and the ``start_layouts`` option's (:func:`_layout_start`);
 a previous plan's strategies (:func:`hint_from`). Every entry point searches
 from the same starts.
 """
@@ -20,6 +21,7 @@ import numpy as np
 from autoshard.ir.graph import Role
 from autoshard.ir.spec import Spec
 from autoshard.passes.classic import classic_layouts
+from autoshard.passes.experts import expert_layouts
 from autoshard.passes.cost_graph import ClassEdge, CostGraph, MemoryPoints
 from autoshard.passes.ilp.problem import IlpProblem, SharedCharge, evaluate
 from autoshard.passes.ilp.search import local_search
@@ -89,6 +91,7 @@ def best_start(cg: CostGraph, class_cost: list[np.ndarray], edges: list[ClassEdg
     layouts: list[Mapping[int, Spec]] = []
     if cg.options.classic_starts and len(cg.options.pinned_inputs) < cg.num_inputs:
         layouts += classic_layouts(cg.graph, cg.mesh)
+        layouts += expert_layouts(cg.graph, cg.mesh)
     if cg.options.start_layouts is not None:
         layouts += cg.options.start_layouts(cg.graph, cg.mesh)
     # a layout start fixes its own batch and state layouts

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from examples import Workload, common, convnet, gpt, is_abstract, mlp, moe
+from examples import Workload, common, convnet, gpt, is_abstract, mlp, moe, moe_topk
 
-MODULES: dict[str, ModuleType] = {"mlp": mlp, "gpt": gpt, "moe": moe, "convnet": convnet}
+MODULES: dict[str, ModuleType] = {"mlp": mlp, "gpt": gpt, "moe": moe, "moe_topk": moe_topk, "convnet": convnet}
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
@@ -94,4 +94,38 @@ def test_moe_routing_respects_capacity() -> None:
     gate_sums = combine.sum(axis=(2, 3))
     assert bool(jnp.allclose(jnp.where(kept, gate_sums, 1.0), 1.0, atol=1e-5))
     assert float(dispatch.sum()) > 0.5 * groups * tokens  # most tokens are routed
+    assert math.isfinite(float(aux_loss)) and float(aux_loss) > 0
+
+
+def test_topk_moe_matches_a_token_by_token_reference_with_drops() -> None:
+    """The sort + gather/scatter MoE layer against a loop over tokens: top-k experts by probability,
+    first choices before second ones and earlier tokens first, at most ``capacity`` per expert and group;
+    a capacity factor of 0.75 forces drops."""
+    import dataclasses
+
+    import numpy as np
+
+    config = dataclasses.replace(moe_topk.CONFIGS["tiny"], capacity_factor=0.75)
+    layer = moe_topk.TopKMoeMlp(config, rngs=common.InitKeys(jax.random.key(1)))
+    x = jax.random.normal(jax.random.key(2), (3, config.seq_len, config.d_model))
+    got, aux_loss = layer(x)
+    probs = np.asarray(jax.nn.softmax(layer.router.gate(x), axis=-1))
+    w_in, b_in, w_out, b_out = (np.asarray(p[...]) for p in (layer.w_in, layer.b_in, layer.w_out, layer.b_out))
+    xs, want, dropped = np.asarray(x), np.zeros(x.shape, np.float32), 0
+    for g in range(x.shape[0]):
+        experts = np.argsort(-probs[g], axis=-1, kind="stable")[:, : config.top_k]
+        gates = np.take_along_axis(probs[g], experts, axis=-1)
+        gates = gates / gates.sum(axis=-1, keepdims=True)
+        filled = [0] * config.num_experts
+        for choice in range(config.top_k):
+            for t in range(config.seq_len):
+                e = experts[t, choice]
+                if filled[e] == config.capacity:
+                    dropped += 1
+                    continue
+                filled[e] += 1
+                hidden = np.asarray(jax.nn.gelu(jnp.asarray(xs[g, t] @ w_in[e] + b_in[e])))
+                want[g, t] += gates[t, choice] * (hidden @ w_out[e] + b_out[e])
+    assert dropped > 0
+    assert float(np.max(np.abs(np.asarray(got) - want))) <= 1e-5 * float(np.max(np.abs(want)))
     assert math.isfinite(float(aux_loss)) and float(aux_loss) > 0

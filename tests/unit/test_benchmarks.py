@@ -39,6 +39,7 @@ def test_default_set_covers_the_issue():
     assert {"small", "medium", "large", "xl"} <= gpt_sizes
     assert {c.cluster for c in cells} == {"1x8-a100", "2x8-a100", "4x8-h100"}
     assert any(c.model == "moe" for c in cells) and any(c.model == "convnet" for c in cells)
+    assert any(c.model == "moe_topk" and c.config == "large" for c in cells)  # sort/gather routing
     assert all(c.cluster == "1x8-a100" for c in cells if c.fidelity)
 
 

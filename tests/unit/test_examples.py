@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from examples import Workload, convnet, count_params, gpt, gpt_scan, is_abstract, mlp, moe
+from examples import Workload, convnet, count_params, gpt, gpt_scan, is_abstract, mlp, moe, moe_topk
 
-MODULES: dict[str, ModuleType] = {"mlp": mlp, "gpt": gpt, "gpt_scan": gpt_scan, "moe": moe, "convnet": convnet}
+MODULES: dict[str, ModuleType] = {"mlp": mlp, "gpt": gpt, "gpt_scan": gpt_scan, "moe": moe, "moe_topk": moe_topk,
+                                  "convnet": convnet}
 
 
 def _live_bytes() -> int:
@@ -78,7 +79,7 @@ def test_gpt_large_traces_fast() -> None:
 
 
 @pytest.mark.parametrize(("model", "name", "min_params"), [
-    ("gpt", "xl", 6e9), ("moe", "large", 1e9), ("mlp", "large", 1e8),
+    ("gpt", "xl", 6e9), ("moe", "large", 1e9), ("moe_topk", "large", 1e9), ("mlp", "large", 1e8),
     ("convnet", "large", 1e7),
 ])
 def test_big_configs_are_abstract(model: str, name: str, min_params: float) -> None:
