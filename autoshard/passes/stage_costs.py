@@ -103,6 +103,7 @@ class LayerCost:
     time_s: float
     forward_s: float
     state_bytes: float
+    grad_bytes: float  # the gradient accumulators' part of state_bytes
     opt_bytes: float
     update_s: float
     act_bytes: float
@@ -134,6 +135,7 @@ class PricedStages:
     compute_s: np.ndarray  # [L, L, K, nB] per microbatch, without the once-per-step part
     update_s: np.ndarray  # [L, L, K] once per step
     state_bytes: np.ndarray  # [L, L, K] params + accumulators per device
+    grad_bytes: np.ndarray  # [L, L, K] the accumulators' part
     opt_bytes: np.ndarray  # [L, L, K]
     costs: dict[tuple[str, int, int], tuple[LayerCost, LayerCost]]  # (layer key, mesh, mode) -> (B=1, B=r)
     ratio: int  # r
@@ -141,6 +143,7 @@ class PricedStages:
     meshes: tuple[LogicalMesh, ...]  # the logical meshes solved on
     mesh_of: tuple[int, ...]  # per variant: its index in meshes
     num_solves: int
+    groups: tuple[tuple[int, ...], ...]  # per layer: its graph's input counts (LayerTrainGraph.groups)
 
     def layer_cost(self, layer: int, k: int) -> LayerCost:
         """The plan of ``layer`` on variant k at B = r (its specs are those the runtime applies)."""
@@ -177,28 +180,25 @@ def _local_bytes(graph: OpGraph, vid: int, spec: Spec, sizes: dict[str, int]) ->
     return float(value.nbytes) / max(1, spec.num_shards(sizes))
 
 
-def _describe(graph: OpGraph, groups: Sequence[int], specs: Sequence[Spec], mesh: LogicalMesh) -> str:
+def _describe(groups: Sequence[int], specs: Sequence[Spec], mesh: LogicalMesh) -> str:
     """What the plan does with state and batch, in the classic names where they fit."""
-    na, npar, nd = groups[0], groups[1], groups[2]
+    na, npar, nd, nact = groups[0], groups[1], groups[2], groups[3]
     params = specs[na:na + npar]
     accs = specs[:na]
-    data = specs[na + npar:na + npar + nd]
-    sharded_p = sum(not s.is_replicated for s in params)
-    sharded_a = sum(not s.is_replicated for s in accs)
-    batch_axes = sorted({a for s in data for a in (s.dims[0] if s.rank else ())})
+    inputs = specs[na + npar:na + npar + nd + nact]
+    batch_axes = sorted({a for s in inputs if s.rank for a in s.dims[0]})
     param_axes = sorted({a for s in params for a in s.used_axes})
-    if not param_axes and not sharded_a:
+    if not param_axes and not any(not s.is_replicated for s in accs):
         kind = "DP" if batch_axes else "replicated"
     elif not param_axes:
-        kind = "ZeRO-2"
+        kind = "ZeRO-2" if batch_axes else "replicated, grads sharded"
     elif set(param_axes) <= set(batch_axes):
         kind = "FSDP"
     elif batch_axes:
         kind = "DP x TP"
     else:
         kind = "TP"
-    return (f"{kind} on {'x'.join(map(str, mesh.shape))}: batch over {{{','.join(batch_axes)}}}, "
-            f"{sharded_p}/{len(params)} params and {sharded_a}/{len(accs)} grads sharded")
+    return f"{kind} on {'x'.join(map(str, mesh.shape))} (batch over {{{','.join(batch_axes)}}})"
 
 
 def layer_cost(train: LayerTrainGraph, result: IntraOpResult, leaf_update_s: Sequence[float],
@@ -229,11 +229,12 @@ def layer_cost(train: LayerTrainGraph, result: IntraOpResult, leaf_update_s: Seq
     act = residual + in_b
     acts_in = specs[na + npar + nd:na + npar + nd + nact]
     return LayerCost(
-        time_s=float(result.step_s), forward_s=forward_s, state_bytes=acc_b + param_b, opt_bytes=opt_ratio * acc_b,
+        time_s=float(result.step_s), forward_s=forward_s, state_bytes=acc_b + param_b, grad_bytes=acc_b,
+        opt_bytes=opt_ratio * acc_b,
         update_s=update_s, act_bytes=act, in_bytes=in_b,
         extra_bytes=max(0.0, float(result.peak_bytes) - acc_b - param_b - act),
         in_replicated=all(s.is_replicated for s in acts_in), input_specs=tuple(specs),
-        summary=_describe(graph, train.groups, specs, mesh))
+        summary=_describe(train.groups, specs, mesh))
 
 
 def _lerp(big: float, small: float, ratio: int, num_microbatches: int) -> float:
@@ -244,38 +245,58 @@ def _lerp(big: float, small: float, ratio: int, num_microbatches: int) -> float:
     return max(0.0, small + (big - small) * x)
 
 
+def _solve(train: LayerTrainGraph, mesh: LogicalMesh, mode: str, update: Sequence[float], opt_ratio: float,
+           options: StageCostOptions) -> LayerCost:
+    budget = options.memory_budget_bytes if math.isfinite(options.memory_budget_bytes) else None
+    opts = IntraOpOptions(time_limit_s=options.time_limit_s, memory_budget_bytes=budget, classic_starts=False)
+    if mode == "lean":
+        pins = baseline_pins(train.graph, mesh, Baseline.FSDP)
+        keep = sum(train.groups[:2])
+        opts = replace(opts, pinned_inputs={i: s for i, s in pins.items() if i < keep})
+    try:
+        result = plan_intra_op(train.graph, mesh, opts, exact_smallest_budget=False)
+    except InfeasibleMemoryError:  # one layer over the budget: price it anyway, the DP rejects what does not fit
+        result = plan_intra_op(train.graph, mesh, replace(opts, memory_budget_bytes=1e30),
+                               exact_smallest_budget=False)
+    return layer_cost(train, result, update, opt_ratio)
+
+
 def solve_layers(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrainGraph]],
                  leaf_update_s: Sequence[Sequence[float]], meshes: Sequence[LogicalMesh], opt_ratio: float,
                  options: StageCostOptions, progress: Callable[[str], None] | None = None
                  ) -> tuple[dict[tuple[str, int, int], tuple[LayerCost, LayerCost]], int]:
-    """Solve every distinct layer on every mesh in every mode at B = 1 and B = r."""
+    """Solve every distinct layer on every mesh at B = 1 and B = r (one solve when the two graphs are one).
+
+    ``"lean"`` is solved on a mesh of more than one device only when the whole model's state in the fast
+    plans (parameters, accumulators, optimizer state) would not fit the budget there: otherwise every
+    stage's state fits without it."""
     costs: dict[tuple[str, int, int], tuple[LayerCost, LayerCost]] = {}
     solves = 0
-    budget = options.memory_budget_bytes if math.isfinite(options.memory_budget_bytes) else None
-    for (big, small), update in zip(layer_graphs, leaf_update_s):
-        for m, mesh in enumerate(meshes):
-            for mode in options.modes:
+
+    def run(mode: str) -> None:
+        nonlocal solves
+        for (big, small), update in zip(layer_graphs, leaf_update_s):
+            for m, mesh in enumerate(meshes):
                 key = (big.key, m, MODES.index(mode))
-                if key in costs:
+                if key in costs or (mode == "lean" and m not in lean_meshes):
                     continue
                 if progress is not None:
                     progress(f"pricing layer class {big.key[:8]} on {'x'.join(map(str, mesh.shape))} ({mode})")
-                pair = []
-                for train in (big, small):
-                    opts = IntraOpOptions(time_limit_s=options.time_limit_s, memory_budget_bytes=budget,
-                                          classic_starts=False)
-                    if mode == "lean":
-                        pins = baseline_pins(train.graph, mesh, Baseline.FSDP)
-                        keep = sum(train.groups[:2])
-                        opts = replace(opts, pinned_inputs={i: s for i, s in pins.items() if i < keep})
-                    try:
-                        result = plan_intra_op(train.graph, mesh, opts, exact_smallest_budget=False)
-                    except InfeasibleMemoryError:  # one layer over the budget: price it, the DP rejects it
-                        result = plan_intra_op(train.graph, mesh, replace(opts, memory_budget_bytes=1e30),
-                                               exact_smallest_budget=False)
-                    solves += 1
-                    pair.append(layer_cost(train, result, update, opt_ratio))
-                costs[key] = (pair[0], pair[1])
+                first = _solve(big, mesh, mode, update, opt_ratio, options)
+                second = first if small is big else _solve(small, mesh, mode, update, opt_ratio, options)
+                solves += 1 if small is big else 2
+                costs[key] = (first, second)
+
+    lean_meshes: set[int] = set()
+    if "fast" in options.modes:
+        run("fast")
+    if "lean" in options.modes:
+        for m, mesh in enumerate(meshes):
+            state = sum(costs[big.key, m, 0][1].state_bytes + costs[big.key, m, 0][1].opt_bytes
+                        for big, _ in layer_graphs) if "fast" in options.modes else math.inf
+            if mesh.num_devices > 1 and state > options.memory_budget_bytes:
+                lean_meshes.add(m)
+        run("lean")
     return costs, solves
 
 
@@ -291,6 +312,9 @@ def price_stage_variants(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrai
     """
     num_layers = len(layer_graphs)
     subs = options.submeshes or stage_submeshes(cluster, num_devices)
+    fewest = max(options.min_stages, options.num_stages or 1)
+    largest = num_devices - (fewest - 1) * min(a * b for a, b in subs)  # a bigger stage leaves too few devices
+    subs = tuple(sub for sub in subs if sub[0] * sub[1] <= largest)
     mesh_keys = [(sub, shape) for sub in subs for shape in logical_shapes(sub)]
     meshes = tuple(make_logical_mesh(cluster, shape, device_indices=tuple(range(sub[0] * sub[1])))
                    for sub, shape in mesh_keys)
@@ -298,6 +322,8 @@ def price_stage_variants(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrai
     variants, mesh_of = [], []
     for m, (sub, shape) in enumerate(mesh_keys):
         for mode in options.modes:
+            if (layer_graphs[0][0].key, m, MODES.index(mode)) not in costs:
+                continue
             for rec in options.recompute:
                 variants.append(StageVariant(sub, shape, mode, rec))
                 mesh_of.append(m)
@@ -309,12 +335,13 @@ def price_stage_variants(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrai
     # per layer, variant, B: t, f, act, extra; per layer, variant: state, opt, update
     t = np.zeros((num_layers, num_k, num_b))
     f, act, extra, inb = np.zeros_like(t), np.zeros_like(t), np.zeros_like(t), np.zeros_like(t)
-    state, opt, upd = (np.zeros((num_layers, num_k)) for _ in range(3))
+    state, grad, opt, upd = (np.zeros((num_layers, num_k)) for _ in range(4))
     in_rep = np.zeros((num_layers, num_k), dtype=bool)
     for layer in range(num_layers):
         for k, var in enumerate(variants):
             big, small = costs[keys[layer], mesh_of[k], MODES.index(var.mode)]
             state[layer, k], opt[layer, k], upd[layer, k] = small.state_bytes, small.opt_bytes, small.update_s
+            grad[layer, k] = small.grad_bytes
             in_rep[layer, k] = small.in_replicated
             for b, big_b in enumerate(bs):
                 t[layer, k, b] = _lerp(big.time_s, small.time_s, ratio, big_b)
@@ -323,10 +350,10 @@ def price_stage_variants(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrai
                 extra[layer, k, b] = _lerp(big.extra_bytes, small.extra_bytes, ratio, big_b)
                 inb[layer, k, b] = _lerp(big.in_bytes, small.in_bytes, ratio, big_b)
     cum = {name: np.concatenate([np.zeros((1,) + a.shape[1:]), np.cumsum(a, axis=0)])
-           for name, a in (("t", t), ("f", f), ("act", act), ("state", state), ("opt", opt), ("upd", upd))}
+           for name, a in (("t", t), ("f", f), ("act", act), ("state", state), ("grad", grad), ("opt", opt), ("upd", upd))}
     shape4 = (num_layers, num_layers, num_k, num_b)
     comp, acts, work = np.full(shape4, np.inf), np.zeros(shape4), np.zeros(shape4)
-    sbytes, obytes, usec = (np.zeros(shape4[:3]) for _ in range(3))
+    sbytes, gbytes, obytes, usec = (np.zeros(shape4[:3]) for _ in range(4))
     recompute = np.array([v.recompute for v in variants])
     for i in range(num_layers):
         run_max = np.zeros((num_k, num_b))
@@ -334,6 +361,7 @@ def price_stage_variants(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrai
             run_max = np.maximum(run_max, extra[j])
             seg = {name: a[j + 1] - a[i] for name, a in cum.items()}
             sbytes[i, j], obytes[i, j], usec[i, j] = seg["state"], seg["opt"], seg["upd"]
+            gbytes[i, j] = seg["grad"]
             comp[i, j] = seg["t"] + np.where(recompute[:, None], seg["f"], 0.0)
             acts[i, j] = np.where(recompute[:, None], inb[i], seg["act"])
             work[i, j] = run_max + np.where(recompute[:, None], seg["act"], 0.0)
@@ -357,5 +385,5 @@ def price_stage_variants(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrai
         stage_act_bytes=acts, transfer_s=transfer, memory_budget_bytes=options.memory_budget_bytes,
         schedule=options.schedule, num_stages=options.num_stages, num_microbatches=options.num_microbatches,
         stage_work_bytes=work)
-    return PricedStages(problem, tuple(variants), comp, usec, sbytes, obytes, costs, ratio, keys, meshes,
-                        tuple(mesh_of), solves)
+    return PricedStages(problem, tuple(variants), comp, usec, sbytes, gbytes, obytes, costs, ratio, keys, meshes,
+                        tuple(mesh_of), solves, tuple(big.groups for big, _ in layer_graphs))

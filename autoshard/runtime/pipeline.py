@@ -20,10 +20,16 @@ devices). Per stage s, each ``jax.jit``-ed on its own
   owns (the update jaxpr cut down by DCE), fed with the stage's accumulated
   gradients.
 
-Intra-stage sharding (first version): data parallel. Parameters and optimizer
-state are replicated on the stage's devices, the batch and every activation
-are split along their leading dimension over the stage's one mesh axis
-``dp`` when it divides, and XLA (GSPMD) shards the rest.
+Intra-stage sharding: each stage runs its own intra-op plan on its sub-mesh
+(``StageLayout``): a logical mesh of one or two axes, a storage spec per
+parameter and per gradient accumulator (FSDP, ZeRO, TP: whatever the plan
+chose), the step inputs the optimizer reads (its state in the accumulator's
+layout), and the mesh axes that split the batch and the activations along
+their leading dimension (when they divide it). Gradients accumulate in the
+accumulator's layout; the update runs on the stage's mesh with its inputs in
+their planned layouts. A layout without specs is data parallel: one axis
+``dp``, parameters and optimizer state replicated. XLA (GSPMD) shards the
+rest from these annotations.
 
 Microbatching assumes the loss is a mean over the batch: microbatch losses and
 gradients are averaged (the loss cotangent is 1/B). Every non-differentiated
@@ -38,7 +44,11 @@ stages (tied embeddings) is sent to each; their gradient contributions are
 summed on its owner, the first stage that reads it.
 
 Activations and their gradients move between stages with ``jax.device_put``
-to the receiving stage's sharding.
+to the receiving stage's sharding: split over the receiving mesh's batch axes,
+each device receives only its share (one send over the link between the two
+sub-meshes); a receiving stage that takes the activation replicated gets it
+split over its devices first and all-gathers it inside its own mesh
+(``stage_layout.deliver``), never once per device over the slow link.
 """
 from __future__ import annotations
 
@@ -52,11 +62,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jcore
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from autoshard.errors import PlanningError
 from autoshard.ir.split import Forward, StepParts, VarId
 from autoshard.runtime.schedules import PipelineSchedule, schedule_actions
+from autoshard.runtime.stage_layout import StageLayout, deliver, planned_sharding, replicated, split_leading
+
+__all__ = ["PipelineError", "PipelineStep", "StageLayout", "StageProgram", "assign_outputs", "stage_programs"]
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +78,6 @@ LayerEqns: TypeAlias = tuple[int, ...]  # the forward equation indices of one la
 
 class PipelineError(PlanningError):
     """The step cannot run as a pipeline; the message says why and what to change."""
-
-
-@dataclass(frozen=True)
-class StageLayout:
-    """Where a stage runs: a layer range and the (jax) device indices of its sub-mesh."""
-
-    first_layer: int
-    last_layer: int  # inclusive
-    device_indices: tuple[int, ...]
 
 
 # ---------------------------------------------------------------------------
@@ -218,17 +222,6 @@ def assign_outputs(parts: StepParts, owner_of_grad: Sequence[int], out_paths: Se
 # The runtime
 
 
-def _replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec())
-
-
-def _split_leading(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
-    n = mesh.devices.size
-    if len(shape) >= 1 and n > 1 and shape[0] % n == 0:
-        return NamedSharding(mesh, PartitionSpec("dp"))
-    return _replicated(mesh)
-
-
 class PipelineStep:
     """A pipelined train step: call it like the original function ``(params, opt_state, batch) -> outputs``."""
 
@@ -243,13 +236,13 @@ class PipelineStep:
         self.num_microbatches, self.schedule = int(num_microbatches), schedule
         self.in_tree, self.out_tree = in_tree, out_tree
         devices = list(devices if devices is not None else jax.devices())
-        self.meshes = [Mesh(np.asarray([devices[i] for i in st.device_indices]), ("dp",),
-                            axis_types=(jax.sharding.AxisType.Auto,)) for st in stages]
+        self.meshes = [Mesh(np.asarray([devices[i] for i in st.device_indices]).reshape(st.shape), st.names,
+                            axis_types=(jax.sharding.AxisType.Auto,) * len(st.shape)) for st in stages]
         fwd = parts.forward
         self.programs = stage_programs(fwd, layers, [(st.first_layer, st.last_layer) for st in stages])
         self.actions = schedule_actions(schedule, len(stages), self.num_microbatches)
         self.split_inputs = tuple(bool(x) for x in split_inputs)
-        self.recompute = recompute
+        self.recompute = tuple(bool(recompute or st.recompute) for st in stages)  # per stage
         self._jit_options: dict[str, Any] = {"compiler_options": dict(compiler_options)} if compiler_options else {}
         # gradient owners: the first stage that reads each differentiated leaf (stage 0 if none does)
         readers: dict[int, list[int]] = {}
@@ -263,10 +256,20 @@ class PipelineStep:
 
     # ---- construction --------------------------------------------------
     def _act_sharding(self, s: int, var: VarId) -> NamedSharding:
-        return _split_leading(self.meshes[s], self.parts.forward.avals[var].shape)
+        return split_leading(self.meshes[s], self.parts.forward.avals[var].shape, self.layouts[s].batch_axes)
 
     def _data_sharding(self, s: int, k: int) -> NamedSharding:
-        return _split_leading(self.meshes[s], self.parts.forward.avals[self.parts.forward.invars[k]].shape)
+        return split_leading(self.meshes[s], self.parts.forward.avals[self.parts.forward.invars[k]].shape,
+                              self.layouts[s].batch_axes)
+
+    def _leaf_shape(self, k: int) -> tuple[int, ...]:
+        return tuple(self.parts.forward.avals[self.parts.forward.invars[k]].shape)
+
+    def _param_sharding(self, s: int, k: int) -> NamedSharding:
+        return planned_sharding(self.meshes[s], self.layouts[s].param_specs.get(k), self._leaf_shape(k))
+
+    def _grad_sharding(self, s: int, k: int) -> NamedSharding:
+        return planned_sharding(self.meshes[s], self.layouts[s].grad_specs.get(k), self._leaf_shape(k))
 
     def _is_split(self, k: int) -> bool:
         src = self.parts.operand_inputs[k]
@@ -279,14 +282,15 @@ class PipelineStep:
         self.fwd_fns, self.bwd_fns = [], []
         for p in self.programs:
             mesh = self.meshes[p.index]
-            rep = _replicated(mesh)
+            rep = replicated(mesh)
             run = p.function(fwd)
-            ps = [rep] * len(p.param_leaves)
+            ps = [self._param_sharding(p.index, k) for k in p.param_leaves]
+            gs = [self._grad_sharding(p.index, k) for k in p.param_leaves]
             ds = [self._data_sharding(p.index, k) for k in p.data_leaves]
             ins = [self._act_sharding(p.index, v) for v in p.in_acts]
             last = p.index == num_stages - 1
             outs = [rep] if last else [self._act_sharding(p.index, v) for v in p.out_acts]
-            if self.recompute or last:
+            if self.recompute[p.index] or last:
                 self.fwd_fns.append(jax.jit(run, in_shardings=(ps, ds, ins), out_shardings=outs, **self._jit_options))
             else:
                 def fwd_keep(params, data, acts, run=run):
@@ -302,41 +306,57 @@ class PipelineStep:
                     acc = [a + g for a, g in zip(acc, dparams)]
                     return acc, dacts, loss_acc + loss * scale
 
-                self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, ps, rep),
-                                            out_shardings=(ps, ins, rep), donate_argnums=(3, 4),
+                self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, gs, rep),
+                                            out_shardings=(gs, ins, rep), donate_argnums=(3, 4),
                                             **self._jit_options))
-            elif self.recompute:
+            elif self.recompute[p.index]:
                 def bwd(params, data, acts, cts, acc, run=run):
                     _, vjp = jax.vjp(lambda pr, ac: run(pr, data, ac), params, acts)
                     dparams, dacts = vjp(cts)
                     return [a + g for a, g in zip(acc, dparams)], dacts
 
-                self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, outs, ps),
-                                            out_shardings=(ps, ins), donate_argnums=(4,),
+                self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, outs, gs),
+                                            out_shardings=(gs, ins), donate_argnums=(4,),
                                             **self._jit_options))
             else:
                 def bwd_keep(pullback, cts, acc):
                     dparams, dacts = pullback(cts)
                     return [a + g for a, g in zip(acc, dparams)], dacts
 
-                self.bwd_fns.append(jax.jit(bwd_keep, out_shardings=(ps, ins), donate_argnums=(2,), **self._jit_options))
+                self.bwd_fns.append(jax.jit(bwd_keep, out_shardings=(gs, ins), donate_argnums=(2,), **self._jit_options))
         self._build_apply()
 
     def _build_apply(self) -> None:
         parts = self.parts
         update = parts.update
         self.apply_fns: list[tuple[Callable[..., Any], tuple[int, ...], tuple[int, ...]] | None] = []
+        self.apply_in_shardings: list[list[NamedSharding]] = []
         for s in range(len(self.programs)):
             outs = tuple(k for k, st in enumerate(self.out_stage) if st == s)
             if not outs:
                 self.apply_fns.append(None)
+                self.apply_in_shardings.append([])
                 continue
             jx = pe.dce_jaxpr(update, [k in outs for k in range(len(update.outvars))], instantiate=True)
             sub, used = jx
             used_idx = tuple(i for i, u in enumerate(used) if u)
             closed = jcore.ClosedJaxpr(sub, [])
-            fn = jax.jit(jcore.jaxpr_as_fun(closed), out_shardings=_replicated(self.meshes[s]), **self._jit_options)
+            shardings = [self._update_input_sharding(s, i) for i in used_idx]
+            fn = jax.jit(jcore.jaxpr_as_fun(closed), in_shardings=shardings, **self._jit_options)
             self.apply_fns.append((fn, used_idx, outs))
+            self.apply_in_shardings.append(shardings)
+
+    def _update_input_sharding(self, s: int, i: int) -> NamedSharding:
+        """Update-jaxpr input i ([*consts, *step inputs, loss, *grads]) in stage s's planned layout."""
+        parts, mesh = self.parts, self.meshes[s]
+        shape = tuple(parts.update.invars[i].aval.shape)
+        flat = i - parts.num_consts
+        if 0 <= flat < parts.num_inputs:
+            return planned_sharding(mesh, self.layouts[s].input_specs.get(flat), shape)
+        grad = flat - parts.num_inputs - 1
+        if 0 <= grad < parts.num_grads:
+            return self._grad_sharding(s, parts.grad_for_leaf[grad])
+        return replicated(mesh)
 
     # ---- running ---------------------------------------------------------
     def flatten_args(self, args: Sequence[Any]) -> list[Any]:
@@ -355,7 +375,7 @@ class PipelineStep:
     def run_flat(self, flat: Sequence[Any]) -> list[Any]:
         fwd = self.parts.forward
         num_stages, num_mb = len(self.programs), self.num_microbatches
-        params = [[jax.device_put(self._leaf_value(flat, k), _replicated(self.meshes[p.index]))
+        params = [[jax.device_put(self._leaf_value(flat, k), self._param_sharding(p.index, k))
                    for k in p.param_leaves] for p in self.programs]
         data = []  # [stage][microbatch] -> leaves
         for p in self.programs:
@@ -371,8 +391,8 @@ class PipelineStep:
                 per_mb.append(leaves)
             data.append(per_mb)
         acc = [[jnp.zeros(fwd.avals[fwd.invars[k]].shape, fwd.avals[fwd.invars[k]].dtype,
-                          device=_replicated(self.meshes[p.index])) for k in p.param_leaves] for p in self.programs]
-        loss_acc = jnp.zeros((), fwd.avals[fwd.outvar].dtype, device=_replicated(self.meshes[-1]))
+                          device=self._grad_sharding(p.index, k)) for k in p.param_leaves] for p in self.programs]
+        loss_acc = jnp.zeros((), fwd.avals[fwd.outvar].dtype, device=replicated(self.meshes[-1]))
         inbox: dict[tuple[int, int], list[Any]] = {(0, m): [] for m in range(num_mb)}
         ctbox: dict[tuple[int, int], list[Any]] = {}
         stash: dict[tuple[int, int], Any] = {}  # pullbacks (residuals) of microbatches in flight
@@ -381,22 +401,22 @@ class PipelineStep:
             if kind == "F":
                 if last:
                     continue  # fused into the last stage's backward
-                acts = inbox.pop((s, m)) if not self.recompute else inbox[(s, m)]
+                acts = inbox.pop((s, m)) if not self.recompute[s] else inbox[(s, m)]
                 out = self.fwd_fns[s](params[s], data[s][m], acts)
-                if not self.recompute:
+                if not self.recompute[s]:
                     out, stash[(s, m)] = out
-                inbox[(s + 1, m)] = [jax.device_put(x, self._act_sharding(s + 1, v))
+                inbox[(s + 1, m)] = [deliver(x, self._act_sharding(s + 1, v))
                                      for x, v in zip(out, self.programs[s].out_acts)]
                 continue
             if last:
                 acts = inbox.pop((s, m))
                 acc[s], dacts, loss_acc = self.bwd_fns[s](params[s], data[s][m], acts, acc[s], loss_acc)
-            elif self.recompute:
+            elif self.recompute[s]:
                 acc[s], dacts = self.bwd_fns[s](params[s], data[s][m], inbox.pop((s, m)), ctbox.pop((s, m)), acc[s])
             else:
                 acc[s], dacts = self.bwd_fns[s](stash.pop((s, m)), ctbox.pop((s, m)), acc[s])
             if s > 0:
-                ctbox[(s - 1, m)] = [jax.device_put(x, self._act_sharding(s - 1, v))
+                ctbox[(s - 1, m)] = [deliver(x, self._act_sharding(s - 1, v))
                                      for x, v in zip(dacts, self.programs[s - 1].out_acts)]
         return self._apply(flat, acc, loss_acc)
 
@@ -405,7 +425,7 @@ class PipelineStep:
         grads: list[Any] = []
         for g, k in enumerate(parts.grad_for_leaf):
             owner = self.owner_of_grad[g]
-            where = _replicated(self.meshes[owner])
+            where = self._grad_sharding(owner, k)
             total = None
             for s in self.readers.get(k, []):
                 part = jax.device_put(acc[s][self.programs[s].param_leaves.index(k)], where)
@@ -421,8 +441,7 @@ class PipelineStep:
             if entry is None:
                 continue
             fn, used, outs = entry
-            rep = _replicated(self.meshes[s])
-            vals = fn(*[jax.device_put(env[i], rep) for i in used])
+            vals = fn(*[jax.device_put(env[i], where) for i, where in zip(used, self.apply_in_shardings[s])])
             for k, v in zip(outs, vals):
                 outputs[k] = v
         return outputs
