@@ -21,7 +21,7 @@ from typing import Any
 import jax
 
 from autoshard.compiler.driver import PlannedStep, Progress, plan_on
-from autoshard.compiler.target import ClusterLike, MeshLike, resolve_target
+from autoshard.compiler.target import ClusterLike, MeshLike, Target, resolve_target
 from autoshard.errors import InfeasibleMemoryError, PlanningError
 from autoshard.ir.graph import OpGraph, Role, same_structure
 from autoshard.ir.split import StepParts, batch_inputs, microbatch_shapes, split_step
@@ -36,7 +36,7 @@ from autoshard.passes.stages import StageInfeasibleError, StagePlan, solve_stage
 from autoshard.plans.plan import Plan
 from autoshard.compiler.pipeline_plan import build_pipeline_plan, stage_layout
 from autoshard.compiler.stage_graphs import layer_graphs
-from autoshard.runtime.pipeline import PipelineError, PipelineStep, StageLayout
+from autoshard.runtime.pipeline import PipelineError, PipelineStep, StageLayout, StageProgram
 
 log = logging.getLogger(__name__)
 
@@ -119,34 +119,14 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
 
     t0 = time.perf_counter()
     layers = cluster_layers(parts.forward, num_layers)
-    global_batch, split = batch_inputs(parts)
     timings["layers"] = time.perf_counter() - t0
-    by_role = graph.bytes_by_role()
-    opt_ratio = by_role.get(Role.OPT_STATE, 0) / max(by_role.get(Role.PARAM, 0), 1)
     say(f"pricing pipeline stages ({len(layers)} layers)")
     t0 = time.perf_counter()
-    in_leaves = jax.tree_util.tree_leaves(tuple(args))
-    forced = num_microbatches is not None and num_microbatches > 1 and global_batch % num_microbatches == 0
-    big, programs = layer_graphs(parts, layers)
-    ratio, small = 1, big
-    for r in [num_microbatches] if forced else microbatch_ratios(global_batch):
-        small_graph = trace_at(fn, graph.in_tree, microbatch_shapes(in_leaves, split, r))
-        small_parts = split_step(small_graph.jaxpr) if same_structure(graph, small_graph) else None
-        if small_parts is not None:
-            ratio, small = r, layer_graphs(small_parts, layers)[0]
-            break
-        log.info("the step traces differently at batch / %d; trying a larger microbatch", r)
-    if forced and ratio == num_microbatches:
-        big = small  # B is fixed: each layer is solved at that microbatch only
-    apply_s = leaf_apply_s(parts, spec)
     cost_options = StageCostOptions(
         schedule=schedule, num_stages=num_stages, num_microbatches=num_microbatches, memory_budget_bytes=budget,
         min_stages=2 if num_stages is None else 1,
         time_limit_s=min(STAGE_TIME_LIMIT_S, (options or IntraOpOptions()).time_limit_s))
-    priced = price_stage_variants(
-        list(zip(big, small)), [[apply_s[k] for k in prog.param_leaves] for prog in programs],
-        [layer.out_bytes for layer in layers], ratio, spec, num_devices, global_batch, opt_ratio, cost_options,
-        progress=say)
+    priced, programs = price_pipeline(fn, args, graph, parts, layers, cost_options, spec, num_devices, progress=say)
     timings["pricing"] = time.perf_counter() - t0
     log.info("priced %d stage variants with %d layer solves", len(priced.variants), priced.num_solves)
 
@@ -171,18 +151,58 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
         log.info("SPMD %.4gs beats the best pipeline %s", spmd.plan.step_s, stage_plan)
         if not keep_both:
             return spmd
-    placed = place_stages(stage_plan, spec, num_devices)
+    piped = finish_pipeline(fn, args, graph, parts, layers, stage_plan, priced, programs, target, timings, name, spmd)
+    return (piped, spmd) if keep_both else piped
+
+
+def finish_pipeline(fn: Callable[..., Any], args: Sequence[Any], graph: OpGraph, parts: StepParts,
+                    layers: Sequence[Layer], stage_plan: StagePlan, priced: PricedStages,
+                    programs: Sequence[StageProgram], target: Target, timings: dict[str, float], name: str,
+                    spmd: PlannedStep | None) -> PipelinePlanned:
+    """Place the chosen stages on devices, lay each out as its intra-op plan says, and write the Plan."""
+    placed = place_stages(stage_plan, target.cluster, target.num_devices)
     pool = target.device_indices
     if pool is not None:
         placed = [tuple(pool[i] for i in devs) for devs in placed]
+    _, split = batch_inputs(parts)
     layouts = tuple(stage_layout(graph, parts, programs, priced, st, devs)
                     for st, devs in zip(stage_plan.stages, placed))
-    plan = build_pipeline_plan(graph, parts, layers, stage_plan, layouts, priced, spec, budget, timings, name, spmd,
-                               split)
+    plan = build_pipeline_plan(graph, parts, layers, stage_plan, layouts, priced, target.cluster,
+                               target.memory_budget_bytes, timings, name, spmd, split)
     log.info("%s", plan)
-    piped = PipelinePlanned(plan, fn, tuple(in_leaves), graph, parts, layers, stage_plan, layouts, split, graph.in_tree,
-                            graph.out_tree, graph.output_paths, priced)
-    return (piped, spmd) if keep_both else piped
+    return PipelinePlanned(plan, fn, tuple(jax.tree_util.tree_leaves(tuple(args))), graph, parts, tuple(layers),
+                           stage_plan, layouts, split, graph.in_tree, graph.out_tree, graph.output_paths, priced)
+
+
+def price_pipeline(fn: Callable[..., Any], args: Sequence[Any], graph: OpGraph, parts: StepParts,
+                   layers: Sequence[Layer], cost_options: StageCostOptions, cluster: ClusterSpec, num_devices: int,
+                   progress: Progress | None = None) -> tuple[PricedStages, list[StageProgram]]:
+    """Every stage variant priced by the intra-op pass (``passes/stage_costs.py``): each distinct layer's train
+    graph at B = 1 and at B = r (only at B when ``cost_options.num_microbatches`` forces it), solved per
+    logical mesh; also each layer's one-layer program (the leaves its graph's inputs stand for)."""
+    global_batch, split = batch_inputs(parts)
+    by_role = graph.bytes_by_role()
+    opt_ratio = by_role.get(Role.OPT_STATE, 0) / max(by_role.get(Role.PARAM, 0), 1)
+    in_leaves = jax.tree_util.tree_leaves(tuple(args))
+    num_microbatches = cost_options.num_microbatches
+    forced = num_microbatches is not None and num_microbatches > 1 and global_batch % num_microbatches == 0
+    big, programs = layer_graphs(parts, layers)
+    ratio, small = 1, big
+    for r in [num_microbatches] if forced else microbatch_ratios(global_batch):
+        small_graph = trace_at(fn, graph.in_tree, microbatch_shapes(in_leaves, split, r))
+        small_parts = split_step(small_graph.jaxpr) if same_structure(graph, small_graph) else None
+        if small_parts is not None:
+            ratio, small = r, layer_graphs(small_parts, layers)[0]
+            break
+        log.info("the step traces differently at batch / %d; trying a larger microbatch", r)
+    if forced and ratio == num_microbatches:
+        big = small  # B is fixed: each layer is solved at that microbatch only
+    apply_s = leaf_apply_s(parts, cluster)
+    priced = price_stage_variants(
+        list(zip(big, small)), [[apply_s[k] for k in prog.param_leaves] for prog in programs],
+        [layer.out_bytes for layer in layers], ratio, cluster, num_devices, global_batch, opt_ratio, cost_options,
+        progress=progress)
+    return priced, programs
 
 
 def trace_at(fn: Callable[..., Any], in_tree: Any, leaves: Sequence[Any]) -> OpGraph:

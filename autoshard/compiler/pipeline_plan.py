@@ -32,7 +32,7 @@ COST_MODEL = ("intra-op: each distinct layer's forward + backward planned by the
 INTRA_STAGE = "per stage: its own intra-op plan (see each stage's intra-op line)"
 
 
-def _state_specs(graph: OpGraph, parts: StepParts, params: Mapping[int, Spec], grads: Mapping[int, Spec]
+def state_specs(graph: OpGraph, parts: StepParts, params: Mapping[int, Spec], grads: Mapping[int, Spec]
                  ) -> dict[int, Spec]:
     """Flat step input -> spec, for the parameters a stage holds and the optimizer state that follows them:
     an optimizer-state leaf whose pytree path ends with a parameter's path (``mu['w']`` of ``['w']``) and whose
@@ -82,7 +82,7 @@ def stage_layout(graph: OpGraph, parts: StepParts, programs: Sequence[StageProgr
                 batch_axes = tuple(leading[0].dims[0])
     return StageLayout(choice.first_layer, choice.last_layer, tuple(devices), mesh_shape=tuple(mesh.shape),
                        axis_names=tuple(mesh.axis_names), param_specs=params, grad_specs=grads,
-                       input_specs=_state_specs(graph, parts, params, grads),
+                       input_specs=state_specs(graph, parts, params, grads),
                        batch_axes=batch_axes if batch_axes is not None else (), recompute=variant.recompute)
 
 

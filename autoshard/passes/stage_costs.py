@@ -69,7 +69,7 @@ from autoshard.runtime.schedules import PipelineSchedule
 
 log = logging.getLogger(__name__)
 
-MODES = ("fast", "lean")
+MODES = ("fast", "lean", "dp")  # "dp": parameters and accumulators replicated, the batch split (a baseline)
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,7 +88,7 @@ class StageVariant:
 
     submesh: SubmeshShape
     mesh_shape: tuple[int, ...]  # logical mesh of the sub-mesh
-    mode: str  # "fast" | "lean"
+    mode: str  # one of MODES
     recompute: bool
 
     def __str__(self) -> str:
@@ -123,7 +123,7 @@ class StageCostOptions:
     memory_budget_bytes: float = math.inf
     min_stages: int = 1
     recompute: tuple[bool, ...] = (False, True)  # searched per stage
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = ("fast", "lean")
     time_limit_s: float = 0.2  # CP-SAT seconds per layer solve
     submeshes: tuple[SubmeshShape, ...] | None = None  # None: stage_submeshes(cluster)
 
@@ -249,10 +249,10 @@ def _solve(train: LayerTrainGraph, mesh: LogicalMesh, mode: str, update: Sequenc
            options: StageCostOptions) -> LayerCost:
     budget = options.memory_budget_bytes if math.isfinite(options.memory_budget_bytes) else None
     opts = IntraOpOptions(time_limit_s=options.time_limit_s, memory_budget_bytes=budget, classic_starts=False)
-    if mode == "lean":
-        pins = baseline_pins(train.graph, mesh, Baseline.FSDP)
-        keep = sum(train.groups[:2])
-        opts = replace(opts, pinned_inputs={i: s for i, s in pins.items() if i < keep})
+    if mode in ("lean", "dp"):
+        pins = baseline_pins(train.graph, mesh, Baseline.FSDP if mode == "lean" else Baseline.DP)
+        keep = sum(train.groups[:3])  # accumulators, parameters, and (for DP) the batch
+        opts = replace(opts, pinned_inputs={i: s for i, s in pins.items() if i < keep - (mode == "lean") * train.groups[2]})
     try:
         result = plan_intra_op(train.graph, mesh, opts, exact_smallest_budget=False)
     except InfeasibleMemoryError:  # one layer over the budget: price it anyway, the DP rejects what does not fit
@@ -290,6 +290,8 @@ def solve_layers(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrainGraph]]
     lean_meshes: set[int] = set()
     if "fast" in options.modes:
         run("fast")
+    if "dp" in options.modes:
+        run("dp")
     if "lean" in options.modes:
         for m, mesh in enumerate(meshes):
             state = sum(costs[big.key, m, 0][1].state_bytes + costs[big.key, m, 0][1].opt_bytes

@@ -265,10 +265,10 @@ class PipelineStep:
     def _leaf_shape(self, k: int) -> tuple[int, ...]:
         return tuple(self.parts.forward.avals[self.parts.forward.invars[k]].shape)
 
-    def _param_sharding(self, s: int, k: int) -> NamedSharding:
+    def param_sharding(self, s: int, k: int) -> NamedSharding:
         return planned_sharding(self.meshes[s], self.layouts[s].param_specs.get(k), self._leaf_shape(k))
 
-    def _grad_sharding(self, s: int, k: int) -> NamedSharding:
+    def grad_sharding(self, s: int, k: int) -> NamedSharding:
         return planned_sharding(self.meshes[s], self.layouts[s].grad_specs.get(k), self._leaf_shape(k))
 
     def _is_split(self, k: int) -> bool:
@@ -284,8 +284,8 @@ class PipelineStep:
             mesh = self.meshes[p.index]
             rep = replicated(mesh)
             run = p.function(fwd)
-            ps = [self._param_sharding(p.index, k) for k in p.param_leaves]
-            gs = [self._grad_sharding(p.index, k) for k in p.param_leaves]
+            ps = [self.param_sharding(p.index, k) for k in p.param_leaves]
+            gs = [self.grad_sharding(p.index, k) for k in p.param_leaves]
             ds = [self._data_sharding(p.index, k) for k in p.data_leaves]
             ins = [self._act_sharding(p.index, v) for v in p.in_acts]
             last = p.index == num_stages - 1
@@ -355,7 +355,7 @@ class PipelineStep:
             return planned_sharding(mesh, self.layouts[s].input_specs.get(flat), shape)
         grad = flat - parts.num_inputs - 1
         if 0 <= grad < parts.num_grads:
-            return self._grad_sharding(s, parts.grad_for_leaf[grad])
+            return self.grad_sharding(s, parts.grad_for_leaf[grad])
         return replicated(mesh)
 
     # ---- running ---------------------------------------------------------
@@ -375,7 +375,7 @@ class PipelineStep:
     def run_flat(self, flat: Sequence[Any]) -> list[Any]:
         fwd = self.parts.forward
         num_stages, num_mb = len(self.programs), self.num_microbatches
-        params = [[jax.device_put(self._leaf_value(flat, k), self._param_sharding(p.index, k))
+        params = [[jax.device_put(self._leaf_value(flat, k), self.param_sharding(p.index, k))
                    for k in p.param_leaves] for p in self.programs]
         data = []  # [stage][microbatch] -> leaves
         for p in self.programs:
@@ -391,7 +391,7 @@ class PipelineStep:
                 per_mb.append(leaves)
             data.append(per_mb)
         acc = [[jnp.zeros(fwd.avals[fwd.invars[k]].shape, fwd.avals[fwd.invars[k]].dtype,
-                          device=self._grad_sharding(p.index, k)) for k in p.param_leaves] for p in self.programs]
+                          device=self.grad_sharding(p.index, k)) for k in p.param_leaves] for p in self.programs]
         loss_acc = jnp.zeros((), fwd.avals[fwd.outvar].dtype, device=replicated(self.meshes[-1]))
         inbox: dict[tuple[int, int], list[Any]] = {(0, m): [] for m in range(num_mb)}
         ctbox: dict[tuple[int, int], list[Any]] = {}
@@ -425,7 +425,7 @@ class PipelineStep:
         grads: list[Any] = []
         for g, k in enumerate(parts.grad_for_leaf):
             owner = self.owner_of_grad[g]
-            where = self._grad_sharding(owner, k)
+            where = self.grad_sharding(owner, k)
             total = None
             for s in self.readers.get(k, []):
                 part = jax.device_put(acc[s][self.programs[s].param_leaves.index(k)], where)
