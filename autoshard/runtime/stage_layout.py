@@ -10,6 +10,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autoshard.ir.spec import Spec
+from autoshard.runtime.spmd import named_sharding
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ def planned_sharding(mesh: Mesh, spec: Spec | None, shape: Sequence[int]) -> Nam
     """A planned storage spec on the stage's mesh; replicated when none is planned or it does not divide."""
     if spec is None or spec.is_replicated or spec.rank != len(shape) or not spec.divides(shape, dict(mesh.shape)):
         return replicated(mesh)
-    return NamedSharding(mesh, PartitionSpec(*spec.partition_entries()))
+    return named_sharding(spec, mesh)
 
 
 def deliver(x: Any, where: NamedSharding) -> Any:
