@@ -18,9 +18,10 @@ FSDP layout, what a stage of many layers needs when memory binds).
 
 Each distinct layer (equal ``Layer.structure``: repeated and tied layers) is
 solved once per (logical mesh, mode) at two microbatch sizes, the full batch
-(B = 1) and batch / r (B = r); for other B each quantity is linear in the
+(B = 1) and batch / r (B = r); for 1 < B < r each quantity is linear in the
 microbatch size between the two (per op the work is a fixed part, the weights,
-plus a part proportional to the microbatch). Planning is therefore
+plus a part proportional to the microbatch); B above r is not searched. A
+forced B is solved at exactly that microbatch. Planning is therefore
 independent of depth but for the DP itself.
 
 Per layer l on a variant, with the ILP's plan (storage specs, value specs):
@@ -329,7 +330,9 @@ def price_stage_variants(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrai
             for rec in options.recompute:
                 variants.append(StageVariant(sub, shape, mode, rec))
                 mesh_of.append(m)
-    bs = microbatch_choices(global_batch, options.max_microbatches)
+    # B up to r only: between B = 1 and B = r the costs interpolate two solves; beyond r they would extrapolate
+    # (a microbatch smaller than any solved, whose batch split the plans at r may not allow)
+    bs = microbatch_choices(global_batch, min(options.max_microbatches, max(ratio, 1)))
     if options.num_microbatches is not None and options.num_microbatches not in bs:
         bs = tuple(sorted({*bs, options.num_microbatches}))
     keys = tuple(big.key for big, _ in layer_graphs)
