@@ -61,7 +61,7 @@ from autoshard.ir.graph import OpGraph
 from autoshard.ir.spec import Spec
 from autoshard.meshes.cluster import ClusterSpec
 from autoshard.meshes.logical import LogicalMesh, factorizations, make_logical_mesh
-from autoshard.passes.classic import Baseline, baseline_pins
+from autoshard.passes.classic import Baseline, baseline_pins, batch_spec
 from autoshard.passes.intra_op import IntraOpOptions, IntraOpResult, plan_intra_op
 from autoshard.passes.resharding import reshard
 from autoshard.passes.inter_op import cross_mesh_send_s
@@ -253,7 +253,13 @@ def _solve(train: LayerTrainGraph, mesh: LogicalMesh, mode: str, update: Sequenc
     if mode in ("lean", "dp"):
         pins = baseline_pins(train.graph, mesh, Baseline.FSDP if mode == "lean" else Baseline.DP)
         keep = sum(train.groups[:3])  # accumulators, parameters, and (for DP) the batch
-        opts = replace(opts, pinned_inputs={i: s for i, s in pins.items() if i < keep - (mode == "lean") * train.groups[2]})
+        pinned = {i: s for i, s in pins.items() if i < keep - (mode == "lean") * train.groups[2]}
+        if mode == "dp":  # data parallel: the activations entering and their cotangents split on the batch too
+            sizes = dict(zip(mesh.axis_names, mesh.shape))
+            axes = tuple(a for a in mesh.axis_names if sizes[a] > 1)
+            for i in range(keep, len(train.graph.inputs)):
+                pinned[i] = batch_spec(train.graph.values[train.graph.inputs[i]].shape, axes, sizes)
+        opts = replace(opts, pinned_inputs=pinned)
     try:
         result = plan_intra_op(train.graph, mesh, opts, exact_smallest_budget=False)
     except InfeasibleMemoryError:  # one layer over the budget: price it anyway, the DP rejects what does not fit

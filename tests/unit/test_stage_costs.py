@@ -18,8 +18,8 @@ from examples import gpt
 BASE = dataclasses.replace(gpt.CONFIGS["small"], d_model=32, num_heads=2, seq_len=8, batch_size=8)
 
 
-def _plan(num_layers: int, **kwargs):
-    work = gpt.workload(dataclasses.replace(BASE, num_layers=num_layers), abstract=True)
+def _plan(num_layers: int, config=BASE, **kwargs):
+    work = gpt.workload(dataclasses.replace(config, num_layers=num_layers), abstract=True)
     tx = optax.adamw(1e-3)
 
     def step(params, opt_state, batch):
@@ -93,9 +93,10 @@ def _smallest_budget(problem) -> float:
     return info.value.smallest_budget_bytes
 
 
-def test_recomputation_is_searched_per_stage(shallow):
+def test_recomputation_is_searched_per_stage():
     """When activations bind, the DP turns recomputation on (for some stage) rather than fail."""
-    priced = shallow.priced
+    long_sequences = dataclasses.replace(BASE, vocab_size=64, seq_len=64)  # activations outweigh the parameters
+    priced = _plan(2, long_sequences, num_microbatches=4, schedule="gpipe").priced
     problem = priced.problem
     rec = np.array([v.recompute for v in priced.variants])
     without = dataclasses.replace(problem, stage_time_s=np.where(rec[None, None, :, None], np.inf,
