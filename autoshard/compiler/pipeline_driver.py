@@ -40,7 +40,7 @@ from autoshard.runtime.pipeline import PipelineError, PipelineStep, StageLayout,
 
 log = logging.getLogger(__name__)
 
-STAGE_TIME_LIMIT_S = 0.2  # CP-SAT seconds per layer solve when pricing stages (the greedy starts and local search run first)
+STAGE_TIME_LIMIT_S = 0.05  # CP-SAT seconds per layer solve when pricing stages (the greedy starts and local search run first)
 
 
 def microbatch_ratios(global_batch: int, most: int = 8) -> list[int]:
