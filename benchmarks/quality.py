@@ -48,6 +48,7 @@ class Cell:
     batch_size: int | None = None  # None: the config's own
     fidelity: bool = False  # also compile autoshard's plan with XLA (needs a mesh of FIDELITY_DEVICES)
     long_solve_s: float | None = None  # also re-solve autoshard with this CP-SAT time limit: solver or space?
+    pipeline: bool = False  # also plan pipelines (stages searched) and uniform GPipe, under the same model
 
     @property
     def workload(self) -> str:
@@ -160,6 +161,18 @@ class CellResult:
     fidelity: Fidelity | None = None
     long_solve: LongSolve | None = None
     error: str | None = None
+    pipeline: StrategyRow | None = None  # the best pipeline of >= 2 stages (cell.pipeline); None: not planned
+    pipeline_stages: str = ""  # its stages, sub-meshes, B and schedule
+    pipeline_s: float = math.nan  # planning seconds of the pipeline (stages searched, its SPMD plan included)
+
+    @property
+    def pipeline_speedup(self) -> float | None:
+        """The fastest fitting plan of every other row (autoshard's SPMD plan, every classic strategy and
+        uniform GPipe) over the pipeline's step; None when the pipeline was not planned or does not fit."""
+        if self.pipeline is None or not self.pipeline.fits or self.pipeline.step_s <= 0:
+            return None
+        others = [r.step_s for r in (self.autoshard, *self.baselines) if r is not None and r.fits]
+        return min(others) / self.pipeline.step_s if others else None
 
     @property
     def fallback(self) -> StrategyRow | None:
@@ -296,6 +309,8 @@ def run_cell(cell: Cell, cache: WorkloadCache, options: IntraOpOptions, progress
         intra_op_s=float(plan.planning_s.get("intra-op", math.nan)), compare_s=time.perf_counter() - start,
         ilp=_row_sizes(comparison), kept=kept, hot_ops=hot_ops(plan),
     )
+    if cell.pipeline:
+        result = _with_pipeline(result, cell, workload, options, say)
     if cell.long_solve_s:
         say(f"re-solving autoshard with a {cell.long_solve_s:g} s time limit")
         result = replace(result, long_solve=_long_solve(comparison, options, cell.long_solve_s))
@@ -305,6 +320,57 @@ def run_cell(cell: Cell, cache: WorkloadCache, options: IntraOpOptions, progress
         say("compiling every classic plan with XLA")
         result = _with_compiled_prices(result, comparison, workload)
     return result
+
+
+def marked_step(workload: Workload) -> Callable[..., object]:
+    """The workload's step with the loss marked for pipelining (``autoshard.value_and_grad``)."""
+    import autoshard
+    import optax
+
+    tx = workload.optimizer
+
+    def step(params, opt_state, batch):  # noqa: ANN001, ANN202 — the workload's own pytrees
+        loss, grads = autoshard.value_and_grad(workload.loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def _with_pipeline(result: CellResult, cell: Cell, workload: Workload, options: IntraOpOptions,
+                   say: Progress) -> CellResult:
+    """Add the best pipeline (stages searched, >= 2 stages) and uniform GPipe (a classic row) to a cell, priced
+    by the same intra-op model as the SPMD rows; a failure is logged and leaves the cell as it was."""
+    from autoshard.compiler.baselines import UNIFORM_GPIPE, plan_uniform_gpipe
+    from autoshard.compiler.pipeline_driver import plan_pipeline
+    from autoshard.meshes.cluster import get_cluster
+
+    if workload.optimizer is None:
+        return result
+    step = marked_step(workload)
+    devices = get_cluster(cell.cluster).num_devices
+    start = time.perf_counter()
+    try:
+        say("planning pipelines (stages searched)")
+        piped, _ = plan_pipeline(step, workload.args, cluster=cell.cluster, num_devices=devices, options=options,
+                                 keep_both=True, progress=say)
+        seconds = time.perf_counter() - start
+        say("planning uniform GPipe")
+        gpipe = plan_uniform_gpipe(step, workload.args, cluster=cell.cluster, num_devices=devices, options=options,
+                                   progress=say)
+    except Exception:  # noqa: BLE001 — one failing pipeline is recorded in the log; the cell keeps its rows
+        log.exception("%s: planning the pipeline failed", cell)
+        return result
+    plan = piped.plan
+    stages = " | ".join(f"L{s.first_layer}-{s.last_layer}@{'x'.join(map(str, s.mesh_shape))}" for s in plan.stages)
+    return replace(result, pipeline=_pipeline_row("pipeline", plan), pipeline_s=seconds,
+                   pipeline_stages=f"{len(plan.stages)} stages [{stages}] B={plan.num_microbatches} {plan.schedule}",
+                   baselines=(*result.baselines, _pipeline_row(UNIFORM_GPIPE, gpipe)))
+
+
+def _pipeline_row(name: str, plan: Plan) -> StrategyRow:
+    led = plan.ledger
+    return StrategyRow(name, plan.step_s, led.peak_memory_bytes, plan.fits, None, led.compute_s, led.comm_s, 0.0)
 
 
 def _long_solve(comparison: Comparison, options: IntraOpOptions, time_limit_s: float) -> LongSolve | None:

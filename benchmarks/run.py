@@ -60,6 +60,9 @@ FIDELITY = (("gpt", "small"), ("gpt", "medium"), ("gpt", "large"), ("moe", "larg
 # cost model) that holds nothing better: a two-node dense cell and the two-node MoE cell.
 LONG_SOLVE = (("gpt", "large", "2x8-a100"), ("moe", "large", "2x8-a100"))
 LONG_SOLVE_S = 60.0
+# (model, cluster) whose cells also plan pipelines (stages searched) and uniform GPipe: two nodes, where the
+# slow link makes pipelining pay.
+PIPELINE = (("gpt", "2x8-a100"),)
 DEFAULT_OUT = Path(__file__).with_name("RESULTS.md")
 DEFAULT_TIME_LIMIT_S = 2.0
 PROFILED_LAYERS = 24  # the depth whose planning run is profiled to say where planning time goes
@@ -68,14 +71,15 @@ PROFILE_TITLE = f"where planning time goes: the {PROFILED_LAYERS}-layer GPT on (
 
 def default_cells() -> list[Cell]:
     cells = [Cell(m, c, cluster, batch, fidelity=(m, c) in FIDELITY and cluster == "1x8-a100",
-                  long_solve_s=LONG_SOLVE_S if (m, c, cluster) in LONG_SOLVE else None)
+                  long_solve_s=LONG_SOLVE_S if (m, c, cluster) in LONG_SOLVE else None,
+                  pipeline=(m, cluster) in PIPELINE)
              for m, c, batch in WORKLOADS for cluster in CLUSTERS]
     return cells
 
 
 def quick_cells() -> list[Cell]:
     return [Cell("gpt", "small", "1x8-a100", fidelity=True), Cell("moe", "small", "1x8-a100", fidelity=True),
-            Cell("convnet", "small", "1x8-a100", fidelity=True)]
+            Cell("convnet", "small", "1x8-a100", fidelity=True), Cell("gpt", "tiny", "2x8-a100", pipeline=True)]
 
 
 # ----------------------------------------------------------------------------- RESULTS.md
@@ -148,10 +152,12 @@ def markdown(machine: Machine, run: RunSettings, results: Sequence[CellResult],
         "80 GiB budget over autoshard's modeled step (\"kept X\": the solver did not beat its hint X, whose plan "
         "is kept). *of compute bound* is total FLOPs / (devices x peak) over the step. *batch ceiling* is the "
         "largest global batch whose modeled peak fits. Planning seconds are autoshard's own passes; the whole "
-        "comparison (seven solves and two traces) takes longer, see the details. Uniform GPipe is not among "
-        "the classic strategies here: the pipeline planner prices stages with its own model (data parallel "
-        "inside a stage, `passes/inter_op.py`), not the intra-op model every row here is priced with; "
-        "`benchmarks/pipeline_vs_spmd.py` compares pipelines with SPMD plans.",
+        "comparison (seven solves and two traces) takes longer, see the details. On two nodes the GPT cells also "
+        "plan a pipeline (stages, sub-meshes, logical meshes, microbatches and recomputation searched; every "
+        "stage's time and memory from the same intra-op model on its sub-mesh, `passes/stage_costs.py`) and "
+        "uniform GPipe (equal stages, data parallel inside, a classic row): *pipeline speedup* is the fastest "
+        "fitting other row (autoshard's SPMD plan, every classic strategy, uniform GPipe) over the pipeline's "
+        "modeled step.",
         "",
         render_markdown(quality_table(results)),
         "",

@@ -74,14 +74,14 @@ def _mesh(mesh: Sequence[int]) -> str:
 def quality_table(results: Sequence[CellResult]) -> TextTable:
     headers = ("workload", "cluster (mesh)", "autoshard step", "memory / device", "batch ceiling",
                "best classic that fits", "speedup", "of compute bound", "planning s (trace / intra-op)",
-               "ILP (nodes->classes, vars, cons)", "gap / status")
+               "ILP (nodes->classes, vars, cons)", "gap / status", "pipeline step (stages)", "pipeline speedup")
     rows = []
     for r in results:
         name = f"{r.cell.workload} ({_params(r.num_params)}, batch {r.batch_size})"
         where = f"{r.cell.cluster} ({_mesh(r.cell.mesh)})"
         if r.autoshard is None:
             rows.append((name, where, "no plan fits", "—", "—", "—", "—", "—", f"{r.trace_s:.1f} / —",
-                         "—", r.error or ""))
+                         "—", r.error or "", *_pipeline_cells(r)))
             continue
         a, best = r.autoshard, r.fallback
         memory = f"{fmt_bytes(a.peak_bytes)}" + ("" if a.fits else " (over budget)")
@@ -91,9 +91,20 @@ def quality_table(results: Sequence[CellResult]) -> TextTable:
         ilp = str(r.ilp) if r.ilp else "—"
         gap = f"{r.ilp.gap:.0%} {r.ilp.status}" if r.ilp else "—"
         rows.append((name, where, fmt_s(a.step_s), memory, _ceiling(a.batch_ceiling), best_text, speedup,
-                     _num(r.bound_fraction, "{:.0%}"), f"{r.trace_s:.1f} / {r.intra_op_s:.1f}", ilp, gap))
+                     _num(r.bound_fraction, "{:.0%}"), f"{r.trace_s:.1f} / {r.intra_op_s:.1f}", ilp, gap,
+                     *_pipeline_cells(r)))
     return TextTable("autoshard against the best classic strategy that fits (modeled)", headers, tuple(rows),
-                     frozenset({2, 3, 4, 6, 7}))
+                     frozenset({2, 3, 4, 6, 7, 12}))
+
+
+def _pipeline_cells(r: CellResult) -> tuple[str, str]:
+    """The pipeline's step (with its stages, planned in how long) and its speedup over every other row."""
+    if r.pipeline is None:
+        return "—", "—"
+    p = r.pipeline
+    step = (f"{fmt_s(p.step_s)}{'' if p.fits else ' (over budget)'}, {fmt_bytes(p.peak_bytes)}: "
+            f"{r.pipeline_stages}; planned in {r.pipeline_s:.0f} s")
+    return step, _num(r.pipeline_speedup, "{:.2f}x")
 
 
 def baselines_table(results: Sequence[CellResult]) -> TextTable:

@@ -58,6 +58,8 @@ class Workload:
     init: Callable[[Any], tuple[Params, OptState, Batch]] | None = None
     """``init(seed) -> (params, opt_state, batch)``, traceable (``seed`` may be a traced int): jit it with
     ``out_shardings`` to build the arguments directly in a plan's layouts (launch bundles do)."""
+    optimizer: optax.GradientTransformation | None = None
+    """The optax optimizer ``step`` applies (a pipeline's marked step rebuilds the step with it)."""
 
 
 def resolve_config(
@@ -128,6 +130,7 @@ def build_workload(
         config=config,
         loss_fn=loss_fn,
         init=init,
+        optimizer=optimizer,
     )
 
 

@@ -270,3 +270,59 @@ def compare(fn: Callable[..., Any], args: Sequence[Any], mesh: MeshLike = None,
         seconds=time.perf_counter() - start,
     )
     return result
+
+
+UNIFORM_GPIPE = "uniform GPipe"
+
+
+def plan_uniform_gpipe(fn: Callable[..., Any], args: Sequence[Any], *, cluster: ClusterLike = None,
+                       memory_budget: float | None = None, num_devices: int | None = None,
+                       options: IntraOpOptions | None = None, num_layers: int | None = None,
+                       progress: Progress | None = None) -> Plan:
+    """The classic pipeline: S equal stages (one per node on several nodes, else 2), each data parallel on an
+    equal share of the devices (parameters and accumulators replicated, the batch split), GPipe, B the best
+    that fits (the least memory when none does). Priced by the same intra-op model as every other row
+    (``passes/stage_costs.py`` in its ``"dp"`` mode); needs the loss marked with ``autoshard.value_and_grad``."""
+    import numpy as np
+
+    from autoshard.compiler.pipeline_driver import STAGE_TIME_LIMIT_S, finish_pipeline, price_pipeline
+    from autoshard.ir.split import split_step
+    from autoshard.passes.layers import cluster_layers
+    from autoshard.passes.stage_costs import StageCostOptions
+    from autoshard.passes.stages import evaluate_stages
+
+    say = progress or (lambda _line: None)
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    graph = trace(fn, *args)
+    parts = split_step(graph.jaxpr)
+    if parts is None:
+        raise PlanningError("uniform GPipe needs the loss marked with autoshard.value_and_grad (or autoshard.grad)")
+    target = resolve_target(None, cluster, memory_budget, num_devices=num_devices)
+    spec, n = target.cluster, target.num_devices
+    per_node = min(spec.devices_per_node, n)
+    nodes = max(1, n // per_node)
+    num_stages = nodes if nodes > 1 else 2
+    width = n // num_stages
+    submesh = (1, width) if width <= per_node else (width // per_node, per_node)
+    layers = cluster_layers(parts.forward, num_layers)
+    if len(layers) < num_stages:
+        raise PlanningError(f"uniform GPipe needs at least {num_stages} layers; the step has {len(layers)}")
+    timings["trace"] = time.perf_counter() - start
+    cost_options = StageCostOptions(
+        schedule="gpipe", num_stages=num_stages, memory_budget_bytes=target.memory_budget_bytes,
+        min_stages=num_stages, recompute=(False,), modes=("dp",), submeshes=(submesh,),
+        time_limit_s=min(STAGE_TIME_LIMIT_S, (options or IntraOpOptions()).time_limit_s))
+    say(f"pricing uniform GPipe: {num_stages} stages of {len(layers) // num_stages}+ layers on {submesh}")
+    t0 = time.perf_counter()
+    priced, programs = price_pipeline(fn, args, graph, parts, layers, cost_options, spec, n, progress=say)
+    timings["pricing"] = time.perf_counter() - t0
+    bounds = np.linspace(0, len(layers), num_stages + 1).round().astype(int)
+    problem = priced.problem
+    plans = [evaluate_stages(problem, [(int(bounds[s]), int(bounds[s + 1]) - 1, k) for s in range(num_stages)], b)
+             for k in range(len(priced.variants)) for b in problem.microbatch_options]
+    fitting = [p for p in plans if p.peak_bytes <= problem.memory_budget_bytes]
+    best = min(fitting, key=lambda p: p.step_time_s) if fitting else min(plans, key=lambda p: p.peak_bytes)
+    piped = finish_pipeline(fn, args, graph, parts, layers, best, priced, programs, target, timings, UNIFORM_GPIPE,
+                            None)
+    return piped.plan

@@ -19,31 +19,35 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import numpy as np
 
 from autoshard.compiler.driver import PlannedStep, Progress, plan_on
-from autoshard.compiler.target import ClusterLike, MeshLike, resolve_target
+from autoshard.compiler.target import ClusterLike, MeshLike, Target, resolve_target
 from autoshard.errors import InfeasibleMemoryError, PlanningError
 from autoshard.ir.graph import OpGraph, Role, same_structure
-from autoshard.ir.spec import Spec
 from autoshard.ir.split import StepParts, batch_inputs, microbatch_shapes, split_step
 from autoshard.ir.trace import trace, trace_jaxpr
 from autoshard.meshes.cluster import ClusterSpec
-from autoshard.passes.hbm_traffic import compute_lower_bound_s, graph_costs
-from autoshard.passes.inter_op import InterOpOptions, LayerWork, PricedProblem, place_stages, price_stages
+from autoshard.passes.hbm_traffic import graph_costs
+from autoshard.passes.inter_op import place_stages
+from autoshard.passes.stage_costs import PricedStages, StageCostOptions, price_stage_variants
 from autoshard.passes.intra_op import IntraOpOptions
 from autoshard.passes.layers import Layer, cluster_layers
 from autoshard.passes.stages import StageInfeasibleError, StagePlan, solve_stages
-from autoshard.plans.ledger import Ledger, SolverInfo
 from autoshard.plans.plan import Plan
-from autoshard.plans.stage_plan import PipelineStage, PipelineSummary, StageMemory
-from autoshard.runtime.pipeline import PipelineError, PipelineStep, StageLayout, StageProgram, stage_programs
+from autoshard.compiler.pipeline_plan import build_pipeline_plan, stage_layout
+from autoshard.compiler.stage_graphs import layer_graphs
+from autoshard.runtime.pipeline import PipelineError, PipelineStep, StageLayout, StageProgram
 
 log = logging.getLogger(__name__)
 
-COST_MODEL = ("dp: per-op rooflines of each layer's traced forward + backward at the device's batch share "
-              "(residuals kept), gradient all-reduce + optimizer once per step, activation transfers both ways")
-INTRA_STAGE = "data parallel: parameters replicated, batch and activations split on their leading dim"
+STAGE_TIME_LIMIT_S = 0.05  # CP-SAT seconds per layer solve when pricing stages (the greedy starts and local search run first)
+
+
+def microbatch_ratios(global_batch: int, most: int = 8) -> list[int]:
+    """Candidates for r, the second microbatch count each layer is solved at (beside B = 1), best first:
+    divisors of the batch up to ``most`` that leave at least 2 samples per microbatch (a batch of 1 often
+    traces to other equations). The first at which the step traces to the same equations is used."""
+    return [r for r in range(min(most, global_batch // 2), 1, -1) if global_batch % r == 0]
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,7 +66,7 @@ class PipelinePlanned:
     in_tree: Any
     out_tree: Any
     out_paths: tuple[str, ...]
-    priced: PricedProblem
+    priced: PricedStages
 
     def runtime(self, devices: Sequence[jax.Device] | None = None, **step_options: Any) -> PipelineStep:
         """Trace the step at one microbatch and build the stage executables (``step_options``: PipelineStep's
@@ -115,21 +119,16 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
 
     t0 = time.perf_counter()
     layers = cluster_layers(parts.forward, num_layers)
-    global_batch, split = batch_inputs(parts)
     timings["layers"] = time.perf_counter() - t0
-    fwd = parts.forward
-    leaf_bytes = [float(fwd.nbytes(v)) if d else 0.0 for v, d in zip(fwd.invars, fwd.diff)]
-    by_role = graph.bytes_by_role()
-    opt_ratio = by_role.get(Role.OPT_STATE, 0) / max(by_role.get(Role.PARAM, 0), 1)
-    inter = InterOpOptions(schedule=schedule, num_stages=num_stages, num_microbatches=num_microbatches,
-                           memory_budget_bytes=budget, min_stages=2 if num_stages is None else 1)
     say(f"pricing pipeline stages ({len(layers)} layers)")
     t0 = time.perf_counter()
-    work = layer_work(fn, graph, parts, layers, split, global_batch, args, spec)
-    apply_s = leaf_apply_s(parts, spec)
-    priced = price_stages(layers, leaf_bytes, 0.0, spec, num_devices, global_batch, opt_ratio, inter, work,
-                          apply_s)
+    cost_options = StageCostOptions(
+        schedule=schedule, num_stages=num_stages, num_microbatches=num_microbatches, memory_budget_bytes=budget,
+        min_stages=2 if num_stages is None else 1,
+        time_limit_s=min(STAGE_TIME_LIMIT_S, (options or IntraOpOptions()).time_limit_s))
+    priced, programs = price_pipeline(fn, args, graph, parts, layers, cost_options, spec, num_devices, progress=say)
     timings["pricing"] = time.perf_counter() - t0
+    log.info("priced %d stage variants with %d layer solves", len(priced.variants), priced.num_solves)
 
     spmd: PlannedStep | None = None
     if num_stages is None:
@@ -152,58 +151,63 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
         log.info("SPMD %.4gs beats the best pipeline %s", spmd.plan.step_s, stage_plan)
         if not keep_both:
             return spmd
-    placed = place_stages(stage_plan, spec, num_devices)
+    piped = finish_pipeline(fn, args, graph, parts, layers, stage_plan, priced, programs, target, timings, name, spmd)
+    return (piped, spmd) if keep_both else piped
+
+
+def finish_pipeline(fn: Callable[..., Any], args: Sequence[Any], graph: OpGraph, parts: StepParts,
+                    layers: Sequence[Layer], stage_plan: StagePlan, priced: PricedStages,
+                    programs: Sequence[StageProgram], target: Target, timings: dict[str, float], name: str,
+                    spmd: PlannedStep | None) -> PipelinePlanned:
+    """Place the chosen stages on devices, lay each out as its intra-op plan says, and write the Plan."""
+    placed = place_stages(stage_plan, target.cluster, target.num_devices)
     pool = target.device_indices
     if pool is not None:
         placed = [tuple(pool[i] for i in devs) for devs in placed]
-    layouts = tuple(StageLayout(st.first_layer, st.last_layer, devs) for st, devs in zip(stage_plan.stages, placed))
-    plan = _build_plan(graph, parts, layers, stage_plan, layouts, priced, spec, budget, timings, name, spmd,
-                       split, len(jax.tree_util.tree_leaves(args)))
-    in_leaves = jax.tree_util.tree_leaves(tuple(args))
+    _, split = batch_inputs(parts)
+    layouts = tuple(stage_layout(graph, parts, programs, priced, st, devs)
+                    for st, devs in zip(stage_plan.stages, placed))
+    plan = build_pipeline_plan(graph, parts, layers, stage_plan, layouts, priced, target.cluster,
+                               target.memory_budget_bytes, timings, name, spmd, split)
     log.info("%s", plan)
-    piped = PipelinePlanned(plan, fn, tuple(in_leaves), graph, parts, layers, stage_plan, layouts, split, graph.in_tree,
-                            graph.out_tree, graph.output_paths, priced)
-    return (piped, spmd) if keep_both else piped
+    return PipelinePlanned(plan, fn, tuple(jax.tree_util.tree_leaves(tuple(args))), graph, parts, tuple(layers),
+                           stage_plan, layouts, split, graph.in_tree, graph.out_tree, graph.output_paths, priced)
+
+
+def price_pipeline(fn: Callable[..., Any], args: Sequence[Any], graph: OpGraph, parts: StepParts,
+                   layers: Sequence[Layer], cost_options: StageCostOptions, cluster: ClusterSpec, num_devices: int,
+                   progress: Progress | None = None) -> tuple[PricedStages, list[StageProgram]]:
+    """Every stage variant priced by the intra-op pass (``passes/stage_costs.py``): each distinct layer's train
+    graph at B = 1 and at B = r (only at B when ``cost_options.num_microbatches`` forces it), solved per
+    logical mesh; also each layer's one-layer program (the leaves its graph's inputs stand for)."""
+    global_batch, split = batch_inputs(parts)
+    by_role = graph.bytes_by_role()
+    opt_ratio = by_role.get(Role.OPT_STATE, 0) / max(by_role.get(Role.PARAM, 0), 1)
+    in_leaves = jax.tree_util.tree_leaves(tuple(args))
+    num_microbatches = cost_options.num_microbatches
+    forced = num_microbatches is not None and num_microbatches > 1 and global_batch % num_microbatches == 0
+    big, programs = layer_graphs(parts, layers)
+    ratio, small = 1, big
+    for r in [num_microbatches] if forced else microbatch_ratios(global_batch):
+        small_graph = trace_at(fn, graph.in_tree, microbatch_shapes(in_leaves, split, r))
+        small_parts = split_step(small_graph.jaxpr) if same_structure(graph, small_graph) else None
+        if small_parts is not None:
+            ratio, small = r, layer_graphs(small_parts, layers)[0]
+            break
+        log.info("the step traces differently at batch / %d; trying a larger microbatch", r)
+    if forced and ratio == num_microbatches:
+        big = small  # B is fixed: each layer is solved at that microbatch only
+    apply_s = leaf_apply_s(parts, cluster)
+    priced = price_stage_variants(
+        list(zip(big, small)), [[apply_s[k] for k in prog.param_leaves] for prog in programs],
+        [layer.out_bytes for layer in layers], ratio, cluster, num_devices, global_batch, opt_ratio, cost_options,
+        progress=progress)
+    return priced, programs
 
 
 def trace_at(fn: Callable[..., Any], in_tree: Any, leaves: Sequence[Any]) -> OpGraph:
     """The step traced at other shapes (its flat input leaves as ShapeDtypeStructs)."""
     return trace(fn, *jax.tree_util.tree_unflatten(in_tree, list(leaves)))
-
-
-def layer_work(fn: Callable[..., Any], graph: OpGraph, parts: StepParts, layers: Sequence[Layer],
-               split: Sequence[bool], global_batch: int, args: Sequence[Any],
-               cluster: ClusterSpec) -> list[LayerWork] | None:
-    """Each layer's forward + backward graph, traced at the full batch and at batch / r (r the smallest
-    divisor > 1), per op split into a fixed part and a part proportional to the batch. Equal layers
-    (structural hash) are traced once. None when the two traces differ (then the planner falls back to
-    3x the forward)."""
-    ratio = next((r for r in range(2, global_batch + 1) if global_batch % r == 0), None)
-    if ratio is None:
-        return None
-    small_graph = trace_at(fn, graph.in_tree, microbatch_shapes(jax.tree_util.tree_leaves(tuple(args)), split, ratio))
-    small = split_step(small_graph.jaxpr) if same_structure(graph, small_graph) else None
-    if small is None:
-        return None
-    ranges = [(i, i) for i in range(len(layers))]
-    try:
-        eqns = [layer.eqns for layer in layers]
-        big_programs = stage_programs(parts.forward, eqns, ranges)
-        small_programs = stage_programs(small.forward, eqns, ranges)
-    except PipelineError:
-        return None
-    cache: dict[str, LayerWork] = {}
-    out = []
-    for layer, big, little in zip(layers, big_programs, small_programs):
-        if layer.structure not in cache:
-            full, part = _train_costs(parts, big, cluster), _train_costs(small, little, cluster)
-            if full.shape != part.shape:
-                part = np.concatenate([full[:, :2] / ratio, full[:, 2:]], axis=1)  # other op lists: all scales
-            scaled = np.clip((full[:, :2] - part[:, :2]) * ratio / (ratio - 1), 0.0, None)
-            fixed = np.clip(full[:, :2] - scaled, 0.0, None)
-            cache[layer.structure] = LayerWork(fixed[:, 0], scaled[:, 0], fixed[:, 1], scaled[:, 1], full[:, 2])
-        out.append(cache[layer.structure])
-    return out
 
 
 def leaf_apply_s(parts: StepParts, cluster: ClusterSpec) -> list[float]:
@@ -226,100 +230,3 @@ def leaf_apply_s(parts: StepParts, cluster: ClusterSpec) -> list[float]:
             for g in owners:
                 cost[parts.grad_for_leaf[g]] += float(seconds[t]) / len(owners)
     return cost
-
-
-def _train_costs(parts: StepParts, program: StageProgram, cluster: ClusterSpec) -> np.ndarray:
-    """[ops, 3] (flops, fused HBM bytes, peak FLOP/s) of the program's forward + backward (vjp) graph."""
-    fwd = parts.forward
-    run = program.function(fwd)
-
-    def aval(v: int) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(fwd.avals[v].shape, fwd.avals[v].dtype)
-
-    params = [aval(fwd.invars[k]) for k in program.param_leaves]
-    data = [aval(fwd.invars[k]) for k in program.data_leaves]
-    acts = [aval(v) for v in program.in_acts]
-    cts = [aval(v) for v in program.out_acts]
-
-    def train(pr: list[Any], d: list[Any], ac: list[Any], ct: list[Any]) -> Any:
-        out, pullback = jax.vjp(lambda p_, a_: run(p_, d, a_), pr, ac)
-        return out, pullback(ct)
-
-    costs = graph_costs(trace_jaxpr(jax.make_jaxpr(train)(params, data, acts, cts)), cluster)
-    return np.stack([costs.flops, costs.hbm_bytes, costs.peak_flops], axis=1).reshape(-1, 3)
-
-
-def _build_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer], sp: StagePlan,
-                layouts: Sequence[StageLayout], priced: PricedProblem, cluster: ClusterSpec, budget: float,
-                timings: dict[str, float], name: str, spmd: PlannedStep | None, split: Sequence[bool],
-                num_inputs: int) -> Plan:
-    values = graph.values
-    paths = [values[v].path or f"[{i}]" for i, v in enumerate(graph.inputs)]
-    shapes = {p: (values[v].shape, values[v].dtype) for p, v in zip(paths, graph.inputs)}
-    fwd = parts.forward
-    problem = priced.problem
-    b = problem.microbatch_options.index(sp.num_microbatches)
-    stages = []
-    for s, (choice, layout) in enumerate(zip(sp.stages, layouts)):
-        i, j, k = choice.first_layer, choice.last_layer, choice.submesh_index
-        leaves = sorted({leaf for layer in layers[i:j + 1] for leaf in layer.param_leaves})
-        pspecs = {paths[parts.operand_inputs[leaf]]: Spec.replicated(len(fwd.avals[fwd.invars[leaf]].shape))
-                  for leaf in leaves if parts.operand_inputs[leaf] is not None}
-        n = len(layout.device_indices)
-        bspecs = {}
-        for idx, is_batch in enumerate(split):
-            if is_batch:
-                rank = len(shapes[paths[idx]][0])
-                mb = shapes[paths[idx]][0][0] // sp.num_microbatches
-                bspecs[paths[idx]] = (Spec.from_partition_spec(("dp",) + (None,) * (rank - 1), rank)
-                                      if n > 1 and mb % n == 0 else Spec.replicated(rank))
-        p = float(priced.param_bytes[i, j])
-        act = float(problem.stage_act_bytes[i, j, k, b])
-        memory = StageMemory(p, p, p * priced.opt_ratio, sp.in_flight[s] * act, sp.in_flight[s])
-        stages.append(PipelineStage(
-            index=s, first_layer=i, last_layer=j, submesh=choice.submesh, device_indices=layout.device_indices,
-            mesh_shape=(n,), axis_names=("dp",), param_specs=pspecs, batch_specs=bspecs,
-            time_s=sp.stage_times_s[s], compute_s=float(priced.compute_s[i, j, k, b]),
-            sync_s=float(priced.sync_s[i, j, k]),
-            transfer_out_s=sp.transfer_times_s[s] if s < len(sp.transfer_times_s) else 0.0,
-            memory=memory, num_params=len(pspecs)))
-    # ledger: B x bottleneck split into compute and communication as in the bottleneck; the rest is bubble
-    times = list(sp.stage_times_s) + list(sp.transfer_times_s)
-    worst = int(np.argmax(times))
-    busy = sp.num_microbatches * sp.bottleneck_s
-    if worst < len(stages):
-        st = stages[worst]
-        frac = st.compute_s / st.time_s if st.time_s > 0 else 1.0
-    else:
-        frac = 0.0
-    peak_stage = max(stages, key=lambda st: st.memory.peak_bytes)
-    mem = peak_stage.memory
-    ledger = Ledger(
-        compute_s=busy * frac, comm_s=busy * (1 - frac), reshard_s=0.0, bubble_s=sp.step_time_s - busy,
-        peak_memory_bytes=mem.peak_bytes,
-        memory_by_kind={"param": mem.params_bytes, "grad": mem.grads_bytes, "opt_state": mem.opt_state_bytes,
-                        "activation": mem.activations_bytes},
-        collective_bytes={}, compute_lower_bound_s=compute_lower_bound_s(graph, cluster, cluster.num_devices))
-    summary = PipelineSummary(
-        num_microbatches=sp.num_microbatches, schedule=sp.schedule, step_s=sp.step_time_s,
-        first_microbatch_latency_s=sp.first_microbatch_latency_s, bottleneck_s=sp.bottleneck_s,
-        bubble_fraction=sp.bubble_fraction, layers=len(layers), cost_model=COST_MODEL, intra_stage=INTRA_STAGE,
-        spmd_step_s=spmd.plan.step_s if spmd is not None else None,
-        spmd_mesh="x".join(map(str, spmd.plan.mesh_shape)) if spmd is not None else "",
-        layer_eqns=tuple(tuple(layer.eqns) for layer in layers))
-    num_devices = problem.num_devices
-    plan = Plan(
-        mesh_shape=(num_devices,), axis_names=("devices",), cluster=cluster,
-        input_specs={p: Spec.replicated(len(shapes[p][0])) for p in paths},
-        output_specs={}, input_roles={p: values[v].role.value for p, v in zip(paths, graph.inputs)},
-        input_shapes=shapes, op_out_specs={}, op_in_reshards={}, ledger=ledger,
-        solver=SolverInfo("stage-dp", 0.0, timings.get("stage-dp", 0.0), len(layers), len(problem.submeshes),
-                          int(np.prod(problem.stage_time_s.shape)), 0, 0),
-        planning_s=dict(timings), memory_budget_bytes=budget, num_ops=len(graph.ops), name=name,
-        stages=tuple(stages), num_microbatches=sp.num_microbatches, schedule=sp.schedule,
-        output_shapes={p: (values[v].shape, values[v].dtype)
-                       for p, v in zip(graph.output_paths or [f"out[{k}]" for k in range(len(graph.outputs))],
-                                       graph.outputs)},
-        in_tree=str(graph.in_tree) if graph.in_tree is not None else "", pipeline=summary,
-    )
-    return plan

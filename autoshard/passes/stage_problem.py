@@ -53,9 +53,18 @@ class StageProblem:
     cover_all: bool = True                    # stages use exactly num_devices (Alpa); False: at most num_devices
     num_stages: int | None = None             # force S
     num_microbatches: int | None = None       # force B (must be in microbatch_options)
+    # [L, L, K, nB] per-device bytes one microbatch needs once, beside the in-flight ones (the temporaries
+    # of a backward, a recomputed forward's residuals); None: zeros
+    stage_work_bytes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         _validate(self)
+
+    def work_bytes(self, b: int) -> np.ndarray:
+        """[L, L, K] stage_work_bytes at microbatch option b (zeros when not given)."""
+        if self.stage_work_bytes is None:
+            return np.zeros(self.stage_param_bytes.shape)
+        return self.stage_work_bytes[..., b]
 
     @property
     def submesh_sizes(self) -> np.ndarray:
@@ -134,8 +143,9 @@ def evaluate_stages(problem: StageProblem, stages: Sequence[tuple[LayerIndex, La
     transfers = tuple(float(problem.transfer_s[j, k, k2, b])
                       for (_, j, k), (_, _, k2) in zip(stages[:-1], stages[1:]))
     flights = tuple(in_flight(problem.schedule, num_stages - s, num_microbatches) for s in range(num_stages))
+    work = problem.work_bytes(b)
     peaks = tuple(float(problem.stage_param_bytes[i, j, k]) + f * float(problem.stage_act_bytes[i, j, k, b])
-                  for (i, j, k), f in zip(stages, flights))
+                  + float(work[i, j, k]) for (i, j, k), f in zip(stages, flights))
     latency = sum(times) + sum(transfers)
     bottleneck = max(times + transfers)
     step = latency + (num_microbatches - 1) * bottleneck
@@ -185,6 +195,8 @@ def _validate(p: StageProblem) -> None:
         "stage_act_bytes": (num_layers, num_layers, num_sub, num_b),
         "transfer_s": (num_layers - 1, num_sub, num_sub, num_b),
     }
+    if p.stage_work_bytes is not None:
+        expected["stage_work_bytes"] = (num_layers, num_layers, num_sub, num_b)
     for name, shape in expected.items():
         value = getattr(p, name)
         if not isinstance(value, np.ndarray) or value.shape != shape:

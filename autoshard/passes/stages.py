@@ -169,7 +169,7 @@ def _per_b_arrays(problem: StageProblem, b: int, max_stages: int) -> tuple[np.nd
     upper = np.triu(np.ones((num_layers, num_layers), dtype=bool))[:, :, None, None]
     big_b = problem.microbatch_options[b]
     flights = np.array([in_flight(problem.schedule, max(r, 1), big_b) for r in range(max_stages + 1)], dtype=float)
-    memory = (problem.stage_param_bytes[..., None]
+    memory = ((problem.stage_param_bytes + problem.work_bytes(b))[..., None]
               + flights[None, None, None, :] * problem.stage_act_bytes[:, :, :, b, None])
     time = np.broadcast_to(problem.stage_time_s[:, :, :, b, None], memory.shape)
     ok = upper & np.isfinite(time)
@@ -260,12 +260,13 @@ def _raise_infeasible(problem: StageProblem, max_stages: int, options: list[int]
     stage = least_plan.stages[s]
     b = problem.microbatch_options.index(least_plan.num_microbatches)
     i, j, k = stage.first_layer, stage.last_layer, stage.submesh_index
-    params, acts = float(problem.stage_param_bytes[i, j, k]), float(problem.stage_act_bytes[i, j, k, b])
+    params = float(problem.stage_param_bytes[i, j, k] + problem.work_bytes(b)[i, j, k])
+    acts = float(problem.stage_act_bytes[i, j, k, b])
     raise StageInfeasibleError(
         f"no pipeline plan fits memory_budget_bytes={problem.memory_budget_bytes:.6g} ({problem.schedule}"
         f"{forced}). Closest: stage {s} of {len(least_plan.stages)} (layers {i}..{j} on sub-mesh "
         f"{stage.submesh[0]}x{stage.submesh[1]}, index {k}) with B={least_plan.num_microbatches} needs "
-        f"{least:.6g} bytes per device ({params:.6g} params/grads/optimizer state + "
+        f"{least:.6g} bytes per device ({params:.6g} params/grads/optimizer state and one microbatch's temporaries + "
         f"{least_plan.in_flight[s]} in-flight microbatches x {acts:.6g} activation bytes). The smallest budget "
         f"that admits any plan is {least:.6g} bytes; raise the budget to that, or allow more stages, devices "
         f"or microbatches.",

@@ -28,9 +28,25 @@ from autoshard.runtime.pipeline import PipelineStep, StageLayout
 from autoshard.runtime.pipeline_lower import PipelineLowered, lower_pipeline
 
 
-def stage_layouts(plan: PlanLike) -> tuple[StageLayout, ...]:
-    """The runtime's view of the plan's stages."""
-    return tuple(StageLayout(st.first_layer, st.last_layer, tuple(st.device_indices)) for st in plan.stages)
+def stage_layouts(plan: PlanLike, graph: OpGraph | None = None, parts: StepParts | None = None
+                  ) -> tuple[StageLayout, ...]:
+    """The runtime's view of the plan's stages: each stage's logical mesh, recomputation, the parameter
+    layouts the file records (gradients accumulate in the same layout; optimizer state, which the file
+    does not record per stage, is left replicated) and the axes its batch specs split."""
+    leaf_of: dict[str, int] = {}
+    if graph is not None and parts is not None:
+        paths = [graph.values[v].path for v in graph.inputs]
+        leaf_of = {paths[src]: k for k, src in enumerate(parts.operand_inputs) if src is not None}
+    out = []
+    for st in plan.stages:
+        params = {leaf_of[path]: spec for path, spec in st.param_specs.items() if path in leaf_of}
+        batch = [spec for spec in st.batch_specs.values() if spec.rank]
+        out.append(StageLayout(st.first_layer, st.last_layer, tuple(st.device_indices),
+                               mesh_shape=tuple(st.mesh_shape), axis_names=tuple(st.axis_names),
+                               param_specs=params, grad_specs=dict(params),
+                               batch_axes=tuple(batch[0].dims[0]) if batch else None,
+                               recompute=bool(getattr(st, "recompute", False))))
+    return tuple(out)
 
 
 def pipeline_devices(plan: PlanLike, mesh: Mesh | Sequence[jax.Device]) -> list[jax.Device]:
@@ -105,7 +121,7 @@ class AppliedPipeline:
                 raise PlanMismatchError(f"the loss traces to different equations at the microbatch size (batch / "
                                         f"{num_mb}); a pipeline needs shape-independent loss code")
             self.step = PipelineStep(
-                small_parts, self.plan.pipeline.layer_eqns, stage_layouts(self.plan), num_mb,
+                small_parts, self.plan.pipeline.layer_eqns, stage_layouts(self.plan, graph, small_parts), num_mb,
                 self.plan.schedule, split_inputs=split, in_tree=graph.in_tree, out_tree=graph.out_tree,
                 out_paths=graph.output_paths, devices=self.devices, **self.step_options)
             self.called_with = signature(args)

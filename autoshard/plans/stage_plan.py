@@ -54,14 +54,17 @@ class PipelineStage:
     transfer_out_s: float  # activation to the next stage and its gradient back, per microbatch (0 for the last)
     memory: StageMemory
     num_params: int = 0  # parameter leaves
+    intra_op: str = ""  # the stage's intra-op plan, per distinct layer (DP / FSDP / ZeRO-2 / TP / DP x TP ...)
+    recompute: bool = False  # the backward recomputes the stage's forward
 
     def __str__(self) -> str:
         devices = self.device_indices
         span = f"{devices[0]}..{devices[-1]}" if devices == tuple(range(devices[0], devices[-1] + 1)) else \
             ",".join(map(str, devices))
         return (f"stage {self.index}: layers {self.first_layer}-{self.last_layer} on {self.submesh[0]}x"
-                f"{self.submesh[1]} (devices {span}), {self.num_params} parameter arrays "
-                f"{'replicated' if all(s.is_replicated for s in self.param_specs.values()) else 'sharded'}; "
+                f"{self.submesh[1]} (devices {span}) as mesh {'x'.join(map(str, self.mesh_shape))}, {self.num_params} "
+                f"parameter arrays {'replicated' if all(s.is_replicated for s in self.param_specs.values()) else 'sharded'}"
+                f"{' [' + self.intra_op + ']' if self.intra_op else ''}; "
                 f"{fmt_s(self.time_s)}/microbatch (compute {fmt_s(self.compute_s)}, sync+apply "
                 f"{fmt_s(self.sync_s)}/step), send {fmt_s(self.transfer_out_s)}; {self.memory}")
 

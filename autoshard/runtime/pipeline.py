@@ -20,10 +20,16 @@ devices). Per stage s, each ``jax.jit``-ed on its own
   owns (the update jaxpr cut down by DCE), fed with the stage's accumulated
   gradients.
 
-Intra-stage sharding (first version): data parallel. Parameters and optimizer
-state are replicated on the stage's devices, the batch and every activation
-are split along their leading dimension over the stage's one mesh axis
-``dp`` when it divides, and XLA (GSPMD) shards the rest.
+Intra-stage sharding: each stage runs its own intra-op plan on its sub-mesh
+(``StageLayout``): a logical mesh of one or two axes, a storage spec per
+parameter and per gradient accumulator (FSDP, ZeRO, TP: whatever the plan
+chose), the step inputs the optimizer reads (its state in the accumulator's
+layout), and the mesh axes that split the batch and the activations along
+their leading dimension (when they divide it). Gradients accumulate in the
+accumulator's layout; the update runs on the stage's mesh with its inputs in
+their planned layouts. A layout without specs is data parallel: one axis
+``dp``, parameters and optimizer state replicated. XLA (GSPMD) shards the
+rest from these annotations.
 
 Microbatching assumes the loss is a mean over the batch: microbatch losses and
 gradients are averaged (the loss cotangent is 1/B). Every non-differentiated
@@ -38,7 +44,11 @@ stages (tied embeddings) is sent to each; their gradient contributions are
 summed on its owner, the first stage that reads it.
 
 Activations and their gradients move between stages with ``jax.device_put``
-to the receiving stage's sharding.
+to the receiving stage's sharding: split over the receiving mesh's batch axes,
+each device receives only its share (one send over the link between the two
+sub-meshes); a receiving stage that takes the activation replicated gets it
+split over its devices first and all-gathers it inside its own mesh
+(``stage_layout.deliver``), never once per device over the slow link.
 
 Loss arguments the step computes before the loss run first (``runtime/loss_io.Prologue``);
 with ``has_aux=True`` the last stage also returns each microbatch's aux outputs, combined
@@ -50,196 +60,31 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jcore
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
-from autoshard.errors import PlanningError
-from autoshard.ir.split import Forward, StepParts, VarId
-from autoshard.runtime.cross_process import holds, placeholder, send
+from autoshard.ir.split import StepParts, VarId
+from autoshard.runtime.cross_process import holds, placeholder, send, single_process
 from autoshard.runtime.loss_io import Prologue, aux_per_example, combine_aux
 from autoshard.runtime.schedules import PipelineSchedule, schedule_actions
+from autoshard.runtime.stage_layout import StageLayout, deliver, planned_sharding, replicated, split_leading
+
+__all__ = ["PipelineError", "PipelineStep", "StageLayout", "StageProgram", "assign_outputs", "stage_programs"]
 
 log = logging.getLogger(__name__)
 
-LayerEqns: TypeAlias = tuple[int, ...]  # the forward equation indices of one layer
-
-
-class PipelineError(PlanningError):
-    """The step cannot run as a pipeline; the message says why and what to change."""
-
-
-@dataclass(frozen=True)
-class StageLayout:
-    """Where a stage runs: a layer range and the (jax) device indices of its sub-mesh."""
-
-    first_layer: int
-    last_layer: int  # inclusive
-    device_indices: tuple[int, ...]
-
-
-# ---------------------------------------------------------------------------
-# Stage programs
-
-
-@dataclass(frozen=True, eq=False)
-class StageProgram:
-    """What stage s computes, in forward variables."""
-
-    index: int
-    eqns: tuple[int, ...]  # forward equations, program order (free ones included)
-    param_leaves: tuple[int, ...]  # differentiated loss-argument leaves it reads
-    data_leaves: tuple[int, ...]  # other loss-argument leaves it reads
-    in_acts: tuple[VarId, ...]  # activations entering
-    out_acts: tuple[Any, ...]  # activations leaving (the last stage: the loss, then the aux outputs)
-
-    def function(self, forward: Forward) -> Callable[[list[Any], list[Any], list[Any]], list[Any]]:
-        invars = forward.invars
-
-        def run(params: list[Any], data: list[Any], acts: list[Any]) -> list[Any]:
-            env: dict[VarId, Any] = dict(forward.consts)
-            env.update({invars[k]: v for k, v in zip(self.param_leaves, params)})
-            env.update({invars[k]: v for k, v in zip(self.data_leaves, data)})
-            env.update(zip(self.in_acts, acts))
-            forward.run(self.eqns, env)
-            return [v.val if isinstance(v, jcore.Literal) else env[v] for v in self.out_acts]
-
-        return run
-
-
-def stage_programs(forward: Forward, layers: Sequence[LayerEqns], ranges: Sequence[tuple[int, int]]
-                   ) -> list[StageProgram]:
-    """Assign the forward's equations to stages and find what crosses each boundary."""
-    num_stages = len(ranges)
-    stage_of: dict[int, int] = {}
-    for s, (a, b) in enumerate(ranges):
-        for layer in layers[a: b + 1]:
-            for i in layer:
-                stage_of[i] = s
-    producer = {v: i for i, e in enumerate(forward.eqns) for v in e.outs}
-    diff_pos = {v: k for k, (v, d) in enumerate(zip(forward.invars, forward.diff)) if d}
-    data_pos = {v: k for k, (v, d) in enumerate(zip(forward.invars, forward.diff)) if not d}
-    # the stage where each parameter-dependent value is produced, and the last stage that reads it
-    made: dict[VarId, int] = {}
-    last: dict[VarId, int] = {}
-    for i, e in enumerate(forward.eqns):
-        if i in stage_of:
-            for v in e.outs:
-                made[v] = stage_of[i]
-            for a in e.ins:
-                if not isinstance(a, jcore.Literal) and a in made:
-                    last[a] = max(last.get(a, -1), stage_of[i])
-    out = forward.outvar
-    if isinstance(out, jcore.Literal) or out not in made:
-        raise PipelineError("the loss does not depend on the parameters through the layers: nothing to pipeline")
-    aux = [a for a in forward.aux if not isinstance(a, jcore.Literal)]
-    for v in (out, *aux):
-        if v in made:
-            last[v] = num_stages  # read "after" the last stage
-    programs = []
-    for s in range(num_stages):
-        own = sorted(i for i, st in stage_of.items() if st == s)
-        seeds = aux if s == num_stages - 1 else []  # the last stage also returns the aux outputs
-        needed = _free_closure(forward, own, producer, stage_of, seeds)
-        eqns = tuple(sorted(set(own) | needed))
-        reads = {a for i in eqns for a in forward.eqns[i].ins if not isinstance(a, jcore.Literal)} | set(seeds)
-        in_acts = tuple(sorted(v for v, p in made.items() if p < s <= last.get(v, -1)))
-        out_acts = (out, *forward.aux) if s == num_stages - 1 else tuple(
-            sorted(v for v, p in made.items() if p <= s < last.get(v, -1)))
-        programs.append(StageProgram(
-            s, eqns, tuple(sorted(diff_pos[v] for v in reads if v in diff_pos)),
-            tuple(sorted(data_pos[v] for v in reads if v in data_pos)), in_acts, out_acts))
-    for p in programs:
-        crossing = p.in_acts + (p.out_acts if p.index < num_stages - 1 else ())
-        bad = [v for v in crossing if not jnp.issubdtype(forward.avals[v].dtype, jnp.floating)]
-        if bad:
-            raise PipelineError(f"stage {p.index} would exchange non-float activations "
-                                f"{[forward.avals[v].str_short() for v in bad]}; move the cut (layer_boundary) "
-                                "so that only float activations cross stages")
-    return programs
-
-
-def _free_closure(forward: Forward, own: Sequence[int], producer: dict[VarId, int],
-                  stage_of: dict[int, int], seeds: Sequence[VarId] = ()) -> set[int]:
-    """The free (batch-only) equations the given equations (and the ``seeds`` values) read, transitively."""
-    needed: set[int] = set()
-    stack = [a for i in own for a in forward.eqns[i].ins] + list(seeds)
-    while stack:
-        a = stack.pop()
-        if isinstance(a, jcore.Literal) or a not in producer:
-            continue
-        i = producer[a]
-        if i in stage_of or i in needed:
-            continue
-        needed.add(i)
-        stack.extend(forward.eqns[i].ins)
-    return needed
-
-
-# ---------------------------------------------------------------------------
-# The optimizer update, split per stage
-
-
-def _var_deps(jaxpr: Any, in_deps: list[int]) -> list[int]:
-    """Bitmask dependencies of every outvar on the invars' bitmasks (through nested calls)."""
-    env: dict[Any, int] = dict(zip(jaxpr.invars, in_deps))
-
-    def read(a: Any) -> int:
-        return 0 if isinstance(a, jcore.Literal) else env.get(a, 0)
-
-    for e in jaxpr.eqns:
-        ins = [read(a) for a in e.invars]
-        body = e.params.get("jaxpr") if e.primitive.name in ("jit", "pjit", "closed_call") else None
-        if body is not None:
-            inner = body.jaxpr if isinstance(body, jcore.ClosedJaxpr) else body
-            outs = _var_deps(inner, ins)
-        else:
-            mask = 0
-            for m in ins:
-                mask |= m
-            outs = [mask] * len(e.outvars)
-        for v, m in zip(e.outvars, outs):
-            env[v] = m
-    return [read(a) for a in jaxpr.outvars]
-
-
-def assign_outputs(parts: StepParts, owner_of_grad: Sequence[int], out_paths: Sequence[str]) -> list[int]:
-    """The stage that computes each step output: the owner of the gradients it reads (0 if none)."""
-    update = parts.update
-    first_grad = parts.num_consts + parts.num_inputs + 1
-    deps = _var_deps(update, [0] * first_grad + [1 << g for g in range(parts.num_grads)] + [0] * parts.num_aux)
-    stages = []
-    for k, mask in enumerate(deps):
-        owners = sorted({owner_of_grad[g] for g in range(parts.num_grads) if mask >> g & 1})
-        if len(owners) > 1:
-            raise PipelineError(
-                f"step output {out_paths[k] if k < len(out_paths) else k} depends on the gradients of parameters "
-                f"in pipeline stages {owners}: the optimizer couples parameters across stages (e.g. "
-                "optax.clip_by_global_norm or a global gradient norm). Pipelines need a per-parameter optimizer "
-                "(adamw, adam, sgd, ...); drop the coupling or use num_stages=1.")
-        stages.append(owners[0] if owners else 0)
-    return stages
+from autoshard.runtime.stage_programs import (  # noqa: F401  (re-exported)
+    LayerEqns, PipelineError, StageProgram, assign_outputs, stage_programs)
 
 
 # ---------------------------------------------------------------------------
 # The runtime
-
-
-def _replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec())
-
-
-def _split_leading(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
-    n = mesh.devices.size
-    if len(shape) >= 1 and n > 1 and shape[0] % n == 0:
-        return NamedSharding(mesh, PartitionSpec("dp"))
-    return _replicated(mesh)
 
 
 class PipelineStep:
@@ -256,13 +101,13 @@ class PipelineStep:
         self.num_microbatches, self.schedule = int(num_microbatches), schedule
         self.in_tree, self.out_tree = in_tree, out_tree
         devices = list(devices if devices is not None else jax.devices())
-        self.meshes = [Mesh(np.asarray([devices[i] for i in st.device_indices]), ("dp",),
-                            axis_types=(jax.sharding.AxisType.Auto,)) for st in stages]
+        self.meshes = [Mesh(np.asarray([devices[i] for i in st.device_indices]).reshape(st.shape), st.names,
+                            axis_types=(jax.sharding.AxisType.Auto,) * len(st.shape)) for st in stages]
         fwd = parts.forward
         self.programs = stage_programs(fwd, layers, [(st.first_layer, st.last_layer) for st in stages])
         self.actions = schedule_actions(schedule, len(stages), self.num_microbatches)
         self.split_inputs = tuple(bool(x) for x in split_inputs)
-        self.recompute = recompute
+        self.recompute = tuple(bool(recompute or st.recompute) for st in stages)  # per stage
         self._jit_options: dict[str, Any] = {"compiler_options": dict(compiler_options)} if compiler_options else {}
         # gradient owners: the first stage that reads each differentiated leaf (stage 0 if none does)
         readers: dict[int, list[int]] = {}
@@ -278,10 +123,20 @@ class PipelineStep:
 
     # ---- construction --------------------------------------------------
     def _act_sharding(self, s: int, var: VarId) -> NamedSharding:
-        return _split_leading(self.meshes[s], self.parts.forward.avals[var].shape)
+        return split_leading(self.meshes[s], self.parts.forward.avals[var].shape, self.layouts[s].batch_axes)
 
     def _data_sharding(self, s: int, k: int) -> NamedSharding:
-        return _split_leading(self.meshes[s], self.parts.forward.avals[self.parts.forward.invars[k]].shape)
+        return split_leading(self.meshes[s], self.parts.forward.avals[self.parts.forward.invars[k]].shape,
+                              self.layouts[s].batch_axes)
+
+    def _leaf_shape(self, k: int) -> tuple[int, ...]:
+        return tuple(self.parts.forward.avals[self.parts.forward.invars[k]].shape)
+
+    def param_sharding(self, s: int, k: int) -> NamedSharding:
+        return planned_sharding(self.meshes[s], self.layouts[s].param_specs.get(k), self._leaf_shape(k))
+
+    def grad_sharding(self, s: int, k: int) -> NamedSharding:
+        return planned_sharding(self.meshes[s], self.layouts[s].grad_specs.get(k), self._leaf_shape(k))
 
     def _is_split(self, k: int) -> bool:
         src = self.parts.operand_inputs[k]
@@ -294,14 +149,15 @@ class PipelineStep:
         self.fwd_fns, self.bwd_fns = [], []
         for p in self.programs:
             mesh = self.meshes[p.index]
-            rep = _replicated(mesh)
+            rep = replicated(mesh)
             run = p.function(fwd)
-            ps = [rep] * len(p.param_leaves)
+            ps = [self.param_sharding(p.index, k) for k in p.param_leaves]
+            gs = [self.grad_sharding(p.index, k) for k in p.param_leaves]
             ds = [self._data_sharding(p.index, k) for k in p.data_leaves]
             ins = [self._act_sharding(p.index, v) for v in p.in_acts]
             last = p.index == num_stages - 1
             outs = [rep] if last else [self._act_sharding(p.index, v) for v in p.out_acts]
-            if self.recompute or last:
+            if self.recompute[p.index] or last:
                 self.fwd_fns.append(jax.jit(run, in_shardings=(ps, ds, ins), out_shardings=outs, **self._jit_options))
             else:
                 def fwd_keep(params, data, acts, run=run):
@@ -321,42 +177,58 @@ class PipelineStep:
                     acc = [a + g for a, g in zip(acc, dparams)]
                     return acc, dacts, loss_acc + loss * scale, aux
 
-                self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, ps, rep),
-                                            out_shardings=(ps, ins, rep, [rep] * len(fwd.aux)),
+                self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, gs, rep),
+                                            out_shardings=(gs, ins, rep, [rep] * len(fwd.aux)),
                                             donate_argnums=(3, 4), **self._jit_options))
-            elif self.recompute:
+            elif self.recompute[p.index]:
                 def bwd(params, data, acts, cts, acc, run=run):
                     _, vjp = jax.vjp(lambda pr, ac: run(pr, data, ac), params, acts)
                     dparams, dacts = vjp(cts)
                     return [a + g for a, g in zip(acc, dparams)], dacts
 
-                self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, outs, ps),
-                                            out_shardings=(ps, ins), donate_argnums=(4,),
+                self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, outs, gs),
+                                            out_shardings=(gs, ins), donate_argnums=(4,),
                                             **self._jit_options))
             else:
                 def bwd_keep(pullback, cts, acc):
                     dparams, dacts = pullback(cts)
                     return [a + g for a, g in zip(acc, dparams)], dacts
 
-                self.bwd_fns.append(jax.jit(bwd_keep, out_shardings=(ps, ins), donate_argnums=(2,), **self._jit_options))
+                self.bwd_fns.append(jax.jit(bwd_keep, out_shardings=(gs, ins), donate_argnums=(2,), **self._jit_options))
         self._build_apply()
 
     def _build_apply(self) -> None:
         parts = self.parts
         update = parts.update
         self.apply_fns: list[tuple[Callable[..., Any], tuple[int, ...], tuple[int, ...]] | None] = []
+        self.apply_in_shardings: list[list[NamedSharding]] = []
         for s in range(len(self.programs)):
             outs = tuple(k for k, st in enumerate(self.out_stage) if st == s)
             if not outs:
                 self.apply_fns.append(None)
+                self.apply_in_shardings.append([])
                 continue
             # instantiate=False: the inputs it does not read are dropped (True would keep every input)
             jx = pe.dce_jaxpr(update, [k in outs for k in range(len(update.outvars))], instantiate=False)
             sub, used = jx
             used_idx = tuple(i for i, u in enumerate(used) if u)
             closed = jcore.ClosedJaxpr(sub, [])
-            fn = jax.jit(jcore.jaxpr_as_fun(closed), out_shardings=_replicated(self.meshes[s]), **self._jit_options)
+            shardings = [self._update_input_sharding(s, i) for i in used_idx]
+            fn = jax.jit(jcore.jaxpr_as_fun(closed), in_shardings=shardings, **self._jit_options)
             self.apply_fns.append((fn, used_idx, outs))
+            self.apply_in_shardings.append(shardings)
+
+    def _update_input_sharding(self, s: int, i: int) -> NamedSharding:
+        """Update-jaxpr input i ([*consts, *step inputs, loss, *grads]) in stage s's planned layout."""
+        parts, mesh = self.parts, self.meshes[s]
+        shape = tuple(parts.update.invars[i].aval.shape)
+        flat = i - parts.num_consts
+        if 0 <= flat < parts.num_inputs:
+            return planned_sharding(mesh, self.layouts[s].input_specs.get(flat), shape)
+        grad = flat - parts.num_inputs - 1
+        if 0 <= grad < parts.num_grads:
+            return self.grad_sharding(s, parts.grad_for_leaf[grad])
+        return replicated(mesh)
 
     # ---- running ---------------------------------------------------------
     def flatten_args(self, args: Sequence[Any]) -> list[Any]:
@@ -383,7 +255,7 @@ class PipelineStep:
         num_stages, num_mb = len(self.programs), self.num_microbatches
         here = [holds(mesh) for mesh in self.meshes]
         computed = self.prologue.leaves(flat)
-        params = [[jax.device_put(self._leaf_value(flat, k, computed[0]), _replicated(self.meshes[p.index]))
+        params = [[jax.device_put(self._leaf_value(flat, k, computed[0]), self.param_sharding(p.index, k))
                    for k in p.param_leaves] if here[p.index] else None for p in self.programs]
         data = []  # [stage][microbatch] -> leaves
         for p in self.programs:
@@ -399,9 +271,9 @@ class PipelineStep:
                 per_mb.append(leaves)
             data.append(per_mb)
         acc = [[jnp.zeros(fwd.avals[fwd.invars[k]].shape, fwd.avals[fwd.invars[k]].dtype,
-                          device=_replicated(self.meshes[p.index])) for k in p.param_leaves]
+                          device=self.grad_sharding(p.index, k)) for k in p.param_leaves]
                if here[p.index] else None for p in self.programs]
-        loss_acc = jnp.zeros((), fwd.avals[fwd.outvar].dtype, device=_replicated(self.meshes[-1])) if here[-1] else None
+        loss_acc = jnp.zeros((), fwd.avals[fwd.outvar].dtype, device=replicated(self.meshes[-1])) if here[-1] else None
         aux: list[list[Any]] = []  # per microbatch, the aux outputs
         inbox: dict[tuple[int, int], list[Any]] = {(0, m): [] for m in range(num_mb)}
         ctbox: dict[tuple[int, int], list[Any]] = {}
@@ -411,9 +283,9 @@ class PipelineStep:
             if kind == "F":
                 if last:
                     continue  # fused into the last stage's backward
-                acts = inbox.pop((s, m)) if not self.recompute else inbox[(s, m)]
+                acts = inbox.pop((s, m)) if not self.recompute[s] else inbox[(s, m)]
                 out = self.fwd_fns[s](params[s], data[s][m], acts) if here[s] else None
-                if here[s] and not self.recompute:
+                if here[s] and not self.recompute[s]:
                     out, stash[(s, m)] = out
                 inbox[(s + 1, m)] = self._send(out, s, s + 1, self.programs[s].out_acts)
                 continue
@@ -425,7 +297,7 @@ class PipelineStep:
                 acts = inbox.pop((s, m))
                 acc[s], dacts, loss_acc, aux_m = self.bwd_fns[s](params[s], data[s][m], acts, acc[s], loss_acc)
                 aux.append(aux_m)
-            elif self.recompute:
+            elif self.recompute[s]:
                 acc[s], dacts = self.bwd_fns[s](params[s], data[s][m], inbox.pop((s, m)), ctbox.pop((s, m)), acc[s])
             else:
                 acc[s], dacts = self.bwd_fns[s](stash.pop((s, m)), ctbox.pop((s, m)), acc[s])
@@ -441,6 +313,8 @@ class PipelineStep:
             return None
         avals = [self.parts.forward.avals[v] for v in var_ids]
         shardings = [self._act_sharding(dst, v) for v in var_ids]
+        if single_process(src_mesh, dst_mesh):
+            return [deliver(x, sh) for x, sh in zip(values, shardings)]
         values = values if values is not None else [None] * len(var_ids)
         out = [send(x, src_mesh, sh, a.shape, a.dtype) for x, sh, a in zip(values, shardings, avals)]
         return out if holds(dst_mesh) else None
@@ -452,7 +326,7 @@ class PipelineStep:
         grads: list[Any] = []
         for g, k in enumerate(parts.grad_for_leaf):
             owner = self.owner_of_grad[g]
-            where = _replicated(self.meshes[owner])
+            where = self.grad_sharding(owner, k)
             aval = fwd.avals[fwd.invars[k]]
             total = None
             for s in self.readers.get(k, []):
@@ -474,18 +348,18 @@ class PipelineStep:
             if entry is None:
                 continue
             fn, used, outs = entry
-            rep = _replicated(self.meshes[s])
             vals = []
-            for i in used:
+            for i, where in zip(used, self.apply_in_shardings[s]):
                 if i in source:
                     src = self.meshes[source[i]]
                     if holds(src) or holds(self.meshes[s]):
-                        vals.append(send(env[i], src, rep, invars[i].aval.shape, invars[i].aval.dtype))
+                        vals.append(send(env[i], src, where, invars[i].aval.shape, invars[i].aval.dtype))
                 else:
-                    vals.append(jax.device_put(env[i], rep) if holds(self.meshes[s]) else None)
+                    vals.append(jax.device_put(env[i], where) if holds(self.meshes[s]) else None)
             if holds(self.meshes[s]):
                 results = fn(*vals)
             else:  # another process computes these outputs: stand-ins on its devices
+                rep = replicated(self.meshes[s])
                 results = [placeholder(rep, parts.update.outvars[k].aval.shape, parts.update.outvars[k].aval.dtype)
                            for k in outs]
             for k, v in zip(outs, results):

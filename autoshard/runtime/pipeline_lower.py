@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
 
 from autoshard.runtime.pipeline import PipelineStep
 
@@ -125,22 +124,21 @@ def lower_pipeline(step: PipelineStep) -> PipelineLowered:
         loss_acc = jax.ShapeDtypeStruct((), fwd.avals[fwd.outvar].dtype)
         if last:
             lowered = step.bwd_fns[s].lower(params, data, acts, params, loss_acc)
-        elif step.recompute:
+        elif step.recompute[s]:
             cts = [_sds(fwd.avals[v]) for v in p.out_acts]
             lowered = step.bwd_fns[s].lower(params, data, acts, cts, params)
         else:
             compiled = forward.compile()
-            in_shardings = compiled.input_shardings[0]  # ((params, data, acts), kwargs)
             outs, pullback = _with_shardings(jax.eval_shape(step.fwd_fns[s], params, data, acts),
                                              compiled.output_shardings)
-            acc = _with_shardings(params, in_shardings[0])
+            acc = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=step.grad_sharding(s, k))
+                   for x, k in zip(params, p.param_leaves)]
             lowered = step.bwd_fns[s].lower(pullback, outs, acc)
         out.append(StageExecutable(s, "backward", ids, lowered))
         entry = step.apply_fns[s]
         if entry is not None:
             fn, used, _outs = entry
-            rep = NamedSharding(mesh, PartitionSpec())
             invars = step.parts.update.invars
-            args = [_sds(invars[i].aval, rep) for i in used]
+            args = [_sds(invars[i].aval, where) for i, where in zip(used, step.apply_in_shardings[s])]
             out.append(StageExecutable(s, "apply", ids, fn.lower(*args)))
     return PipelineLowered(tuple(out), step.num_microbatches, str(step.schedule))

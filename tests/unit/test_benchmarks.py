@@ -132,3 +132,20 @@ def test_rewriting_results_keeps_the_fuzz_section():
     assert "new run" in kept and "old run" not in kept and kept.endswith("## Fuzz corpus\n\n- 0 crashes\n")
     again = replace_section(kept, "## Fuzz corpus", "## Fuzz corpus\n\n- 2000 programs\n")
     assert again.count("## Fuzz corpus") == 1 and "- 2000 programs" in again and "0 crashes" not in again
+
+
+def test_pipeline_columns_rate_the_pipeline_against_every_other_row():
+    from dataclasses import replace
+
+    cell = _cell("gpt", "2x8-a100", _row("autoshard", 1.0), _row("FSDP/ZeRO-3", 1.2), _row("uniform GPipe", 0.9),
+                 _row("DP", 0.5, fits=False))
+    assert cell.pipeline_speedup is None  # not planned
+    piped = replace(cell, pipeline=_row("pipeline", 0.6), pipeline_stages="2 stages [L0-7@2x4 | L8-15@2x4] B=8 1f1b",
+                    pipeline_s=12.0)
+    assert piped.pipeline_speedup == pytest.approx(0.9 / 0.6)  # the fastest fitting other row: uniform GPipe
+    row = render_markdown(quality_table([piped])).splitlines()[-1]
+    assert "1.50x" in row and "2 stages [L0-7@2x4 \\| L8-15@2x4]" in row  # markdown escapes the bar
+    over = replace(piped, pipeline=_row("pipeline", 0.1, fits=False))
+    assert over.pipeline_speedup is None
+    assert all(c.pipeline for c in run.default_cells() if c.model == "gpt" and c.cluster == "2x8-a100")
+    assert any(c.pipeline for c in run.quick_cells())

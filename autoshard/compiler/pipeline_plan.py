@@ -1,0 +1,166 @@
+"""A chosen stage plan made concrete: each stage's layout for the runtime and the Plan that reports it.
+
+``stage_layout`` turns the intra-op plans of a stage's layers (``passes/stage_costs.py``)
+into what ``runtime/pipeline.py`` applies: the stage's logical mesh, the storage spec
+of every parameter and gradient accumulator it holds, the optimizer state in the
+accumulator's layout, the mesh axes its batch and activations are split over, and
+whether it recomputes its forward. ``build_pipeline_plan`` writes the Plan: one
+``PipelineStage`` per stage saying which intra-op plan it runs, its time and memory.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from autoshard.ir.graph import OpGraph, Role
+from autoshard.ir.spec import Spec
+from autoshard.ir.split import StepParts
+from autoshard.meshes.cluster import ClusterSpec
+from autoshard.passes.hbm_traffic import compute_lower_bound_s
+from autoshard.passes.layers import Layer
+from autoshard.passes.stage_costs import PricedStages
+from autoshard.passes.stages import StageChoice, StagePlan
+from autoshard.plans.ledger import Ledger, SolverInfo
+from autoshard.plans.plan import Plan
+from autoshard.plans.stage_plan import PipelineStage, PipelineSummary, StageMemory
+from autoshard.runtime.pipeline import StageLayout, StageProgram
+
+COST_MODEL = ("intra-op: each distinct layer's forward + backward planned by the intra-op ILP on the stage's "
+              "logical mesh (at B = 1 and B = r, linear in the microbatch between), optimizer update once per step "
+              "in the gradient accumulator's layout, activation transfers both ways over the link crossed")
+INTRA_STAGE = "per stage: its own intra-op plan (see each stage's intra-op line)"
+
+
+def state_specs(graph: OpGraph, parts: StepParts, params: Mapping[int, Spec], grads: Mapping[int, Spec]
+                 ) -> dict[int, Spec]:
+    """Flat step input -> spec, for the parameters a stage holds and the optimizer state that follows them:
+    an optimizer-state leaf whose pytree path ends with a parameter's path (``mu['w']`` of ``['w']``) and whose
+    shape is the parameter's is stored in that parameter's gradient layout."""
+    values = graph.values
+    out: dict[int, Spec] = {}
+    suffix: dict[tuple[str, tuple[int, ...]], Spec] = {}
+    for leaf, spec in params.items():
+        flat = parts.operand_inputs[leaf]
+        if flat is None:
+            continue
+        out[flat] = spec
+        value = values[graph.inputs[flat]]
+        path = value.path or ""
+        tail = path[path.index("]") + 1:] if path.startswith("[") and "]" in path else path
+        if tail:
+            suffix[tail, tuple(value.shape)] = grads.get(leaf, spec)
+    for flat, vid in enumerate(graph.inputs):
+        value = values[vid]
+        if value.role != Role.OPT_STATE or not value.path:
+            continue
+        for (tail, shape), spec in suffix.items():
+            if tuple(value.shape) == shape and value.path.endswith(tail):
+                out[flat] = spec
+                break
+    return out
+
+
+def stage_layout(graph: OpGraph, parts: StepParts, programs: Sequence[StageProgram], priced: PricedStages,
+                 choice: StageChoice, devices: Sequence[int]) -> StageLayout:
+    """The runtime layout of one chosen stage (module docstring)."""
+    k = choice.submesh_index
+    variant = priced.variants[k]
+    mesh = priced.meshes[priced.mesh_of[k]]
+    params: dict[int, Spec] = {}
+    grads: dict[int, Spec] = {}
+    batch_axes: tuple[str, ...] | None = None
+    for layer in range(choice.first_layer, choice.last_layer + 1):
+        cost = priced.layer_cost(layer, k)
+        na, npar, nd, nact = priced.groups[layer][:4]
+        for p, leaf in enumerate(programs[layer].param_leaves):
+            params.setdefault(leaf, cost.input_specs[na + p])
+            grads.setdefault(leaf, cost.input_specs[p])
+        if batch_axes is None:
+            leading = [s for s in cost.input_specs[na + npar:na + npar + nd + nact] if s.rank]
+            if leading:
+                batch_axes = tuple(leading[0].dims[0])
+    return StageLayout(choice.first_layer, choice.last_layer, tuple(devices), mesh_shape=tuple(mesh.shape),
+                       axis_names=tuple(mesh.axis_names), param_specs=params, grad_specs=grads,
+                       input_specs=state_specs(graph, parts, params, grads),
+                       batch_axes=batch_axes if batch_axes is not None else (), recompute=variant.recompute)
+
+
+def build_pipeline_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer], sp: StagePlan,
+                        layouts: Sequence[StageLayout], priced: PricedStages, cluster: ClusterSpec, budget: float,
+                        timings: dict[str, float], name: str, spmd: object | None, split: Sequence[bool]) -> Plan:
+    values = graph.values
+    paths = [values[v].path or f"[{i}]" for i, v in enumerate(graph.inputs)]
+    shapes = {p: (values[v].shape, values[v].dtype) for p, v in zip(paths, graph.inputs)}
+    problem = priced.problem
+    b = problem.microbatch_options.index(sp.num_microbatches)
+    stages = []
+    for s, (choice, layout) in enumerate(zip(sp.stages, layouts)):
+        i, j, k = choice.first_layer, choice.last_layer, choice.submesh_index
+        pspecs = {paths[parts.operand_inputs[leaf]]: spec for leaf, spec in sorted(layout.param_specs.items())
+                  if parts.operand_inputs[leaf] is not None}
+        sizes = dict(zip(layout.names, layout.shape))
+        bspecs = {}
+        axes = tuple(a for a in (layout.batch_axes or ()) if sizes.get(a, 1) > 1)
+        for idx, is_batch in enumerate(split):
+            if is_batch:
+                rank = len(shapes[paths[idx]][0])
+                mb = shapes[paths[idx]][0][0] // sp.num_microbatches
+                n = int(np.prod([sizes[a] for a in axes])) if axes else 1
+                bspecs[paths[idx]] = (Spec((axes,) + ((),) * (rank - 1)) if axes and mb % n == 0
+                                      else Spec.replicated(rank))
+        state = float(priced.state_bytes[i, j, k])
+        grad = float(priced.grad_bytes[i, j, k])
+        work = float(problem.work_bytes(b)[i, j, k])
+        act = float(problem.stage_act_bytes[i, j, k, b])
+        memory = StageMemory(state - grad, grad, float(priced.opt_bytes[i, j, k]), sp.in_flight[s] * act + work,
+                             sp.in_flight[s])
+        summaries = list(dict.fromkeys(priced.layer_cost(layer, k).summary for layer in range(i, j + 1)))
+        variant = priced.variants[k]
+        intra = "; ".join(summaries) + (" (lean: state pinned fully sharded)" if variant.mode == "lean" else "") + (
+            "; forward recomputed in the backward" if variant.recompute else "")
+        stages.append(PipelineStage(
+            index=s, first_layer=i, last_layer=j, submesh=choice.submesh, device_indices=layout.device_indices,
+            mesh_shape=layout.shape, axis_names=layout.names, param_specs=pspecs, batch_specs=bspecs,
+            time_s=sp.stage_times_s[s], compute_s=float(priced.compute_s[i, j, k, b]),
+            sync_s=float(priced.update_s[i, j, k]),
+            transfer_out_s=sp.transfer_times_s[s] if s < len(sp.transfer_times_s) else 0.0,
+            memory=memory, num_params=len(pspecs), intra_op=intra, recompute=variant.recompute))
+    times = list(sp.stage_times_s) + list(sp.transfer_times_s)
+    worst = int(np.argmax(times))
+    busy = sp.num_microbatches * sp.bottleneck_s
+    frac = 0.0
+    if worst < len(stages):
+        st = stages[worst]
+        frac = min(1.0, st.compute_s / st.time_s) if st.time_s > 0 else 1.0
+    mem = max(stages, key=lambda st: st.memory.peak_bytes).memory
+    ledger = Ledger(
+        compute_s=busy * frac, comm_s=busy * (1 - frac), reshard_s=0.0, bubble_s=sp.step_time_s - busy,
+        peak_memory_bytes=mem.peak_bytes,
+        memory_by_kind={"param": mem.params_bytes, "grad": mem.grads_bytes, "opt_state": mem.opt_state_bytes,
+                        "activation": mem.activations_bytes},
+        collective_bytes={}, compute_lower_bound_s=compute_lower_bound_s(graph, cluster, cluster.num_devices))
+    spmd_plan = getattr(spmd, "plan", None)
+    summary = PipelineSummary(
+        num_microbatches=sp.num_microbatches, schedule=sp.schedule, step_s=sp.step_time_s,
+        first_microbatch_latency_s=sp.first_microbatch_latency_s, bottleneck_s=sp.bottleneck_s,
+        bubble_fraction=sp.bubble_fraction, layers=len(layers), cost_model=COST_MODEL, intra_stage=INTRA_STAGE,
+        spmd_step_s=spmd_plan.step_s if spmd_plan is not None else None,
+        spmd_mesh="x".join(map(str, spmd_plan.mesh_shape)) if spmd_plan is not None else "",
+        layer_eqns=tuple(tuple(layer.eqns) for layer in layers),
+        notes=(f"{priced.num_solves} layer solves for {len(set(priced.layer_keys))} distinct layers on "
+               f"{len(priced.meshes)} logical meshes; {len(priced.variants)} stage variants",))
+    return Plan(
+        mesh_shape=(problem.num_devices,), axis_names=("devices",), cluster=cluster,
+        input_specs={p: Spec.replicated(len(shapes[p][0])) for p in paths},
+        output_specs={}, input_roles={p: values[v].role.value for p, v in zip(paths, graph.inputs)},
+        input_shapes=shapes, op_out_specs={}, op_in_reshards={}, ledger=ledger,
+        solver=SolverInfo("stage-dp", 0.0, timings.get("stage-dp", 0.0), len(layers), len(problem.submeshes),
+                          int(np.prod(problem.stage_time_s.shape)), 0, 0),
+        planning_s=dict(timings), memory_budget_bytes=budget, num_ops=len(graph.ops), name=name,
+        stages=tuple(stages), num_microbatches=sp.num_microbatches, schedule=sp.schedule,
+        output_shapes={p: (values[v].shape, values[v].dtype)
+                       for p, v in zip(graph.output_paths or [f"out[{k}]" for k in range(len(graph.outputs))],
+                                       graph.outputs)},
+        in_tree=str(graph.in_tree) if graph.in_tree is not None else "", pipeline=summary,
+    )

@@ -1,0 +1,400 @@
+"""Stage costs from the intra-op pass: Alpa's two levels under one cost model.
+
+For every stage candidate the stage DP (``passes/stages.py``) needs a time per
+microbatch, a memory per device and the transfer at its boundaries. Here they
+come from the intra-op ILP (``passes/intra_op.py``) on each layer's train
+graph (one microbatch's forward + backward, the gradient accumulated;
+``compiler/stage_graphs.py``) on the stage's logical mesh, so a stage may be
+data parallel, FSDP/ZeRO, tensor parallel or DP x TP inside: whatever the ILP
+finds cheapest under the #9 model (rooflines of the fused traffic,
+alpha-beta collectives over the links the sub-mesh spans).
+
+A *variant* is (sub-mesh shape, logical mesh shape, mode, recompute): the
+StageProblem's K axis indexes variants, so the DP searches the logical shape,
+the state layout and recomputation per stage beside the layer range and
+sub-mesh. Modes: ``"fast"`` (the ILP's own choice within the budget) and
+``"lean"`` (parameters and gradient accumulators pinned to the fully sharded
+FSDP layout, what a stage of many layers needs when memory binds).
+
+Each distinct layer (equal ``Layer.structure``: repeated and tied layers) is
+solved once per (logical mesh, mode) at two microbatch sizes, the full batch
+(B = 1) and batch / r (B = r); for 1 < B < r each quantity is linear in the
+microbatch size between the two (per op the work is a fixed part, the weights,
+plus a part proportional to the microbatch); B above r is not searched. A
+forced B is solved at exactly that microbatch. Planning is therefore
+independent of depth but for the DP itself.
+
+Per layer l on a variant, with the ILP's plan (storage specs, value specs):
+
+    t_l        = the plan's step seconds (compute + collectives + resharding) per microbatch
+    f_l        = the seconds of its forward ops (the train graph's first ops)
+    state_l    = parameters + gradient accumulator per device, in their storage layouts
+    opt_l      = r_opt x accumulator bytes (the optimizer state kept in the accumulator's layout)
+    u_l        = once per step: the optimizer's per-op rooflines on the accumulator's shard, plus
+                 resharding each updated parameter from the accumulator's layout to its own
+    act_l      = residuals per microbatch: forward values the backward reads, and the layer input
+    extra_l    = the plan's peak - state_l - act_l (temporaries of one backward)
+
+and a stage i..j (recompute: the backward re-runs the stage forward from its input)::
+
+    time       = sum t_l [+ sum f_l]  +  sum u_l / B
+    param      = sum (state_l + opt_l)
+    act        = sum act_l            [recompute: the stage input only]
+    work       = max extra_l          [recompute: + sum act_l, one microbatch recomputed]
+
+Transfers after layer j from variant k1 to k2: the activation forward and its
+gradient back, each ``cross_mesh_send_s`` over the link the two sub-meshes
+cross; a destination whose first layer takes its input replicated receives one
+split copy and all-gathers it inside its own mesh when that is cheaper.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from autoshard.errors import InfeasibleMemoryError
+from autoshard.ir.graph import OpGraph
+from autoshard.ir.spec import Spec
+from autoshard.meshes.cluster import ClusterSpec
+from autoshard.meshes.logical import LogicalMesh, factorizations, make_logical_mesh
+from autoshard.passes.classic import Baseline, baseline_pins, batch_spec
+from autoshard.passes.intra_op import IntraOpOptions, IntraOpResult, plan_intra_op
+from autoshard.passes.resharding import reshard
+from autoshard.passes.inter_op import cross_mesh_send_s
+from autoshard.passes.stage_problem import StageProblem, SubmeshShape, microbatch_choices
+from autoshard.runtime.schedules import PipelineSchedule
+
+log = logging.getLogger(__name__)
+
+MODES = ("fast", "lean", "dp")  # "dp": parameters and accumulators replicated, the batch split (a baseline)
+
+
+@dataclass(frozen=True, eq=False)
+class LayerTrainGraph:
+    """One layer class's train graph (``compiler/stage_graphs.py``)."""
+
+    graph: OpGraph
+    num_forward_ops: int  # its first ops are the forward
+    groups: tuple[int, int, int, int, int]  # input counts: accumulators, params, data, activations, cotangents
+    key: str  # the layer structure hash: equal keys, one solve
+
+
+@dataclass(frozen=True)
+class StageVariant:
+    """How a stage runs on its devices: K axis of the StageProblem."""
+
+    submesh: SubmeshShape
+    mesh_shape: tuple[int, ...]  # logical mesh of the sub-mesh
+    mode: str  # one of MODES
+    recompute: bool
+
+    def __str__(self) -> str:
+        return (f"{self.submesh[0]}x{self.submesh[1]} as {'x'.join(map(str, self.mesh_shape))} {self.mode}"
+                f"{' recompute' if self.recompute else ''}")
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """The intra-op plan of one layer class on one mesh at one microbatch size (module docstring)."""
+
+    time_s: float
+    forward_s: float
+    state_bytes: float
+    grad_bytes: float  # the gradient accumulators' part of state_bytes
+    opt_bytes: float
+    update_s: float
+    act_bytes: float
+    in_bytes: float
+    extra_bytes: float
+    in_replicated: bool  # the layer takes its input activations replicated
+    input_specs: tuple[Spec, ...]  # storage spec per graph input
+    summary: str  # DP / FSDP / ZeRO / TP, as the specs say
+
+
+@dataclass(frozen=True)
+class StageCostOptions:
+    schedule: PipelineSchedule = "1f1b"
+    num_stages: int | None = None
+    num_microbatches: int | None = None
+    max_microbatches: int = 64
+    memory_budget_bytes: float = math.inf
+    min_stages: int = 1
+    recompute: tuple[bool, ...] = (False, True)  # searched per stage
+    modes: tuple[str, ...] = ("fast", "lean")
+    time_limit_s: float = 0.2  # CP-SAT seconds per layer solve
+    submeshes: tuple[SubmeshShape, ...] | None = None  # None: stage_submeshes(cluster)
+
+
+@dataclass(frozen=True, eq=False)
+class PricedStages:
+    problem: StageProblem
+    variants: tuple[StageVariant, ...]
+    compute_s: np.ndarray  # [L, L, K, nB] per microbatch, without the once-per-step part
+    update_s: np.ndarray  # [L, L, K] once per step
+    state_bytes: np.ndarray  # [L, L, K] params + accumulators per device
+    grad_bytes: np.ndarray  # [L, L, K] the accumulators' part
+    opt_bytes: np.ndarray  # [L, L, K]
+    costs: dict[tuple[str, int, int], tuple[LayerCost, LayerCost]]  # (layer key, mesh, mode) -> (B=1, B=r)
+    ratio: int  # r
+    layer_keys: tuple[str, ...]
+    meshes: tuple[LogicalMesh, ...]  # the logical meshes solved on
+    mesh_of: tuple[int, ...]  # per variant: its index in meshes
+    num_solves: int
+    groups: tuple[tuple[int, ...], ...]  # per layer: its graph's input counts (LayerTrainGraph.groups)
+
+    def layer_cost(self, layer: int, k: int) -> LayerCost:
+        """The plan of ``layer`` on variant k at B = r (its specs are those the runtime applies)."""
+        return self.costs[self.layer_keys[layer], self.mesh_of[k], MODES.index(self.variants[k].mode)][1]
+
+
+def stage_submeshes(cluster: ClusterSpec, num_devices: int) -> tuple[SubmeshShape, ...]:
+    """Alpa's sub-mesh shapes: (1, 2^i) inside a node and (m, devices_per_node) for whole nodes."""
+    per_node = min(cluster.devices_per_node, num_devices)
+    shapes = []
+    width = 1
+    while width <= per_node:
+        if per_node % width == 0:
+            shapes.append((1, width))
+        width *= 2
+    if per_node not in [w for _, w in shapes]:
+        shapes.append((1, per_node))
+    shapes += [(m, per_node) for m in range(2, num_devices // per_node + 1)]
+    return tuple(shapes)
+
+
+def logical_shapes(submesh: SubmeshShape) -> list[tuple[int, ...]]:
+    """Logical meshes of a sub-mesh: (nodes, per node) across nodes; inside a node every 2-axis
+    factorization with both axes > 1 (the 1-axis mesh when there is none: its plans are a subset)."""
+    nodes, per = submesh
+    if nodes > 1:
+        return [(nodes, per)]
+    two = [s for s in factorizations(per, 2) if len(s) == 2 and min(s) > 1]
+    return two or [(per,)]
+
+
+def _local_bytes(graph: OpGraph, vid: int, spec: Spec, sizes: dict[str, int]) -> float:
+    value = graph.values[vid]
+    return float(value.nbytes) / max(1, spec.num_shards(sizes))
+
+
+def _describe(groups: Sequence[int], specs: Sequence[Spec], mesh: LogicalMesh) -> str:
+    """What the plan does with state and batch, in the classic names where they fit."""
+    na, npar, nd, nact = groups[0], groups[1], groups[2], groups[3]
+    params = specs[na:na + npar]
+    accs = specs[:na]
+    inputs = specs[na + npar:na + npar + nd + nact]
+    batch_axes = sorted({a for s in inputs if s.rank for a in s.dims[0]})
+    param_axes = sorted({a for s in params for a in s.used_axes})
+    if not param_axes and not any(not s.is_replicated for s in accs):
+        kind = "DP" if batch_axes else "replicated"
+    elif not param_axes:
+        kind = "ZeRO-2" if batch_axes else "replicated, grads sharded"
+    elif set(param_axes) <= set(batch_axes):
+        kind = "FSDP"
+    elif batch_axes:
+        kind = "DP x TP"
+    else:
+        kind = "TP"
+    return f"{kind} on {'x'.join(map(str, mesh.shape))} (batch over {{{','.join(batch_axes)}}})"
+
+
+def layer_cost(train: LayerTrainGraph, result: IntraOpResult, leaf_update_s: Sequence[float],
+               opt_ratio: float) -> LayerCost:
+    """Read a LayerCost off the ILP's plan of one layer (module docstring)."""
+    graph, mesh = train.graph, result.mesh
+    sizes = dict(zip(mesh.axis_names, mesh.shape))
+    specs = result.input_specs
+    na, npar, nd, nact, _ = train.groups
+    local = [_local_bytes(graph, vid, s, sizes) for vid, s in zip(graph.inputs, specs)]
+    acc_b, param_b = sum(local[:na]), sum(local[na:na + npar])
+    in_b = sum(local[na + npar + nd:na + npar + nd + nact])
+    nf = train.num_forward_ops
+    fwd_values = {v for op in graph.ops[:nf] for v in op.outputs}
+    read_later = {v for op in graph.ops[nf:] for v in op.inputs}
+    residual = sum(_local_bytes(graph, v, result.value_specs[v], sizes) for v in fwd_values & read_later
+                   if v in result.value_specs)
+    forward_s = float(sum(result.op_compute_s[:nf]) + sum(result.op_comm_s[:nf]))
+    update_s = 0.0
+    for p in range(npar):
+        vid = graph.inputs[na + p]
+        value = graph.values[vid]
+        acc_spec, param_spec = specs[p], specs[na + p]
+        update_s += float(leaf_update_s[p]) / max(1, acc_spec.num_shards(sizes))
+        if acc_spec != param_spec:
+            update_s += reshard(value.shape, int(value.nbytes // max(1, int(np.prod(value.shape)))), acc_spec,
+                                param_spec, mesh).seconds
+    act = residual + in_b
+    acts_in = specs[na + npar + nd:na + npar + nd + nact]
+    return LayerCost(
+        time_s=float(result.step_s), forward_s=forward_s, state_bytes=acc_b + param_b, grad_bytes=acc_b,
+        opt_bytes=opt_ratio * acc_b,
+        update_s=update_s, act_bytes=act, in_bytes=in_b,
+        extra_bytes=max(0.0, float(result.peak_bytes) - acc_b - param_b - act),
+        in_replicated=all(s.is_replicated for s in acts_in), input_specs=tuple(specs),
+        summary=_describe(train.groups, specs, mesh))
+
+
+def _lerp(big: float, small: float, ratio: int, num_microbatches: int) -> float:
+    """Linear in the microbatch size between B = 1 (``big``) and B = r (``small``), clipped at 0."""
+    if ratio == 1:
+        return big
+    x = (1.0 / num_microbatches - 1.0 / ratio) / (1.0 - 1.0 / ratio)
+    return max(0.0, small + (big - small) * x)
+
+
+def _solve(train: LayerTrainGraph, mesh: LogicalMesh, mode: str, update: Sequence[float], opt_ratio: float,
+           options: StageCostOptions) -> LayerCost:
+    budget = options.memory_budget_bytes if math.isfinite(options.memory_budget_bytes) else None
+    opts = IntraOpOptions(time_limit_s=options.time_limit_s, memory_budget_bytes=budget, classic_starts=False)
+    if mode in ("lean", "dp"):
+        pins = baseline_pins(train.graph, mesh, Baseline.FSDP if mode == "lean" else Baseline.DP)
+        keep = sum(train.groups[:3])  # accumulators, parameters, and (for DP) the batch
+        pinned = {i: s for i, s in pins.items() if i < keep - (mode == "lean") * train.groups[2]}
+        if mode == "dp":  # data parallel: the activations entering and their cotangents split on the batch too
+            sizes = dict(zip(mesh.axis_names, mesh.shape))
+            axes = tuple(a for a in mesh.axis_names if sizes[a] > 1)
+            for i in range(keep, len(train.graph.inputs)):
+                pinned[i] = batch_spec(train.graph.values[train.graph.inputs[i]].shape, axes, sizes)
+        opts = replace(opts, pinned_inputs=pinned)
+    try:
+        result = plan_intra_op(train.graph, mesh, opts, exact_smallest_budget=False)
+    except InfeasibleMemoryError:  # one layer over the budget: price it anyway, the DP rejects what does not fit
+        result = plan_intra_op(train.graph, mesh, replace(opts, memory_budget_bytes=1e30),
+                               exact_smallest_budget=False)
+    return layer_cost(train, result, update, opt_ratio)
+
+
+def solve_layers(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrainGraph]],
+                 leaf_update_s: Sequence[Sequence[float]], meshes: Sequence[LogicalMesh], opt_ratio: float,
+                 options: StageCostOptions, progress: Callable[[str], None] | None = None
+                 ) -> tuple[dict[tuple[str, int, int], tuple[LayerCost, LayerCost]], int]:
+    """Solve every distinct layer on every mesh at B = 1 and B = r (one solve when the two graphs are one).
+
+    ``"lean"`` is solved on a mesh of more than one device only when the whole model's state in the fast
+    plans (parameters, accumulators, optimizer state) would not fit the budget there: otherwise every
+    stage's state fits without it."""
+    costs: dict[tuple[str, int, int], tuple[LayerCost, LayerCost]] = {}
+    solves = 0
+
+    def run(mode: str) -> None:
+        nonlocal solves
+        for (big, small), update in zip(layer_graphs, leaf_update_s):
+            for m, mesh in enumerate(meshes):
+                key = (big.key, m, MODES.index(mode))
+                if key in costs or (mode == "lean" and m not in lean_meshes):
+                    continue
+                if progress is not None:
+                    progress(f"pricing layer class {big.key[:8]} on {'x'.join(map(str, mesh.shape))} ({mode})")
+                first = _solve(big, mesh, mode, update, opt_ratio, options)
+                second = first if small is big else _solve(small, mesh, mode, update, opt_ratio, options)
+                solves += 1 if small is big else 2
+                costs[key] = (first, second)
+
+    lean_meshes: set[int] = set()
+    if "fast" in options.modes:
+        run("fast")
+    if "dp" in options.modes:
+        run("dp")
+    if "lean" in options.modes:
+        for m, mesh in enumerate(meshes):
+            state = sum(costs[big.key, m, 0][1].state_bytes + costs[big.key, m, 0][1].opt_bytes
+                        for big, _ in layer_graphs) if "fast" in options.modes else math.inf
+            if mesh.num_devices > 1 and state > options.memory_budget_bytes:
+                lean_meshes.add(m)
+        run("lean")
+    return costs, solves
+
+
+def price_stage_variants(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrainGraph]],
+                         leaf_update_s: Sequence[Sequence[float]], out_bytes: Sequence[float], ratio: int,
+                         cluster: ClusterSpec, num_devices: int, global_batch: int, opt_ratio: float,
+                         options: StageCostOptions, progress: Callable[[str], None] | None = None) -> PricedStages:
+    """Fill a StageProblem whose K axis is the stage variants (module docstring).
+
+    ``layer_graphs``: per layer, its class's train graph at B = 1 and at B = ``ratio``;
+    ``leaf_update_s``: per layer, the optimizer's seconds per parameter input of its graph (replicated);
+    ``out_bytes``: per layer, the activation bytes crossing the cut after it at the full batch.
+    """
+    num_layers = len(layer_graphs)
+    subs = options.submeshes or stage_submeshes(cluster, num_devices)
+    fewest = max(options.min_stages, options.num_stages or 1)
+    largest = num_devices - (fewest - 1) * min(a * b for a, b in subs)  # a bigger stage leaves too few devices
+    subs = tuple(sub for sub in subs if sub[0] * sub[1] <= largest)
+    mesh_keys = [(sub, shape) for sub in subs for shape in logical_shapes(sub)]
+    meshes = tuple(make_logical_mesh(cluster, shape, device_indices=tuple(range(sub[0] * sub[1])))
+                   for sub, shape in mesh_keys)
+    costs, solves = solve_layers(layer_graphs, leaf_update_s, meshes, opt_ratio, options, progress)
+    variants, mesh_of = [], []
+    for m, (sub, shape) in enumerate(mesh_keys):
+        for mode in options.modes:
+            if (layer_graphs[0][0].key, m, MODES.index(mode)) not in costs:
+                continue
+            for rec in options.recompute:
+                variants.append(StageVariant(sub, shape, mode, rec))
+                mesh_of.append(m)
+    # B up to r only: between B = 1 and B = r the costs interpolate two solves; beyond r they would extrapolate
+    # (a microbatch smaller than any solved, whose batch split the plans at r may not allow)
+    bs = microbatch_choices(global_batch, min(options.max_microbatches, max(ratio, 1)))
+    if options.num_microbatches is not None and options.num_microbatches not in bs:
+        bs = tuple(sorted({*bs, options.num_microbatches}))
+    keys = tuple(big.key for big, _ in layer_graphs)
+    num_k, num_b = len(variants), len(bs)
+    # per layer, variant, B: t, f, act, extra; per layer, variant: state, opt, update
+    t = np.zeros((num_layers, num_k, num_b))
+    f, act, extra, inb = np.zeros_like(t), np.zeros_like(t), np.zeros_like(t), np.zeros_like(t)
+    state, grad, opt, upd = (np.zeros((num_layers, num_k)) for _ in range(4))
+    in_rep = np.zeros((num_layers, num_k), dtype=bool)
+    for layer in range(num_layers):
+        for k, var in enumerate(variants):
+            big, small = costs[keys[layer], mesh_of[k], MODES.index(var.mode)]
+            state[layer, k], opt[layer, k], upd[layer, k] = small.state_bytes, small.opt_bytes, small.update_s
+            grad[layer, k] = small.grad_bytes
+            in_rep[layer, k] = small.in_replicated
+            for b, big_b in enumerate(bs):
+                t[layer, k, b] = _lerp(big.time_s, small.time_s, ratio, big_b)
+                f[layer, k, b] = _lerp(big.forward_s, small.forward_s, ratio, big_b)
+                act[layer, k, b] = _lerp(big.act_bytes, small.act_bytes, ratio, big_b)
+                extra[layer, k, b] = _lerp(big.extra_bytes, small.extra_bytes, ratio, big_b)
+                inb[layer, k, b] = _lerp(big.in_bytes, small.in_bytes, ratio, big_b)
+    cum = {name: np.concatenate([np.zeros((1,) + a.shape[1:]), np.cumsum(a, axis=0)])
+           for name, a in (("t", t), ("f", f), ("act", act), ("state", state), ("grad", grad), ("opt", opt), ("upd", upd))}
+    shape4 = (num_layers, num_layers, num_k, num_b)
+    comp, acts, work = np.full(shape4, np.inf), np.zeros(shape4), np.zeros(shape4)
+    sbytes, gbytes, obytes, usec = (np.zeros(shape4[:3]) for _ in range(4))
+    recompute = np.array([v.recompute for v in variants])
+    for i in range(num_layers):
+        run_max = np.zeros((num_k, num_b))
+        for j in range(i, num_layers):
+            run_max = np.maximum(run_max, extra[j])
+            seg = {name: a[j + 1] - a[i] for name, a in cum.items()}
+            sbytes[i, j], obytes[i, j], usec[i, j] = seg["state"], seg["opt"], seg["upd"]
+            gbytes[i, j] = seg["grad"]
+            comp[i, j] = seg["t"] + np.where(recompute[:, None], seg["f"], 0.0)
+            acts[i, j] = np.where(recompute[:, None], inb[i], seg["act"])
+            work[i, j] = run_max + np.where(recompute[:, None], seg["act"], 0.0)
+    time = comp + usec[..., None] / np.array(bs, dtype=float)
+    if options.min_stages > 1:
+        time[0, num_layers - 1, [k for k, v in enumerate(variants) if v.submesh[0] * v.submesh[1] == num_devices]] = \
+            np.inf
+    transfer = np.zeros((max(num_layers - 1, 0), num_k, num_k, num_b))
+    for j in range(num_layers - 1):
+        for k1, v1 in enumerate(variants):
+            n1 = v1.submesh[0] * v1.submesh[1]
+            for k2, v2 in enumerate(variants):
+                n2 = v2.submesh[0] * v2.submesh[1]
+                cross = v1.submesh[0] > 1 or v2.submesh[0] > 1 or v1.submesh[1] + v2.submesh[1] > cluster.devices_per_node
+                for b, big_b in enumerate(bs):
+                    transfer[j, k1, k2, b] = 2 * cross_mesh_send_s(
+                        cluster, out_bytes[j] / big_b, n1, n2, cross_node=cross, dst_replicated=bool(in_rep[j + 1, k2]))
+    problem = StageProblem(
+        num_layers=num_layers, submeshes=tuple(v.submesh for v in variants), num_devices=num_devices,
+        global_batch=global_batch, microbatch_options=bs, stage_time_s=time, stage_param_bytes=sbytes + obytes,
+        stage_act_bytes=acts, transfer_s=transfer, memory_budget_bytes=options.memory_budget_bytes,
+        schedule=options.schedule, num_stages=options.num_stages, num_microbatches=options.num_microbatches,
+        stage_work_bytes=work)
+    return PricedStages(problem, tuple(variants), comp, usec, sbytes, gbytes, obytes, costs, ratio, keys, meshes,
+                        tuple(mesh_of), solves, tuple(big.groups for big, _ in layer_graphs))

@@ -1,0 +1,67 @@
+"""Where a pipeline stage runs and how its arrays are laid out on its sub-mesh (``runtime/pipeline.py``)."""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from autoshard.ir.spec import Spec
+from autoshard.runtime.spmd import named_sharding
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Where a stage runs: a layer range and the (jax) device indices of its sub-mesh."""
+
+    first_layer: int
+    last_layer: int  # inclusive
+    device_indices: tuple[int, ...]
+    mesh_shape: tuple[int, ...] = ()  # the stage's logical mesh; (): one axis "dp" over its devices
+    axis_names: tuple[str, ...] = ()
+    param_specs: Mapping[int, Spec] = field(default_factory=dict)  # loss-argument leaf -> storage spec
+    grad_specs: Mapping[int, Spec] = field(default_factory=dict)  # loss-argument leaf -> accumulator spec
+    input_specs: Mapping[int, Spec] = field(default_factory=dict)  # flat step input (params, optimizer state)
+    batch_axes: tuple[str, ...] | None = None  # axes splitting data and activations; None: every axis
+    recompute: bool = False  # the backward re-runs the stage's forward from its input (keeps no residuals)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.mesh_shape or (len(self.device_indices),)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.axis_names or ("dp",)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def split_leading(mesh: Mesh, shape: Sequence[int], axes: Sequence[str] | None = None) -> NamedSharding:
+    axes = tuple(a for a in (mesh.axis_names if axes is None else axes) if mesh.shape[a] > 1)
+    n = math.prod(mesh.shape[a] for a in axes)
+    if len(shape) >= 1 and n > 1 and shape[0] % n == 0:
+        return NamedSharding(mesh, PartitionSpec(axes if len(axes) > 1 else axes[0]))
+    return replicated(mesh)
+
+
+def planned_sharding(mesh: Mesh, spec: Spec | None, shape: Sequence[int]) -> NamedSharding:
+    """A planned storage spec on the stage's mesh; replicated when none is planned or it does not divide."""
+    if spec is None or spec.is_replicated or spec.rank != len(shape) or not spec.divides(shape, dict(mesh.shape)):
+        return replicated(mesh)
+    return named_sharding(spec, mesh)
+
+
+def deliver(x: Any, where: NamedSharding) -> Any:
+    """Move an activation to another stage's sharding: one split send, then, for a replicated destination,
+    an all-gather inside the destination mesh (the module docstring)."""
+    mesh = where.mesh
+    if where.is_fully_replicated and mesh.devices.size > 1 and x.ndim >= 1 \
+            and x.shape[0] % mesh.devices.size == 0 and set(x.sharding.device_set) != set(where.device_set):
+        split = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
+        return jax.device_put(jax.device_put(x, split), where)
+    return jax.device_put(x, where)

@@ -1,0 +1,129 @@
+"""Stage costs from the intra-op pass (passes/stage_costs.py): one solve per distinct layer and mesh, whatever
+the depth; variants over logical meshes and recomputation; the stage DP's memory with the work bytes."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import optax
+import pytest
+
+import autoshard
+from autoshard.compiler.baselines import plan_uniform_gpipe
+from autoshard.compiler.pipeline_driver import plan_pipeline
+from autoshard.passes.stage_costs import logical_shapes, stage_submeshes
+from autoshard.passes.stages import StageInfeasibleError, evaluate_stages, solve_stages
+from examples import gpt
+
+BASE = dataclasses.replace(gpt.CONFIGS["small"], d_model=32, num_heads=2, seq_len=8, batch_size=8)
+
+
+def _plan(num_layers: int, config=BASE, **kwargs):
+    work = gpt.workload(dataclasses.replace(config, num_layers=num_layers), abstract=True)
+    tx = optax.adamw(1e-3)
+
+    def step(params, opt_state, batch):
+        loss, grads = autoshard.value_and_grad(work.loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    kwargs.setdefault("num_stages", 2)
+    kwargs.setdefault("num_microbatches", 2)
+    return plan_pipeline(step, work.args, cluster="cpu-8", num_devices=8, num_layers=num_layers, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def shallow():
+    return _plan(3)
+
+
+def test_solves_do_not_grow_with_depth(shallow):
+    deep = _plan(6)
+    for piped in (shallow, deep):
+        priced = piped.priced
+        distinct = len(set(priced.layer_keys))
+        assert priced.num_solves == distinct * len(priced.meshes)  # B forced: one microbatch size
+    assert len(deep.layers) == 2 * len(shallow.layers)
+    assert len(set(deep.priced.layer_keys)) < len(deep.layers)  # repeated layers share one solve
+    assert deep.priced.num_solves < 2 * shallow.priced.num_solves  # twice the depth, not twice the solves
+
+
+def test_variants_cover_two_axis_meshes_and_recompute(shallow):
+    variants = shallow.priced.variants
+    assert any(len(v.mesh_shape) == 2 for v in variants)
+    assert {v.recompute for v in variants} == {False, True}
+    # S = 2 on 8 devices: no stage can take all 8
+    assert all(v.submesh[0] * v.submesh[1] < 8 for v in variants)
+    problem = shallow.priced.problem
+    b = problem.microbatch_options.index(2)
+    rec = [k for k, v in enumerate(variants) if v.recompute]
+    keep = [k for k, v in enumerate(variants) if not v.recompute]
+    last = problem.num_layers - 1
+    for k_rec, k_keep in zip(rec, keep):  # same mesh and mode, recompute off / on
+        assert variants[k_rec].mesh_shape == variants[k_keep].mesh_shape
+        assert problem.stage_act_bytes[0, last, k_rec, b] <= problem.stage_act_bytes[0, last, k_keep, b]
+        assert problem.stage_time_s[0, last, k_rec, b] >= problem.stage_time_s[0, last, k_keep, b]
+
+
+def test_plan_reports_each_stage_intra_op_plan(shallow):
+    plan = shallow.plan
+    assert plan.pipeline.intra_stage.startswith("per stage")
+    for stage in plan.stages:
+        assert stage.intra_op and " on " in stage.intra_op
+        assert stage.mesh_shape == shallow.layouts[stage.index].shape
+        assert f"as mesh {'x'.join(map(str, stage.mesh_shape))}" in str(stage)
+    sp = shallow.stage_plan
+    again = evaluate_stages(shallow.priced.problem, [(s.first_layer, s.last_layer, s.submesh_index)
+                                                     for s in sp.stages], sp.num_microbatches)
+    assert again.step_time_s == pytest.approx(sp.step_time_s)
+    assert np.allclose(again.per_stage_peak_bytes, [st.memory.peak_bytes for st in plan.stages], rtol=1e-9)
+
+
+def test_submesh_and_logical_shapes():
+    spec = autoshard.PRESETS["2x8-a100"]
+    assert stage_submeshes(spec, 16) == ((1, 1), (1, 2), (1, 4), (1, 8), (2, 8))
+    assert logical_shapes((2, 8)) == [(2, 8)]
+    assert logical_shapes((1, 8)) == [(2, 4), (4, 2)]
+    assert logical_shapes((1, 2)) == [(2,)]
+
+
+def _smallest_budget(problem) -> float:
+    with pytest.raises(StageInfeasibleError) as info:
+        solve_stages(dataclasses.replace(problem, memory_budget_bytes=0.0))
+    return info.value.smallest_budget_bytes
+
+
+def test_recomputation_is_searched_per_stage():
+    """When activations bind, the DP turns recomputation on (for some stage) rather than fail."""
+    long_sequences = dataclasses.replace(BASE, vocab_size=64, seq_len=64)  # activations outweigh the parameters
+    priced = _plan(2, long_sequences, num_microbatches=4, schedule="gpipe").priced
+    problem = priced.problem
+    rec = np.array([v.recompute for v in priced.variants])
+    without = dataclasses.replace(problem, stage_time_s=np.where(rec[None, None, :, None], np.inf,
+                                                                 problem.stage_time_s))
+    least_without, least_any = _smallest_budget(without), _smallest_budget(problem)
+    assert least_any < least_without  # recomputation saves activation memory here
+    budget = (least_any + least_without) / 2
+    with pytest.raises(StageInfeasibleError):
+        solve_stages(dataclasses.replace(without, memory_budget_bytes=budget))
+    plan = solve_stages(dataclasses.replace(problem, memory_budget_bytes=budget))
+    assert plan.peak_bytes <= budget
+    assert any(priced.variants[s.submesh_index].recompute for s in plan.stages)
+
+
+def test_uniform_gpipe_baseline_is_equal_data_parallel_stages():
+    work = gpt.workload(dataclasses.replace(BASE, num_layers=4), abstract=True)
+    tx = optax.adamw(1e-3)
+
+    def step(params, opt_state, batch):
+        loss, grads = autoshard.value_and_grad(work.loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    plan = plan_uniform_gpipe(step, work.args, cluster="cpu-8", num_devices=8, num_layers=4)
+    assert plan.schedule == "gpipe" and len(plan.stages) == 2
+    assert [(s.first_layer, s.last_layer) for s in plan.stages] == [(0, 1), (2, 3)]
+    assert all(len(s.device_indices) == 4 for s in plan.stages)
+    for stage in plan.stages:
+        assert all(spec.is_replicated for spec in stage.param_specs.values())
+        assert stage.intra_op.startswith("DP on") and not stage.recompute
