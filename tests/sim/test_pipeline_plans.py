@@ -56,7 +56,7 @@ def test_pipeline_plan_saved_loaded_and_applied_on_reversed_devices(tmp_path, de
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # stage 0 ran on the plan's device indices, which now name the reversed devices
     first = plan.stages[0].device_indices
-    assert run.step.meshes[0].devices.tolist() == [jax.devices()[::-1][i] for i in first]
+    assert list(run.step.meshes[0].devices.flat) == [jax.devices()[::-1][i] for i in first]
     leaf = jax.tree.leaves(state[0])[0]
     assert set(leaf.devices()) <= {jax.devices()[::-1][i] for i in first}
 
