@@ -249,6 +249,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     print_all(fidelity_table(report, f"plan '{plan.name}' predicted vs compiled",
                           f"mesh {'x'.join(map(str, plan.mesh_shape))} of {plan.cluster.name}, XLA:CPU on simulated "
                           f"devices, compiled in {compile_s:.1f}s"))
+    for note in getattr(report, "notes", ()):
+        console.print(note)
     flagged = [line.what for line in fidelity_lines(report) if line.flagged]
     if flagged:
         console.print(f"[bold red]{len(flagged)} figure(s) off by more than their tolerance[/bold red]: "

@@ -9,11 +9,11 @@ whether it recomputes its forward. ``build_pipeline_plan`` writes the Plan: one
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from autoshard.ir.graph import OpGraph, Role
+from autoshard.ir.graph import OpGraph
 from autoshard.ir.spec import Spec
 from autoshard.ir.split import StepParts
 from autoshard.meshes.cluster import ClusterSpec
@@ -25,40 +25,12 @@ from autoshard.plans.ledger import Ledger, SolverInfo
 from autoshard.plans.plan import Plan
 from autoshard.plans.stage_plan import PipelineStage, PipelineSummary, StageMemory
 from autoshard.runtime.pipeline import StageLayout, StageProgram
+from autoshard.runtime.stage_layout import state_specs
 
 COST_MODEL = ("intra-op: each distinct layer's forward + backward planned by the intra-op ILP on the stage's "
               "logical mesh (at B = 1 and B = r, linear in the microbatch between), optimizer update once per step "
               "in the gradient accumulator's layout, activation transfers both ways over the link crossed")
 INTRA_STAGE = "per stage: its own intra-op plan (see each stage's intra-op line)"
-
-
-def state_specs(graph: OpGraph, parts: StepParts, params: Mapping[int, Spec], grads: Mapping[int, Spec]
-                 ) -> dict[int, Spec]:
-    """Flat step input -> spec, for the parameters a stage holds and the optimizer state that follows them:
-    an optimizer-state leaf whose pytree path ends with a parameter's path (``mu['w']`` of ``['w']``) and whose
-    shape is the parameter's is stored in that parameter's gradient layout."""
-    values = graph.values
-    out: dict[int, Spec] = {}
-    suffix: dict[tuple[str, tuple[int, ...]], Spec] = {}
-    for leaf, spec in params.items():
-        flat = parts.operand_inputs[leaf]
-        if flat is None:
-            continue
-        out[flat] = spec
-        value = values[graph.inputs[flat]]
-        path = value.path or ""
-        tail = path[path.index("]") + 1:] if path.startswith("[") and "]" in path else path
-        if tail:
-            suffix[tail, tuple(value.shape)] = grads.get(leaf, spec)
-    for flat, vid in enumerate(graph.inputs):
-        value = values[vid]
-        if value.role != Role.OPT_STATE or not value.path:
-            continue
-        for (tail, shape), spec in suffix.items():
-            if tuple(value.shape) == shape and value.path.endswith(tail):
-                out[flat] = spec
-                break
-    return out
 
 
 def stage_layout(graph: OpGraph, parts: StepParts, programs: Sequence[StageProgram], priced: PricedStages,
@@ -99,6 +71,8 @@ def build_pipeline_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer
         i, j, k = choice.first_layer, choice.last_layer, choice.submesh_index
         pspecs = {paths[parts.operand_inputs[leaf]]: spec for leaf, spec in sorted(layout.param_specs.items())
                   if parts.operand_inputs[leaf] is not None}
+        gspecs = {paths[parts.operand_inputs[leaf]]: spec for leaf, spec in sorted(layout.grad_specs.items())
+                  if parts.operand_inputs[leaf] is not None}
         sizes = dict(zip(layout.names, layout.shape))
         bspecs = {}
         axes = tuple(a for a in (layout.batch_axes or ()) if sizes.get(a, 1) > 1)
@@ -125,7 +99,8 @@ def build_pipeline_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer
             time_s=sp.stage_times_s[s], compute_s=float(priced.compute_s[i, j, k, b]),
             sync_s=float(priced.update_s[i, j, k]),
             transfer_out_s=sp.transfer_times_s[s] if s < len(sp.transfer_times_s) else 0.0,
-            memory=memory, num_params=len(pspecs), intra_op=intra, recompute=variant.recompute))
+            memory=memory, num_params=len(pspecs), intra_op=intra, recompute=variant.recompute,
+            grad_specs=gspecs))
     times = list(sp.stage_times_s) + list(sp.transfer_times_s)
     worst = int(np.argmax(times))
     busy = sp.num_microbatches * sp.bottleneck_s

@@ -26,13 +26,15 @@ from autoshard.ir.trace import signature, trace
 from autoshard.plans.planfile import PlanLike, check_args, check_signature
 from autoshard.runtime.pipeline import PipelineStep, StageLayout
 from autoshard.runtime.pipeline_lower import PipelineLowered, lower_pipeline
+from autoshard.runtime.stage_layout import state_specs
 
 
 def stage_layouts(plan: PlanLike, graph: OpGraph | None = None, parts: StepParts | None = None
                   ) -> tuple[StageLayout, ...]:
-    """The runtime's view of the plan's stages: each stage's logical mesh, recomputation, the parameter
-    layouts the file records (gradients accumulate in the same layout; optimizer state, which the file
-    does not record per stage, is left replicated) and the axes its batch specs split."""
+    """The runtime's view of the plan's stages: each stage's logical mesh, recomputation, the parameter and
+    gradient-accumulator layouts the file records (older files: gradients in the parameter's layout), the
+    optimizer state following its parameter's gradient as the planner lays it out (``state_specs``), and
+    the axes its batch specs split."""
     leaf_of: dict[str, int] = {}
     if graph is not None and parts is not None:
         paths = [graph.values[v].path for v in graph.inputs]
@@ -40,10 +42,13 @@ def stage_layouts(plan: PlanLike, graph: OpGraph | None = None, parts: StepParts
     out = []
     for st in plan.stages:
         params = {leaf_of[path]: spec for path, spec in st.param_specs.items() if path in leaf_of}
+        grads = {**params, **{leaf_of[path]: spec for path, spec in getattr(st, "grad_specs", {}).items()
+                              if path in leaf_of}}
         batch = [spec for spec in st.batch_specs.values() if spec.rank]
+        inputs = state_specs(graph, parts, params, grads) if graph is not None and parts is not None else {}
         out.append(StageLayout(st.first_layer, st.last_layer, tuple(st.device_indices),
                                mesh_shape=tuple(st.mesh_shape), axis_names=tuple(st.axis_names),
-                               param_specs=params, grad_specs=dict(params),
+                               param_specs=params, grad_specs=grads, input_specs=inputs,
                                batch_axes=tuple(batch[0].dims[0]) if batch else None,
                                recompute=bool(getattr(st, "recompute", False))))
     return tuple(out)

@@ -120,7 +120,7 @@ def _stage_json(stage: Any, index: int) -> dict[str, Any]:
         data: dict[str, Any] = {"kind": "pipeline-stage"}
         for f in dataclasses.fields(PipelineStage):
             value = getattr(stage, f.name)
-            if f.name in ("param_specs", "batch_specs"):
+            if f.name in ("param_specs", "batch_specs", "grad_specs"):
                 value = {k: s.to_json() for k, s in value.items()}
             elif isinstance(value, StageMemory):
                 value = asdict(value)
@@ -143,6 +143,9 @@ def _stage(data: Any, where: str) -> Any:
     names = tuple(jf.field(body, "axis_names", list, where))
     for key in ("param_specs", "batch_specs"):
         fields[key] = {p: jf.spec(s, names, f"{where}.{key}[{p}]") for p, s in jf.field(body, key, dict, where).items()}
+    if "grad_specs" in body:  # older files: gradients accumulate in the parameter's layout
+        fields["grad_specs"] = {p: jf.spec(s, names, f"{where}.grad_specs[{p}]")
+                                for p, s in jf.field(body, "grad_specs", dict, where).items()}
     fields["memory"] = StageMemory(**jf.record(StageMemory, jf.field(body, "memory", dict, where), f"{where}.memory"))
     for key in ("submesh", "device_indices", "mesh_shape", "axis_names"):
         fields[key] = tuple(fields[key])

@@ -56,6 +56,7 @@ class PipelineStage:
     num_params: int = 0  # parameter leaves
     intra_op: str = ""  # the stage's intra-op plan, per distinct layer (DP / FSDP / ZeRO-2 / TP / DP x TP ...)
     recompute: bool = False  # the backward recomputes the stage's forward
+    grad_specs: Mapping[str, Spec] = field(default_factory=dict)  # parameter path -> its gradient accumulator's spec
 
     def __str__(self) -> str:
         devices = self.device_indices

@@ -9,7 +9,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from autoshard.ir.graph import OpGraph, Role
 from autoshard.ir.spec import Spec
+from autoshard.ir.split import StepParts
 from autoshard.runtime.spmd import named_sharding
 
 
@@ -65,3 +67,32 @@ def deliver(x: Any, where: NamedSharding) -> Any:
         split = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
         return jax.device_put(jax.device_put(x, split), where)
     return jax.device_put(x, where)
+
+
+def state_specs(graph: OpGraph, parts: StepParts, params: Mapping[int, Spec], grads: Mapping[int, Spec]
+                 ) -> dict[int, Spec]:
+    """Flat step input -> spec, for the parameters a stage holds and the optimizer state that follows them:
+    an optimizer-state leaf whose pytree path ends with a parameter's path (``mu['w']`` of ``['w']``) and whose
+    shape is the parameter's is stored in that parameter's gradient layout."""
+    values = graph.values
+    out: dict[int, Spec] = {}
+    suffix: dict[tuple[str, tuple[int, ...]], Spec] = {}
+    for leaf, spec in params.items():
+        flat = parts.operand_inputs[leaf]
+        if flat is None:
+            continue
+        out[flat] = spec
+        value = values[graph.inputs[flat]]
+        path = value.path or ""
+        tail = path[path.index("]") + 1:] if path.startswith("[") and "]" in path else path
+        if tail:
+            suffix[tail, tuple(value.shape)] = grads.get(leaf, spec)
+    for flat, vid in enumerate(graph.inputs):
+        value = values[vid]
+        if value.role != Role.OPT_STATE or not value.path:
+            continue
+        for (tail, shape), spec in suffix.items():
+            if tuple(value.shape) == shape and value.path.endswith(tail):
+                out[flat] = spec
+                break
+    return out

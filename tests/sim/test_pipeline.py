@@ -18,6 +18,9 @@ from examples import gpt
 
 CONFIG = dataclasses.replace(gpt.CONFIGS["small"], num_layers=8, d_model=32, num_heads=2, seq_len=8, batch_size=8)
 CASES = [(2, "gpipe", b) for b in (1, 2, 4)] + [(4, "1f1b", b) for b in (1, 2, 4)]
+# every run: one case per stage count; the others with -m slow (tests/sim/test_pipeline_intra.py covers B = 1, 2, 4 too)
+DEFAULT = {(2, "gpipe", 1), (4, "1f1b", 2)}
+CASES = [c if c in DEFAULT else pytest.param(*c, marks=pytest.mark.slow) for c in CASES]
 
 
 def marked_step(loss_fn, tx):
@@ -62,7 +65,7 @@ def sgd_reference(work):
 
 
 @pytest.mark.parametrize("stages, schedule, microbatches", CASES,
-                         ids=[f"{s}stages-{sch}-B{b}" for s, sch, b in CASES])
+                         ids=[f"{s}stages-{sch}-B{b}" for s, sch, b in (c.values if hasattr(c, "values") else c for c in CASES)])
 def test_sgd_pipeline_matches_one_device(work, sgd_reference, stages, schedule, microbatches, devices8):
     params, _, batch = work.args
     tx, ref_losses, ref_params = sgd_reference

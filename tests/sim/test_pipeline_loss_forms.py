@@ -34,7 +34,7 @@ def _mlp(ws, x):
     return x
 
 
-SCHEDULES = [("1f1b", 2), ("gpipe", 4)]
+SCHEDULES = [pytest.param("1f1b", 2, id="1f1b-2"), pytest.param("gpipe", 4, id="gpipe-4", marks=pytest.mark.slow)]
 
 
 def _run(step, state, batch, outputs=1, schedule="1f1b", microbatches=2):

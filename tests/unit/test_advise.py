@@ -35,7 +35,8 @@ from examples import gpt
 GPT = str(Path(gpt.__file__).resolve())
 
 
-@pytest.mark.parametrize("cluster", ["2x8-a100", "1x8-h100", "cpu-8"])
+@pytest.mark.parametrize("cluster", ["2x8-a100", pytest.param("1x8-h100", marks=pytest.mark.slow),
+                                     pytest.param("cpu-8", marks=pytest.mark.slow)])
 def test_advise_gpt_writes_configs_whose_arithmetic_holds(cluster, tmp_path, capsys):
     out = tmp_path / "advice"
     assert cli.main(["advise", GPT, "--config", "tiny", "--cluster", cluster, "--time-limit", "0.5",
