@@ -26,7 +26,9 @@ nested dict (``nnx.to_pure_dict``), as in ``examples.gpt``.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -144,11 +146,11 @@ class MoeMlp(nnx.Module):
 class MoeBlock(nnx.Module):
     """Pre-LayerNorm block: x + attn(ln(x)), then x + moe(ln(x))."""
 
-    def __init__(self, config: Config, *, rngs: Rngs) -> None:
+    def __init__(self, config: Config, *, rngs: Rngs, mlp: type[nnx.Module] = MoeMlp) -> None:
         self.ln_attn = nnx.LayerNorm(config.d_model, rngs=rngs)
         self.attn = CausalSelfAttention(config.d_model, config.num_heads, rngs=rngs)
         self.ln_moe = nnx.LayerNorm(config.d_model, rngs=rngs)
-        self.moe = MoeMlp(config, rngs=rngs)
+        self.moe = mlp(config, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         x = x + self.attn(self.ln_attn(x))
@@ -157,12 +159,13 @@ class MoeBlock(nnx.Module):
 
 
 class MoeTransformer(nnx.Module):
-    """Decoder-only MoE transformer: ``tokens -> (logits, mean aux loss over layers)``."""
+    """Decoder-only MoE transformer: ``tokens -> (logits, mean aux loss over layers)``; ``mlp`` is the
+    expert layer (``MoeMlp``, einsum dispatch; ``examples/moe_topk.TopKMoeMlp``, sort + gather routing)."""
 
-    def __init__(self, config: Config, *, rngs: Rngs) -> None:
+    def __init__(self, config: Config, *, rngs: Rngs, mlp: type[nnx.Module] = MoeMlp) -> None:
         self.token_embed = nnx.Embed(config.vocab_size, config.d_model, embedding_init=EMBED_INIT, rngs=rngs)
         self.pos_embed = nnx.Embed(config.seq_len, config.d_model, embedding_init=EMBED_INIT, rngs=rngs)
-        self.blocks = nnx.List([MoeBlock(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.blocks = nnx.List([MoeBlock(config, rngs=rngs, mlp=mlp) for _ in range(config.num_layers)])
         self.ln_final = nnx.LayerNorm(config.d_model, rngs=rngs)
         self.lm_head = nnx.Linear(config.d_model, config.vocab_size, rngs=rngs)
 
@@ -175,15 +178,15 @@ class MoeTransformer(nnx.Module):
         return self.lm_head(self.ln_final(x)), sum(aux_losses) / len(aux_losses)
 
 
-def graphdef(config: Config) -> nnx.GraphDef[MoeTransformer]:
+def graphdef(config: Config, mlp: type[nnx.Module] = MoeMlp) -> nnx.GraphDef[MoeTransformer]:
     """The static structure of the model, obtained without allocating parameters."""
-    abstract_model = nnx.eval_shape(lambda: MoeTransformer(config, rngs=InitKeys(jax.random.key(0))))
+    abstract_model = nnx.eval_shape(lambda: MoeTransformer(config, rngs=InitKeys(jax.random.key(0)), mlp=mlp))
     return nnx.graphdef(abstract_model)
 
 
-def init_params(config: Config, key: jax.Array) -> Params:
+def init_params(config: Config, key: jax.Array, mlp: type[nnx.Module] = MoeMlp) -> Params:
     """Fresh parameters as a plain nested dict of arrays."""
-    return nnx.to_pure_dict(nnx.state(MoeTransformer(config, rngs=InitKeys(key)), nnx.Param))
+    return nnx.to_pure_dict(nnx.state(MoeTransformer(config, rngs=InitKeys(key), mlp=mlp), nnx.Param))
 
 
 def make_batch(config: Config, key: jax.Array, batch_size: int) -> Batch:
@@ -198,10 +201,14 @@ def workload(
     abstract: bool = False,
     seed: int = 0,
     batch_size: int | None = None,
+    family: str = "moe",
+    configs: Mapping[str, Any] = CONFIGS,
+    mlp: type[nnx.Module] = MoeMlp,
 ) -> Workload:
-    """An MoE train step (adamw, LM loss + load-balancing loss) with its arguments."""
-    name, cfg = resolve_config("moe", CONFIGS, config, batch_size)
-    model_def = graphdef(cfg)
+    """An MoE train step (adamw, LM loss + load-balancing loss) with its arguments; ``family``, ``configs``
+    and ``mlp`` name another expert layer's variant (``examples/moe_topk.py``)."""
+    name, cfg = resolve_config(family, configs, config, batch_size)
+    model_def = graphdef(cfg, mlp)
 
     def loss_fn(params: Params, batch: Batch) -> jax.Array:
         tokens = batch["tokens"]
@@ -211,7 +218,7 @@ def workload(
     return build_workload(
         name,
         cfg,
-        init_params=lambda key: init_params(cfg, key),
+        init_params=lambda key: init_params(cfg, key, mlp),
         make_batch=lambda key, size: make_batch(cfg, key, size),
         loss_fn=loss_fn,
         optimizer=optax.adamw(cfg.learning_rate, weight_decay=cfg.weight_decay),

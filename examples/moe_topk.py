@@ -32,11 +32,10 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
-from examples.common import Batch, InitKeys, Params, Workload, build_workload, resolve_config
-from examples.gpt import EMBED_INIT, CausalSelfAttention, next_token_loss
+from examples import moe
+from examples.common import InitKeys, Workload
 
 Rngs = nnx.Rngs | InitKeys
 
@@ -170,57 +169,6 @@ class TopKMoeMlp(nnx.Module):
         return combine(expert_out, routing, x.shape[1]), aux_loss
 
 
-class TopKMoeBlock(nnx.Module):
-    """Pre-LayerNorm block: x + attn(ln(x)), then x + moe(ln(x))."""
-
-    def __init__(self, config: Config, *, rngs: Rngs) -> None:
-        self.ln_attn = nnx.LayerNorm(config.d_model, rngs=rngs)
-        self.attn = CausalSelfAttention(config.d_model, config.num_heads, rngs=rngs)
-        self.ln_moe = nnx.LayerNorm(config.d_model, rngs=rngs)
-        self.moe = TopKMoeMlp(config, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        x = x + self.attn(self.ln_attn(x))
-        y, aux_loss = self.moe(self.ln_moe(x))
-        return x + y, aux_loss
-
-
-class TopKMoeTransformer(nnx.Module):
-    """Decoder-only MoE transformer: ``tokens -> (logits, mean aux loss over layers)``."""
-
-    def __init__(self, config: Config, *, rngs: Rngs) -> None:
-        self.token_embed = nnx.Embed(config.vocab_size, config.d_model, embedding_init=EMBED_INIT, rngs=rngs)
-        self.pos_embed = nnx.Embed(config.seq_len, config.d_model, embedding_init=EMBED_INIT, rngs=rngs)
-        self.blocks = nnx.List([TopKMoeBlock(config, rngs=rngs) for _ in range(config.num_layers)])
-        self.ln_final = nnx.LayerNorm(config.d_model, rngs=rngs)
-        self.lm_head = nnx.Linear(config.d_model, config.vocab_size, rngs=rngs)
-
-    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-        x = self.token_embed(tokens) + self.pos_embed(jnp.arange(tokens.shape[-1]))
-        aux_losses = []
-        for block in self.blocks:
-            x, aux_loss = block(x)
-            aux_losses.append(aux_loss)
-        return self.lm_head(self.ln_final(x)), sum(aux_losses) / len(aux_losses)
-
-
-def graphdef(config: Config) -> nnx.GraphDef[TopKMoeTransformer]:
-    """The static structure of the model, obtained without allocating parameters."""
-    abstract_model = nnx.eval_shape(lambda: TopKMoeTransformer(config, rngs=InitKeys(jax.random.key(0))))
-    return nnx.graphdef(abstract_model)
-
-
-def init_params(config: Config, key: jax.Array) -> Params:
-    """Fresh parameters as a plain nested dict of arrays."""
-    return nnx.to_pure_dict(nnx.state(TopKMoeTransformer(config, rngs=InitKeys(key)), nnx.Param))
-
-
-def make_batch(config: Config, key: jax.Array, batch_size: int) -> Batch:
-    """Random tokens, int32 ``[batch, seq_len + 1]``."""
-    return {"tokens": jax.random.randint(key, (batch_size, config.seq_len + 1), 0, config.vocab_size,
-                                         dtype=jnp.int32)}
-
-
 def workload(
     config: str | Config = "small",
     *,
@@ -228,22 +176,7 @@ def workload(
     seed: int = 0,
     batch_size: int | None = None,
 ) -> Workload:
-    """A top-k MoE train step (adamw, LM loss + load-balancing loss) with its arguments."""
-    name, cfg = resolve_config("moe_topk", CONFIGS, config, batch_size)
-    model_def = graphdef(cfg)
-
-    def loss_fn(params: Params, batch: Batch) -> jax.Array:
-        tokens = batch["tokens"]
-        logits, aux_loss = nnx.merge(model_def, params)(tokens[:, :-1])
-        return next_token_loss(logits, tokens[:, 1:]) + cfg.aux_loss_weight * aux_loss
-
-    return build_workload(
-        name,
-        cfg,
-        init_params=lambda key: init_params(cfg, key),
-        make_batch=lambda key, size: make_batch(cfg, key, size),
-        loss_fn=loss_fn,
-        optimizer=optax.adamw(cfg.learning_rate, weight_decay=cfg.weight_decay),
-        abstract=abstract,
-        seed=seed,
-    )
+    """A top-k MoE train step (adamw, LM loss + load-balancing loss) with its arguments: moe's transformer
+    with ``TopKMoeMlp`` as its expert layer."""
+    return moe.workload(config, abstract=abstract, seed=seed, batch_size=batch_size, family="moe_topk",
+                        configs=CONFIGS, mlp=TopKMoeMlp)
