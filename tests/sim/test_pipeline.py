@@ -9,41 +9,18 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import numpy as np
 import optax
 import pytest
 
 import autoshard
 from examples import gpt
+from pipeline_helpers import assert_leaves_close, marked_step, rel
 
 CONFIG = dataclasses.replace(gpt.CONFIGS["small"], num_layers=8, d_model=32, num_heads=2, seq_len=8, batch_size=8)
 CASES = [(2, "gpipe", b) for b in (1, 2, 4)] + [(4, "1f1b", b) for b in (1, 2, 4)]
 # every run: one case per stage count; the others with -m slow (tests/sim/test_pipeline_intra.py covers B = 1, 2, 4 too)
 DEFAULT = {(2, "gpipe", 1), (4, "1f1b", 2)}
 CASES = [c if c in DEFAULT else pytest.param(*c, marks=pytest.mark.slow) for c in CASES]
-
-
-def marked_step(loss_fn, tx):
-    def step(params, opt_state, batch):
-        loss, grads = autoshard.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return step
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
-def _assert_leaves_close(got_tree, want_tree, what: str) -> None:
-    want_leaves = jax.tree.leaves(want_tree)
-    floor = 1e-2 * max(float(np.max(np.abs(np.asarray(x)))) for x in want_leaves)
-    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(got_tree), want_leaves):
-        err = float(np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))))
-        scale = max(float(np.max(np.abs(np.asarray(want)))), floor)
-        assert err / scale <= 1e-5, f"{what}{jax.tree_util.keystr(path)}: rel err {err / scale:.2e}"
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +51,11 @@ def test_sgd_pipeline_matches_one_device(work, sgd_reference, stages, schedule, 
     state = (params, tx.init(params))
     for ref_loss in ref_losses:
         *state, loss = piped(*state, batch)
-        assert _rel(loss, ref_loss) <= 1e-5, f"loss {float(loss)} vs one device {ref_loss}"
+        assert rel(loss, ref_loss) <= 1e-5, f"loss {float(loss)} vs one device {ref_loss}"
     plan = piped.plan
     assert len(plan.stages) == stages and plan.num_microbatches == microbatches and plan.schedule == schedule
     assert sorted(d for st in plan.stages for d in st.device_indices) == list(range(8))
-    _assert_leaves_close(state[0], ref_params, "params")
+    assert_leaves_close(state[0], ref_params, "params")
     text = str(plan)
     assert "bubble" in text and "stage 1: layers" in text
 
@@ -93,9 +70,9 @@ def test_adamw_pipeline_loss_and_first_moment(work, devices8):
     for k in range(3):
         *ref, ref_loss = reference(*ref, batch)
         *state, loss = piped(*state, batch)
-        assert _rel(loss, ref_loss) <= 1e-5
+        assert rel(loss, ref_loss) <= 1e-5
         if k == 0:
-            _assert_leaves_close(state[1][0].mu, ref[1][0].mu, "mu")
+            assert_leaves_close(state[1][0].mu, ref[1][0].mu, "mu")
 
 
 # A GPT whose SPMD plan on two nodes is dominated by gradient traffic over 25 Gbit/s, cheap enough to plan

@@ -25,33 +25,11 @@ from autoshard.ir.split import microbatch_shapes, split_step
 from autoshard.passes.classic import largest_dim_spec
 from autoshard.runtime.pipeline import PipelineStep, StageLayout
 from examples import gpt
+from pipeline_helpers import assert_leaves_close, marked_step, rel
 
 CONFIG = dataclasses.replace(gpt.CONFIGS["small"], vocab_size=256, num_layers=4, d_model=32, num_heads=2, seq_len=8,
                              batch_size=8)
 CASES = [(2, "gpipe", 1, "fsdp"), (2, "1f1b", 2, "tp"), (4, "1f1b", 4, "fsdp"), (4, "gpipe", 2, "tp")]
-
-
-def marked_step(loss_fn, tx):
-    def step(params, opt_state, batch):
-        loss, grads = autoshard.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return step
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
-def _assert_leaves_close(got_tree, want_tree, what: str) -> None:
-    want_leaves = jax.tree.leaves(want_tree)
-    floor = 1e-2 * max(float(np.max(np.abs(np.asarray(x)))) for x in want_leaves)
-    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(got_tree), want_leaves):
-        err = float(np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))))
-        scale = max(float(np.max(np.abs(np.asarray(want)))), floor)
-        assert err / scale <= 1e-5, f"{what}{jax.tree_util.keystr(path)}: rel err {err / scale:.2e}"
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +92,8 @@ def test_sharded_stages_match_one_device(setup, stages, schedule, microbatches, 
     state = (params, tx.init(params))
     for ref_loss in ref_losses:
         *state, loss = run(*state, batch)
-        assert _rel(loss, ref_loss) <= 1e-5, f"loss {float(loss)} vs one device {ref_loss}"
-    _assert_leaves_close(state[0], ref_params, "params")
+        assert rel(loss, ref_loss) <= 1e-5, f"loss {float(loss)} vs one device {ref_loss}"
+    assert_leaves_close(state[0], ref_params, "params")
     # the parameters really are stored sharded on the stages' meshes
     sharded = [run.param_sharding(p.index, k) for p in run.programs for k in p.param_leaves]
     assert any(not sh.is_fully_replicated for sh in sharded)
@@ -138,9 +116,9 @@ def test_memory_bound_pipeline_shards_inside_stages(devices8):
     for k in range(3):
         *ref, ref_loss = reference(*ref, batch)
         *state, loss = piped(*state, batch)
-        assert _rel(loss, ref_loss) <= 1e-5
+        assert rel(loss, ref_loss) <= 1e-5
         if k == 0:
-            _assert_leaves_close(state[1][0].mu, ref[1][0].mu, "mu")
+            assert_leaves_close(state[1][0].mu, ref[1][0].mu, "mu")
     plan = piped.plan
     assert len(plan.stages) == 2
     assert plan.ledger.peak_memory_bytes <= budget
