@@ -26,6 +26,7 @@ The dict is keyed like the module tree, e.g.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -209,10 +210,15 @@ def workload(
     abstract: bool = False,
     seed: int = 0,
     batch_size: int | None = None,
+    family: str = "gpt",
+    graphdef_fn: Callable[[Config], Any] | None = None,
+    init_fn: Callable[[Config, jax.Array], Params] | None = None,
 ) -> Workload:
-    """A GPT train step (adamw) with its ``(params, opt_state, batch)``."""
-    name, cfg = resolve_config("gpt", CONFIGS, config, batch_size)
-    model_def = graphdef(cfg)
+    """A GPT train step (adamw) with its ``(params, opt_state, batch)``; ``family``, ``graphdef_fn`` and
+    ``init_fn`` name another layout of the same model (``examples/gpt_scan.py``: its blocks under nnx.scan)."""
+    name, cfg = resolve_config(family, CONFIGS, config, batch_size)
+    model_def = (graphdef_fn or graphdef)(cfg)
+    init = init_fn or init_params
 
     def loss_fn(params: Params, batch: Batch) -> jax.Array:
         tokens = batch["tokens"]
@@ -222,7 +228,7 @@ def workload(
     return build_workload(
         name,
         cfg,
-        init_params=lambda key: init_params(cfg, key),
+        init_params=lambda key: init(cfg, key),
         make_batch=lambda key, size: make_batch(cfg, key, size),
         loss_fn=loss_fn,
         optimizer=optax.adamw(cfg.learning_rate, weight_decay=cfg.weight_decay),

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
-from examples.common import Batch, InitKeys, Params, Workload, build_workload, resolve_config
-from examples.gpt import CONFIGS, EMBED_INIT, Block, Config, make_batch, next_token_loss
+from examples import gpt
+from examples.common import InitKeys, Params, Workload
+from examples.gpt import CONFIGS, EMBED_INIT, Block, Config
 from examples.gpt import init_params as unrolled_init_params
 
 __all__ = ["CONFIGS", "Config", "GPTScan", "graphdef", "init_params", "stack_blocks", "workload"]
@@ -72,22 +72,7 @@ def workload(
     seed: int = 0,
     batch_size: int | None = None,
 ) -> Workload:
-    """A scanned-GPT train step (adamw) with its ``(params, opt_state, batch)``."""
-    name, cfg = resolve_config("gpt_scan", CONFIGS, config, batch_size)
-    model_def = graphdef(cfg)
-
-    def loss_fn(params: Params, batch: Batch) -> jax.Array:
-        tokens = batch["tokens"]
-        model = nnx.merge(model_def, params)
-        return next_token_loss(model(tokens[:, :-1]), tokens[:, 1:])
-
-    return build_workload(
-        name,
-        cfg,
-        init_params=lambda key: init_params(cfg, key),
-        make_batch=lambda key, size: make_batch(cfg, key, size),
-        loss_fn=loss_fn,
-        optimizer=optax.adamw(cfg.learning_rate, weight_decay=cfg.weight_decay),
-        abstract=abstract,
-        seed=seed,
-    )
+    """A scanned-GPT train step (adamw) with its ``(params, opt_state, batch)``: gpt's step and loss over
+    ``GPTScan``."""
+    return gpt.workload(config, abstract=abstract, seed=seed, batch_size=batch_size, family="gpt_scan",
+                        graphdef_fn=graphdef, init_fn=init_params)
