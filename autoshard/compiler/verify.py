@@ -51,10 +51,10 @@ class FidelityRow:
         return self.rel_error <= self.tolerance or abs(self.predicted - self.compiled) <= self.immaterial_bytes
 
 
-@dataclass(frozen=True)
-class FidelityReport:
+class FidelityRows:
+    """What every fidelity report does with its ``rows`` (SPMD here, per stage in ``verify_pipeline``)."""
+
     rows: tuple[FidelityRow, ...]
-    summary: CompiledSummary
 
     @property
     def ok(self) -> bool:
@@ -63,12 +63,21 @@ class FidelityReport:
     def row(self, what: str) -> FidelityRow:
         return next(r for r in self.rows if r.what == what)
 
-    def __str__(self) -> str:
-        lines = [f"{'figure':28} {'predicted':>14} {'compiled':>14} {'error':>8}"]
+    def text_lines(self, width: int) -> list[str]:
+        lines = [f"{'figure':{width}} {'predicted':>14} {'compiled':>14} {'error':>8}"]
         for r in self.rows:
             flag = "" if r.ok else "  <-- off by more than " + f"{r.tolerance:.0%}"
-            lines.append(f"{r.what:28} {r.predicted:14,.0f} {r.compiled:14,.0f} {r.rel_error:8.1%}{flag}")
-        return "\n".join(lines)
+            lines.append(f"{r.what:{width}} {r.predicted:14,.0f} {r.compiled:14,.0f} {r.rel_error:8.1%}{flag}")
+        return lines
+
+
+@dataclass(frozen=True)
+class FidelityReport(FidelityRows):
+    rows: tuple[FidelityRow, ...]
+    summary: CompiledSummary
+
+    def __str__(self) -> str:
+        return "\n".join(self.text_lines(28))
 
 
 def compare(plan: Plan, summary: CompiledSummary) -> FidelityReport:

@@ -34,7 +34,7 @@ import numpy as np
 
 from autoshard.compiler.hlo import CompiledSummary, summarize_compiled
 from autoshard.compiler.verify import (COLLECTIVE_TOLERANCE, KINDS, MEMORY_IMMATERIAL_BYTES, MEMORY_TOLERANCE,
-                                       FidelityRow)
+                                       FidelityRow, FidelityRows)
 from autoshard.plans.plan import Plan
 from autoshard.runtime.pipeline_lower import PipelineCompiled
 
@@ -42,26 +42,15 @@ ACTIONS = ("forward", "backward", "apply")
 
 
 @dataclass(frozen=True)
-class PipelineFidelityReport:
+class PipelineFidelityReport(FidelityRows):
     """Per stage executable, predicted vs compiled; ``rows`` flat, named ``stage s action figure``."""
 
     rows: tuple[FidelityRow, ...]
     summaries: Mapping[str, CompiledSummary]  # executable name -> what XLA compiled
     notes: tuple[str, ...] = ()  # what was not compared, and why
 
-    @property
-    def ok(self) -> bool:
-        return all(r.ok for r in self.rows)
-
-    def row(self, what: str) -> FidelityRow:
-        return next(r for r in self.rows if r.what == what)
-
     def __str__(self) -> str:
-        lines = [f"{'figure':40} {'predicted':>14} {'compiled':>14} {'error':>8}"]
-        for r in self.rows:
-            flag = "" if r.ok else "  <-- off by more than " + f"{r.tolerance:.0%}"
-            lines.append(f"{r.what:40} {r.predicted:14,.0f} {r.compiled:14,.0f} {r.rel_error:8.1%}{flag}")
-        return "\n".join(lines + list(self.notes))
+        return "\n".join(self.text_lines(40) + list(self.notes))
 
 
 def _itemsize(dtype: str) -> int:
