@@ -6,7 +6,7 @@ MLP replaced by a mixture of ``num_experts`` GELU MLPs. Routing follows GShard:
 - a softmax router picks each token's top-2 experts; the two gates are
   renormalized to sum to one;
 - tokens are routed within groups (one group per sequence); each expert takes
-  at most ``capacity = ceil(capacity_factor * 2 * seq_len / num_experts)``
+  at most ``capacity = ceil(capacity_factor * experts_per_token * seq_len / num_experts)``
   tokens per group, positions assigned by a cumulative sum over the one-hot
   choices (first choices before second choices); overflow tokens are dropped
   (their residual passes through unchanged);
@@ -61,13 +61,19 @@ class Config:
     def __post_init__(self) -> None:
         if self.d_model % self.num_heads:
             raise ValueError(f"num_heads={self.num_heads} must divide d_model={self.d_model}")
-        if self.num_experts < 2:
-            raise ValueError(f"top-2 routing needs num_experts >= 2, got {self.num_experts}")
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts per token ({self.experts_per_token}) must be between 1 and "
+                             f"num_experts={self.num_experts}")
+
+    @property
+    def experts_per_token(self) -> int:
+        """Experts each token is routed to: 2 (top-2 gating)."""
+        return 2
 
     @property
     def capacity(self) -> int:
         """Expert slots per routing group (one group per sequence)."""
-        return math.ceil(self.capacity_factor * 2 * self.seq_len / self.num_experts)
+        return math.ceil(self.capacity_factor * self.experts_per_token * self.seq_len / self.num_experts)
 
 
 CONFIGS: dict[str, Config] = {

@@ -27,7 +27,6 @@ load-balancing loss of ``examples.moe``; the optimizer is ``optax.adamw``.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import jax
@@ -41,33 +40,15 @@ Rngs = nnx.Rngs | InitKeys
 
 
 @dataclass(frozen=True)
-class Config:
-    """Top-k MoE transformer hyper-parameters; derive variants with ``dataclasses.replace``."""
+class Config(moe.Config):
+    """Top-k MoE transformer hyper-parameters: moe's, plus ``top_k``; derive variants with ``dataclasses.replace``."""
 
-    vocab_size: int = 256  # tokens; divisible by 8
-    seq_len: int = 16  # tokens per sequence (= routing group size)
-    d_model: int = 96  # residual stream width
-    num_heads: int = 4  # attention heads; must divide d_model
-    num_layers: int = 2  # transformer blocks, each with an MoE FFN
-    num_experts: int = 8  # experts per MoE layer
     top_k: int = 2  # experts per token
-    expert_hidden: int = 192  # hidden width of each expert MLP
-    capacity_factor: float = 1.25  # expert slots per group = ceil(cf * top_k * seq_len / E)
-    aux_loss_weight: float = 0.01  # weight of the load-balancing loss
-    batch_size: int = 24  # sequences per step
-    learning_rate: float = 1e-3  # adamw step size
-    weight_decay: float = 0.01  # adamw decoupled weight decay
-
-    def __post_init__(self) -> None:
-        if self.d_model % self.num_heads:
-            raise ValueError(f"num_heads={self.num_heads} must divide d_model={self.d_model}")
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
 
     @property
-    def capacity(self) -> int:
-        """Expert slots per routing group (one group per sequence)."""
-        return math.ceil(self.capacity_factor * self.top_k * self.seq_len / self.num_experts)
+    def experts_per_token(self) -> int:
+        """Experts each token is routed to: ``top_k``."""
+        return self.top_k
 
 
 CONFIGS: dict[str, Config] = {
