@@ -27,7 +27,7 @@ load-balancing loss of ``examples.moe``; the optimizer is ``optax.adamw``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import jax
 import jax.numpy as jnp
@@ -51,14 +51,8 @@ class Config(moe.Config):
         return self.top_k
 
 
-CONFIGS: dict[str, Config] = {
-    "tiny": Config(vocab_size=64, seq_len=8, d_model=48, num_heads=4, num_layers=2, num_experts=4,
-                   expert_hidden=96),
-    "small": Config(),
-    # ~1.82B parameters (8 experts x 24 layers), the shape of moe's "large"; used abstractly.
-    "large": Config(vocab_size=50304, seq_len=1024, d_model=1024, num_heads=16, num_layers=24,
-                    num_experts=8, expert_hidden=4096, batch_size=48),
-}
+# moe's configs (tiny, small and the ~1.82B-parameter "large", used abstractly), routed top-2 by sort/gather.
+CONFIGS: dict[str, Config] = {name: Config(**asdict(c)) for name, c in moe.CONFIGS.items()}
 
 
 @dataclass(frozen=True)
