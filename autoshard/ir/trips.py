@@ -5,7 +5,8 @@ The planner prices a loop's body trip-count times (``Op.trip_count``). A scan's 
 written ``while_loop(lambda c: c[0] < n, ...)``) has one too, read off its jaxprs by
 ``counted_trip_count``:
 
-- the cond_fun's result is ``lt(i, n)`` (or ``gt(n, i)``) of a carry ``i``,
+- the cond_fun's result is ``lt(i, n)`` (or ``gt(n, i)``) of a carry ``i`` (integer dtype conversions
+  of either side looked through),
 - ``n`` is a constant: a literal, a constant the cond_fun closes over, or a carry the body passes
   through unchanged whose initial value is a constant,
 - the body's carry out ``i`` is ``add(i, s)`` with ``s`` a positive constant,
@@ -91,6 +92,17 @@ def _producer(jaxpr: jcore.Jaxpr, var: Any) -> Any:
     return next((e for e in jaxpr.eqns if any(o is var for o in e.outvars)), None)
 
 
+def _unconverted(jaxpr: jcore.Jaxpr, atom: Any) -> Any:
+    """``atom`` before the integer dtype conversions applied to it (a weak-typed counter is converted)."""
+    while not isinstance(atom, jcore.Literal):
+        eqn = _producer(jaxpr, atom)
+        if eqn is None or eqn.primitive.name != "convert_element_type" or not np.issubdtype(
+                np.dtype(eqn.params["new_dtype"]), np.integer):
+            break
+        atom = eqn.invars[0]
+    return atom
+
+
 def counted_trip_count(params: dict, inputs: Sequence[Any]) -> int | None:
     """The trip count of a ``while`` equation in the counted form (module docstring), else None.
 
@@ -102,7 +114,8 @@ def counted_trip_count(params: dict, inputs: Sequence[Any]) -> int | None:
     test = _producer(cond, cond.outvars[0])
     if test is None or test.primitive.name not in ("lt", "gt"):
         return None
-    counter, bound = test.invars if test.primitive.name == "lt" else test.invars[::-1]
+    counter, bound = (_unconverted(cond, a) for a in (test.invars if test.primitive.name == "lt"
+                                                      else test.invars[::-1]))
     cond_in = list(cond.invars)
     if isinstance(counter, jcore.Literal) or not any(counter is v for v in cond_in[cn:]):
         return None
@@ -124,7 +137,7 @@ def counted_trip_count(params: dict, inputs: Sequence[Any]) -> int | None:
     step_eqn = _producer(body, body.outvars[k])
     if n is None or start is None or step_eqn is None or step_eqn.primitive.name != "add":
         return None
-    a, b = step_eqn.invars
+    a, b = (_unconverted(body, x) for x in step_eqn.invars)
     other = b if a is body.invars[bn + k] else a if b is body.invars[bn + k] else None
     step = None if other is None else _const_int(other, body_known)
     if step is None or step <= 0:
