@@ -144,3 +144,31 @@ def test_bad_while_trip_count_is_refused():
     for bad in (0, -2, 2.5, "8", True):
         with pytest.raises(ValueError, match="while_trip_count must be a positive integer"):
             autoshard.autoshard(_while_step, while_trip_count=bad)
+
+
+def test_hlo_reader_counts_a_conditional_as_its_costliest_branch(devices8):
+    """As the planner prices a cond (compiler/hlo.py): the cheap branch's all-reduce (a sum over the split rows)
+    is not counted beside the costly elementwise branch; flipped, it is counted once."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from autoshard.compiler.hlo import read_hlo_collectives
+
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    rows = NamedSharding(mesh, P("x"))
+
+    def costly(a):
+        for _ in range(6):
+            a = jnp.sin(a) * jnp.cos(a) + jnp.tanh(a)
+        return a
+
+    def cheap(a):
+        return jnp.broadcast_to(jnp.sum(a, axis=0, keepdims=True), a.shape)
+
+    def count(heavy):
+        f = jax.jit(lambda p, a: jax.lax.cond(p, cheap, heavy, a), in_shardings=(None, rows), out_shardings=rows)
+        text = f.lower(True, jnp.ones((64, 128))).compile().as_text()
+        assert "conditional" in text
+        return sum(c.count for c in read_hlo_collectives(text) if c.kind == "all-reduce")
+
+    assert count(costly) == 0
+    assert count(lambda a: a * 2.0) == 1
