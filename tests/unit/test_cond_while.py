@@ -83,6 +83,12 @@ def test_data_dependent_while_is_guessed_with_a_warning_or_bound_by_the_option()
                               options=IntraOpOptions(time_limit_s=0.5), while_trip_count=3)
     (region,) = _whiles(bound)
     assert (region.length, region.trip_source) == (5, "bound")
+    for traced, says in ((graph, f"trip count {DEFAULT_TRIP_GUESS}, a guess (set while_trip_count="),
+                         (bound, "trip count 5, as stated by while_trip_count")):
+        (note,) = loop_notes(plan_intra_op(traced, _mesh(), IntraOpOptions(time_limit_s=0.5)))
+        assert says in note, note
+    body = bound.ops[region.cond_stop:region.body_stop]
+    assert body and all(op.trip_count == 5 for op in body)
     assert plan.mesh_shape == (2, 4)
     with pytest.raises(ValueError, match="positive integer"):
         autoshard.plan(_halve_until_small, _f32((8, 8)), mesh=(2, 4), while_trip_count=0)
