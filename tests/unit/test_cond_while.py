@@ -203,3 +203,17 @@ def test_loops_with_side_effects_still_warn_by_name():
                                    mesh)
         assert [s.note for s in found] == ["replicated"]
         assert all(spec == Spec.replicated(len(spec.dims)) for s in found for spec in s.in_specs)
+
+
+def test_cond_memory_counts_the_larger_branch():
+    """Each branch's temporaries live only while it runs: the cond peaks at its larger branch, not their sum."""
+    big = lambda x, w: jnp.sum(jnp.tanh(x @ w) @ w)  # two 4 MiB temporaries beside 8 MiB of inputs
+    small = lambda x, w: jnp.sum(jnp.sin(x) * 3.0)  # none kept beside the inputs
+    args = (_f32((1024, 1024)), _f32((1024, 1024)))
+    pred = jax.ShapeDtypeStruct((), jnp.bool_)
+    opts, one = IntraOpOptions(time_limit_s=0.5), _mesh((1, 1))
+    peaks = {name: plan_intra_op(trace(fn, *a), one, opts).peak_bytes for name, fn, a in (
+        ("big", big, args), ("small", small, args),
+        ("cond", lambda p, x, w: jax.lax.cond(p, big, small, x, w), (pred, *args)))}
+    assert peaks["big"] > peaks["small"]
+    assert peaks["cond"] == pytest.approx(peaks["big"], rel=0.01), peaks
