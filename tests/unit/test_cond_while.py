@@ -217,3 +217,13 @@ def test_cond_memory_counts_the_larger_branch():
         ("cond", lambda p, x, w: jax.lax.cond(p, big, small, x, w), (pred, *args)))}
     assert peaks["big"] > peaks["small"]
     assert peaks["cond"] == pytest.approx(peaks["big"], rel=0.01), peaks
+
+
+def test_planning_commands_take_a_while_trip_count():
+    from autoshard.cli import build_parser
+
+    parser = build_parser()
+    for command in ("plan", "compare", "verify"):
+        assert parser.parse_args([command, "examples/mlp.py", "--while-trip-count", "12"]).while_trip_count == 12
+    with pytest.raises(SystemExit):
+        parser.parse_args(["plan", "examples/mlp.py", "--while-trip-count", "0"])
