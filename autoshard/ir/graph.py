@@ -150,7 +150,7 @@ class OpGraph:
     output_paths: tuple[str, ...] = ()  # pytree path of each output leaf
     carried: tuple[int | None, ...] = ()  # per output leaf: the flat input index it updates (state), or None
     jaxpr: Any = field(default=None, repr=False, compare=False)  # the ClosedJaxpr a step was traced from
-    loops: tuple[LoopRegion, ...] = ()  # flattened scans, outermost first where nested
+    loops: tuple[LoopRegion, ...] = ()  # flattened scans, whiles, conds; a nested one first
 
     # ---- queries -----------------------------------------------------------
     def value(self, vid: ValueId) -> Value:
@@ -169,7 +169,7 @@ class OpGraph:
     def loop_of(self) -> list[int]:
         """Per op, the index in ``loops`` of the innermost loop whose body holds it; -1 outside every loop."""
         inner = [-1] * len(self.ops)
-        for k, region in enumerate(self.loops):  # outermost first: inner loops overwrite
+        for k, region in enumerate(self.loops):  # the innermost wins: its body starts later
             for t in range(region.body_start, region.body_stop):
                 if inner[t] < 0 or self.loops[inner[t]].body_start <= region.body_start:
                     inner[t] = k
