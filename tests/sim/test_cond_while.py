@@ -176,3 +176,27 @@ def test_hlo_reader_counts_a_conditional_as_its_costliest_branch(devices8):
 
     assert count(costly) == 0
     assert count(lambda a: a * 2.0) == 1
+
+
+def test_nested_while_and_switch_re_emit_exactly(devices8):
+    """A 3-way switch with a counted while in one branch and a cond in another, inside a while whose body has a
+    cond: the flattened graph, run again (``OpGraph.evaluate``), equals the function for every branch index."""
+    from autoshard.ir.trace import trace
+
+    def f(i, x, w):
+        def looped(a):
+            return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, a))[1]
+
+        y = jax.lax.switch(i, [looped, lambda a: jax.lax.cond(a.sum() > 0, jnp.sin, jnp.cos, a), lambda a: a], x)
+        body = lambda c: (c[0] + 1, jax.lax.cond(c[0] > 0, lambda q: q * 2.0, lambda q: q - 1.0, c[1]))
+        return jax.lax.while_loop(lambda c: c[0] < 2, body, (0, y))[1]
+
+    spec = [jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((8, 8), jnp.float32),
+            jax.ShapeDtypeStruct((8, 8), jnp.float32)]
+    graph = trace(f, *spec)
+    assert sorted(r.kind for r in graph.loops) == ["cond", "cond", "cond", "while", "while"]
+    rng = np.random.RandomState(0)
+    x, w = rng.standard_normal((8, 8)).astype(np.float32), (rng.standard_normal((8, 8)) / 3).astype(np.float32)
+    again, direct = jax.jit(lambda *a: graph.evaluate(list(a))[0]), jax.jit(f)
+    for i in range(3):
+        np.testing.assert_allclose(again(np.int32(i), x, w), direct(np.int32(i), x, w), rtol=1e-6, atol=1e-6)
