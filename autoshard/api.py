@@ -26,6 +26,7 @@ from autoshard.compiler.driver import PlannedStep, Progress, plan_step
 from autoshard.compiler.pipeline_driver import PipelinePlanned, plan_pipeline
 from autoshard.errors import UnusedDevicesWarning
 from autoshard.ir.trace import signature
+from autoshard.ir.trips import check_trip_count, trip_count_option
 from autoshard.meshes.cluster import ClusterSpec
 from autoshard.passes.intra_op import IntraOpOptions
 from autoshard.plans.applied import annotations_for
@@ -49,6 +50,9 @@ class AutoshardConfig:
     schedule: str = "1f1b"  # pipeline schedule: "1f1b" or "gpipe"
     options: IntraOpOptions | None = None  # solver knobs
     progress: Progress | None = None  # told a short line as each long phase starts: tracing, each solve, compiling
+    # iterations a while loop runs when autoshard cannot derive it from the loop's counter (ir/trips.py);
+    # None: a guess, with a TripCountGuessWarning naming the loop
+    while_trip_count: int | None = None
 
 
 class AutoshardedFunction:
@@ -67,13 +71,15 @@ class AutoshardedFunction:
             shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x)), args)
             common = dict(mesh=cfg.mesh, cluster=cfg.cluster, memory_budget=cfg.memory_budget,
                           options=cfg.options, progress=cfg.progress)
-            if cfg.num_stages == 1:
-                planned = plan_step(self.fn, shapes, **common)
-            else:
-                planned = plan_pipeline(self.fn, shapes, num_stages=cfg.num_stages,
-                                        num_microbatches=cfg.num_microbatches, schedule=cfg.schedule, **common)
+            with trip_count_option(cfg.while_trip_count):
+                if cfg.num_stages == 1:
+                    planned = plan_step(self.fn, shapes, **common)
+                else:
+                    planned = plan_pipeline(self.fn, shapes, num_stages=cfg.num_stages,
+                                            num_microbatches=cfg.num_microbatches, schedule=cfg.schedule, **common)
             if isinstance(planned, PipelinePlanned):
-                runner: SpmdStep | PipelineStep = planned.runtime()
+                with trip_count_option(cfg.while_trip_count):
+                    runner: SpmdStep | PipelineStep = planned.runtime()
             else:
                 if not isinstance(cfg.mesh, Mesh):
                     _warn_unused_devices(planned.logical_mesh.num_devices)
@@ -140,14 +146,16 @@ def _warn_unused_devices(used: int) -> None:
 def autoshard(fn: Callable[..., Any] | None = None, *, mesh: Mesh | tuple[int, ...] | None = None,
               cluster: ClusterSpec | str | None = None, memory_budget: float | None = None,
               num_stages: int | None = None, num_microbatches: int | None = None, schedule: str = "1f1b",
-              options: IntraOpOptions | None = None, progress: Progress | None = None) -> Any:
+              options: IntraOpOptions | None = None, progress: Progress | None = None,
+              while_trip_count: int | None = None) -> Any:
     """Decorate a train step; usable bare (``@autoshard``) or with options (``@autoshard(mesh=...)``).
 
     ``progress`` (e.g. ``print``) is told a short line as each long phase of the first call starts: tracing,
-    each solve, compiling.
+    each solve, compiling. ``while_trip_count``: the iterations a ``while`` loop whose trip count cannot be
+    derived from its counter is priced at (None: a guess, with a ``TripCountGuessWarning``).
     """
     config = AutoshardConfig(mesh, cluster, memory_budget, num_stages, num_microbatches, schedule, options,
-                             progress)
+                             progress, check_trip_count(while_trip_count))
     if fn is None:
         return lambda f: AutoshardedFunction(f, config)
     return AutoshardedFunction(fn, config)
@@ -156,16 +164,19 @@ def autoshard(fn: Callable[..., Any] | None = None, *, mesh: Mesh | tuple[int, .
 def plan(fn: Callable[..., Any], *args: Any, mesh: Mesh | tuple[int, ...] | None = None,
          cluster: ClusterSpec | str | None = None, memory_budget: float | None = None,
          num_stages: int | None = None, num_microbatches: int | None = None, schedule: str = "1f1b",
-         options: IntraOpOptions | None = None, progress: Progress | None = None) -> Plan:
+         options: IntraOpOptions | None = None, progress: Progress | None = None,
+         while_trip_count: int | None = None) -> Plan:
     """Plan ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct``s) without running it.
 
     ``num_stages``: None searches pipelines against SPMD (a step using ``autoshard.value_and_grad``), 1 plans
     SPMD only, an integer forces that many stages; ``num_microbatches`` likewise; ``schedule`` "1f1b"|"gpipe";
-    ``progress`` is told a short line as each long phase starts (tracing, each solve).
+    ``progress`` is told a short line as each long phase starts (tracing, each solve); ``while_trip_count`` as
+    for ``autoshard``.
     """
-    if num_stages == 1:
-        return plan_step(fn, args, mesh=mesh, cluster=cluster, memory_budget=memory_budget,
-                         options=options, progress=progress).plan
-    return plan_pipeline(fn, args, mesh=mesh, cluster=cluster, memory_budget=memory_budget, num_stages=num_stages,
-                         num_microbatches=num_microbatches, schedule=schedule, options=options,
-                         progress=progress).plan
+    with trip_count_option(while_trip_count):
+        if num_stages == 1:
+            return plan_step(fn, args, mesh=mesh, cluster=cluster, memory_budget=memory_budget,
+                             options=options, progress=progress).plan
+        return plan_pipeline(fn, args, mesh=mesh, cluster=cluster, memory_budget=memory_budget,
+                             num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule,
+                             options=options, progress=progress).plan

@@ -269,6 +269,8 @@ def _planning_flags(p: argparse.ArgumentParser, *, mesh_help: str = "logical mes
     p.add_argument("--memory-budget-gib", type=positive, default=None,
                    help="per-device budget (default: device memory)")
     p.add_argument("--time-limit", type=positive, default=None, help="ILP time limit in seconds per solve")
+    p.add_argument("--while-trip-count", type=positive_int, default=None,
+                   help="iterations to price a while loop at when its trip count cannot be derived (default: a guess)")
 
 
 def _pipeline_flags(p: argparse.ArgumentParser) -> None:
@@ -365,7 +367,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "advise" and not args.cluster:
             raise CliError("advise needs --cluster (a preset such as 2x8-a100, or a ClusterSpec file)")
         ensure_devices(devices_needed(args))
-        return int(args.func(args) or 0)
+        from autoshard.ir.trips import trip_count_option
+
+        with trip_count_option(getattr(args, "while_trip_count", None)):
+            return int(args.func(args) or 0)
     except (CliError, PlanningError, ClusterSpecError) as err:
         Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/bold red] {escape(str(err))}", highlight=False)
         return 2

@@ -37,3 +37,7 @@ class OverBudgetWarning(UserWarning):
 
 class UnusedDevicesWarning(UserWarning):
     """A mesh covers fewer devices than are present: the step runs on that many only."""
+
+
+class TripCountGuessWarning(UserWarning):
+    """A while loop's trip count could not be derived: it is priced at a guess (the message says how to set it)."""

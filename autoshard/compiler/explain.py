@@ -127,15 +127,35 @@ def _counted(specs) -> str:
 
 
 def loop_notes(result) -> tuple[str, ...]:  # result: passes.intra_op.IntraOpResult
-    """Per flattened scan of the graph, one line on how it was planned."""
+    """Per flattened loop or cond of the graph, one line on how it was planned."""
     graph: OpGraph = result.graph
     notes = []
     for region in graph.loops:
         ops = graph.ops
+        where = _short_source(region.source) or "?"
         carries = _counted(str(result.value_specs[ops[t].outputs[0]]) for t in region.carry_ops)
+        if region.kind == "cond":
+            merged = _counted(str(result.value_specs[ops[t].outputs[0]]) for t in region.final_ops)
+            sizes = ", ".join(str(hi - lo) for lo, hi in region.branches)
+            notes.append(
+                f"the cond at {where}: {len(region.branches)} branches ({sizes} ops) planned like any, operands "
+                f"and results shared by every branch in one layout each (operands: {carries}; results: "
+                f"{merged}); priced as its costliest branch, branch {region.priced_branch} by FLOPs and bytes "
+                f"(the predicate may be data-dependent: the step costs at most that), the others' ops adding "
+                f"nothing; memory holds each branch's temporaries only while it runs")
+            continue
+        if region.kind == "while":
+            how = {"derived": "derived from its counter", "bound": "as stated by while_trip_count",
+                   "guess": "a guess (set while_trip_count= to state it)"}[region.trip_source]
+            notes.append(
+                f"the while loop at {where}: trip count {region.length}, {how}; its "
+                f"{region.cond_stop - region.body_start} cond ops and {region.body_stop - region.cond_stop} body "
+                f"ops planned like any and priced per iteration; carries kept in one layout across iterations "
+                f"({carries})")
+            continue
         stacked = _counted(str(result.op_strategy(t).in_specs[0]) for t in region.slice_ops)
         notes.append(
-            f"the scan at {_short_source(region.source) or '?'}: {region.length} iterations, its "
+            f"the scan at {where}: {region.length} iterations, its "
             f"{region.body_stop - region.body_start} body ops planned like any and priced {region.length} times; "
             f"carries kept in one layout across iterations ({carries}); stacked inputs read with the layer axis "
             f"whole, one slice per iteration ({stacked})")

@@ -18,7 +18,9 @@ What the reader knows about the text (checked on jax/jaxlib 0.10.2, XLA:CPU):
   ``"known_trip_count":{"n":"4"}`` into the while's ``backend_config``; failing
   that the condition's compare against a constant is read. Nested loops
   multiply. A loop whose trip count cannot be read counts once (logged).
-* ``conditional`` branches are each counted as if taken.
+* A ``conditional`` counts its costliest branch (most FLOPs, then bytes, with the
+  computations it calls), the others not at all: the planner prices a cond so
+  (``ir/trace.py``), and ``cost_analysis()`` takes the costliest branch too.
 * XLA:CPU promotes bf16 collectives to f32 (a ``convert`` around them); the
   bytes here are what XLA moves, so they follow the promoted type.
 
@@ -178,6 +180,13 @@ def _multipliers(module: HloModule) -> dict[str, int]:
                 if trip is None:
                     log.warning("trip count of %s not found: its body is counted once", inst.name)
                 factor, keys = (1 if trip is None else trip), ("body", "condition")
+            if inst.opcode == "conditional":
+                branches = [b for key in _CALL_ATTRS
+                            for b in re.findall(r"%?([^\s{},%]+)", inst.attrs.get(key, ""))]
+                priced = max(branches, key=lambda b: _computation_work(module, b), default=None)
+                for b in branches:
+                    callers[b].append((comp.name, int(b == priced)))
+                continue
             for key in keys:
                 for callee in re.findall(r"%?([^\s{},%]+)", inst.attrs.get(key, "")):
                     callers[callee].append((comp.name, factor))
@@ -189,6 +198,24 @@ def _multipliers(module: HloModule) -> dict[str, int]:
         return sum(times(caller) * factor for caller, factor in callers[name] if caller in module.computations)
 
     return {name: times(name) for name in module.computations}
+
+
+def _computation_work(module: HloModule, name: str) -> tuple[float, float]:
+    """(FLOPs, bytes) of a computation's instructions and of the computations they call, each once."""
+    comp = module.computations.get(name)
+    if comp is None:
+        return 0.0, 0.0
+    flops = nbytes = 0.0
+    for inst in comp.instructions.values():
+        flops += _instruction_flops(module, comp, inst)
+        nbytes += _instruction_bytes(comp, inst)
+        if inst.opcode == "fusion":
+            continue  # _instruction_flops counted its fused computation
+        for key in _CALL_ATTRS:
+            for callee in re.findall(r"%?([^\s{},%]+)", inst.attrs.get(key, "")):
+                f, b = _computation_work(module, callee)
+                flops, nbytes = flops + f, nbytes + b
+    return flops, nbytes
 
 
 # ----------------------------------------------------------------------------- reduce-scatter

@@ -3,10 +3,10 @@
 A graph is a list of ops in topological order over values. Values are arrays
 (shape, dtype, role, and for graph inputs/outputs the pytree path of the leaf).
 Nested ``pjit`` / ``closed_call`` / ``custom_jvp_call`` / ``custom_vjp_call`` /
-``checkpoint`` bodies are inlined by the tracer; a ``scan``'s body is flattened
-into the graph as a ``LoopRegion`` (its ops run ``trip_count`` times per step);
-``while`` / ``cond`` stay one op each and carry their body as a nested OpGraph
-(``Op.bodies``).
+``checkpoint`` bodies are inlined by the tracer; a ``scan``'s, ``while``'s or
+``cond``'s bodies are flattened into the graph as a ``LoopRegion`` (a loop's ops
+run ``trip_count`` times per step); a ``while`` / ``cond`` the tracer cannot
+flatten stays one op and carries its bodies as nested OpGraphs (``Op.bodies``).
 
 Each op keeps its jax primitive and bind parameters, so the graph can be
 evaluated again (``evaluate``), which is what the runtime does with sharding
@@ -95,7 +95,7 @@ class Op:
         return f"{outs} = {self.primitive}({ins})"
 
 
-LOOP_PSEUDO_OPS = ("loop_carry", "loop_slice", "loop_stack", "loop_final")
+LOOP_PSEUDO_OPS = ("loop_carry", "loop_slice", "loop_stack", "loop_final", "cond_merge")
 
 
 @dataclass(frozen=True)
@@ -106,9 +106,18 @@ class LoopRegion:
     in every iteration), ``slice_ops`` (``loop_slice``: stacked ``[length, ...]`` -> one slice), the body
     ``[body_start, body_stop)``, ``stack_ops`` (``loop_stack``: a body output -> stacked) and
     ``final_ops`` (``loop_final``: the body's carry out -> the scan's final carry). Op indices.
+
+    A ``while`` is the same without slices and stacks: ``[body_start, cond_stop)`` are its cond_fun's
+    ops (their result, the value ``predicate``, decides another iteration), ``[cond_stop, body_stop)``
+    its body's; ``length`` is the trip count it is priced at, ``trip_source`` where that came from
+    ("derived" from its counter, "bound": the user's ``while_trip_count``, "guess"). A ``cond`` /
+    ``switch``: ``index_op`` passes the branch index through, ``carry_ops`` its operands (one layout
+    each, read by every branch), ``branches`` the op range of each branch inside the body, and
+    ``final_ops`` one ``cond_merge`` per result (input k: branch k's result; one layout for all);
+    ``priced_branch`` is the branch whose ops carry its cost (the others have ``trip_count`` 0).
     """
 
-    kind: str  # "scan"
+    kind: str  # "scan", "while" or "cond"
     start: int
     stop: int
     body_start: int
@@ -121,6 +130,12 @@ class LoopRegion:
     reverse: bool = False
     unroll: Any = 1
     source: str = ""
+    trip_source: str = "static"  # scan: "static"; while: "derived", "bound" or "guess"; cond: ""
+    cond_stop: int = -1  # while: the end of its cond_fun's ops, the start of its body's
+    predicate: ValueId = -1  # while: the cond_fun's result
+    index_op: int = -1  # cond: the pseudo-op passing the branch index through
+    branches: tuple[tuple[int, int], ...] = ()  # cond: the op range [start, stop) of each branch
+    priced_branch: int = -1  # cond: the branch its cost is counted as (the costliest)
 
 
 @dataclass(frozen=True)
@@ -135,7 +150,7 @@ class OpGraph:
     output_paths: tuple[str, ...] = ()  # pytree path of each output leaf
     carried: tuple[int | None, ...] = ()  # per output leaf: the flat input index it updates (state), or None
     jaxpr: Any = field(default=None, repr=False, compare=False)  # the ClosedJaxpr a step was traced from
-    loops: tuple[LoopRegion, ...] = ()  # flattened scans, outermost first where nested
+    loops: tuple[LoopRegion, ...] = ()  # flattened scans, whiles, conds; a nested one first
 
     # ---- queries -----------------------------------------------------------
     def value(self, vid: ValueId) -> Value:
@@ -154,7 +169,7 @@ class OpGraph:
     def loop_of(self) -> list[int]:
         """Per op, the index in ``loops`` of the innermost loop whose body holds it; -1 outside every loop."""
         inner = [-1] * len(self.ops)
-        for k, region in enumerate(self.loops):  # outermost first: inner loops overwrite
+        for k, region in enumerate(self.loops):  # the innermost wins: its body starts later
             for t in range(region.body_start, region.body_stop):
                 if inner[t] < 0 or self.loops[inner[t]].body_start <= region.body_start:
                     inner[t] = k
@@ -223,7 +238,8 @@ class OpGraph:
         while t < stop:
             region = regions.get(t)
             if region is not None:
-                self._run_scan(region, env, before_op, after_op)
+                run = {"scan": self._run_scan, "while": self._run_while, "cond": self._run_cond}[region.kind]
+                run(region, env, before_op, after_op)
                 t = region.stop
                 continue
             op = self.ops[t]
@@ -272,6 +288,71 @@ class OpGraph:
             env[ops[t].outputs[0]] = through(t, value, pin)
         for t, value in zip(region.final_ops, final):
             env[ops[t].outputs[0]] = through(t, through(t, value, keep), pin)
+
+    def _run_while(self, region: LoopRegion, env: dict[ValueId, Any], before_op: Any, after_op: Any) -> None:
+        """Re-emit a flattened while loop as ``lax.while_loop``, hooks as in ``_run_scan`` (no slices)."""
+        import jax
+
+        keep = before_op or (lambda op, vals: vals)
+        pin = after_op or (lambda op, vals: vals)
+        ops = self.ops
+
+        def through(t: int, value: Any, hook: Any) -> Any:
+            return hook(ops[t], [value])[0]
+
+        def local_env(carry: Sequence[Any]) -> dict[ValueId, Any]:
+            local = dict(env)
+            for t, value in zip(region.carry_ops, carry):
+                local[ops[t].outputs[0]] = value
+            return local
+
+        def cond_fun(carry: list[Any]) -> Any:
+            local = local_env(carry)
+            self._run(region.body_start, region.cond_stop, local, before_op, after_op)
+            return local[region.predicate]
+
+        def body_fun(carry: list[Any]) -> list[Any]:
+            local = local_env(carry)
+            self._run(region.cond_stop, region.body_stop, local, before_op, after_op)
+            return [through(c, local[ops[f].inputs[0]], pin) for c, f in zip(region.carry_ops, region.final_ops)]
+
+        inits = [through(t, through(t, env[ops[t].inputs[0]], keep), pin) for t in region.carry_ops]
+        final = jax.lax.while_loop(cond_fun, body_fun, inits)
+        for t, value in zip(region.final_ops, final):
+            env[ops[t].outputs[0]] = through(t, through(t, value, keep), pin)
+
+    def _run_cond(self, region: LoopRegion, env: dict[ValueId, Any], before_op: Any, after_op: Any) -> None:
+        """Re-emit a flattened cond as ``lax.switch``: each branch runs its ops with the hooks and pins its
+        results to their ``cond_merge`` layouts (the reshard chain of its own input position first)."""
+        import jax
+
+        keep = before_op or (lambda op, vals: vals)
+        pin = after_op or (lambda op, vals: vals)
+        ops = self.ops
+
+        def through(t: int, value: Any, hook: Any) -> Any:
+            return hook(ops[t], [value])[0]
+
+        def branch_fn(b: int) -> Callable[..., list[Any]]:
+            lo, hi = region.branches[b]
+
+            def branch(*operands: Any) -> list[Any]:
+                local = dict(env)
+                for t, value in zip(region.carry_ops, operands):
+                    local[ops[t].outputs[0]] = value
+                self._run(lo, hi, local, before_op, after_op)
+                outs = []
+                for m in region.final_ops:  # position b of the merge is this branch's result
+                    mine = local[ops[m].inputs[b]]
+                    outs.append(pin(ops[m], [keep(ops[m], [mine] * len(ops[m].inputs))[b]])[0])
+                return outs
+            return branch
+
+        index = through(region.index_op, through(region.index_op, env[ops[region.index_op].inputs[0]], keep), pin)
+        operands = [through(t, through(t, env[ops[t].inputs[0]], keep), pin) for t in region.carry_ops]
+        results = jax.lax.switch(index, [branch_fn(b) for b in range(len(region.branches))], *operands)
+        for m, value in zip(region.final_ops, results):
+            env[ops[m].outputs[0]] = value
 
 
 def same_structure(a: OpGraph, b: OpGraph) -> bool:

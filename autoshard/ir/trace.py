@@ -13,7 +13,15 @@ and leave it (``loop_carry``: a carry's init becomes the carry the body reads;
 ``loop_slice``: a stacked input gives the body one slice; ``loop_stack``: a
 body output is stacked; ``loop_final``: the last carry leaves). The planner
 plans body ops like any; the runtime re-emits the scan (``OpGraph.evaluate``).
-``while``/``cond`` stay single ops carrying their bodies.
+
+A ``while`` is flattened the same way (``loop_carry`` per carry, its cond_fun's ops, its body's,
+``loop_final`` per carry) with the trip count ``ir/trips.py`` derives or is told. A ``cond`` /
+``switch``: its index and operands pass through ``loop_carry`` (one layout each, read by every
+branch), every branch's ops follow, and one ``cond_merge`` per result takes each branch's result
+(one layout for all). The costliest branch (by FLOPs, then bytes, on one device) keeps its ops' trip
+count; the others' ops get ``trip_count`` 0: the cond is priced as its costliest branch, which is what
+a data-dependent predicate can cost at most. A ``while``/``cond`` with side effects in its bodies stays
+one op carrying its bodies (planned replicated, with a warning naming it).
 
 Roles of the inputs come from the pytrees: leaves inside an optax state
 object (or under a key named ``opt_state``) are optimizer state; other leaves
@@ -24,6 +32,7 @@ otherwise; everything else is batch.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +45,7 @@ from jax.extend import core as jcore
 
 from autoshard.ir.flops import op_flops
 from autoshard.ir.graph import LoopRegion, Op, OpGraph, Role, Value, ValueId
+from autoshard.ir.trips import counted_trip_count, stated_trip_count
 from autoshard.errors import PlanningError
 
 log = logging.getLogger(__name__)
@@ -101,8 +111,9 @@ class _Builder:
             ins = [read(a) for a in eqn.invars]
             name = eqn.primitive.name
             body = _inline_body(eqn) if name in INLINED else None
-            if name == "scan":
-                outs = self._flatten_scan(eqn, ins)
+            flatten = {"scan": self._flatten_scan, "while": self._flatten_while, "cond": self._flatten_cond}.get(name)
+            if flatten is not None and (name == "scan" or not eqn.effects):
+                outs = flatten(eqn, ins)
                 for var, vid in zip(eqn.outvars, outs):
                     if not isinstance(var, jcore.DropVar):
                         env[var] = vid
@@ -166,6 +177,68 @@ class _Builder:
             tuple(stack_ops), tuple(final_ops), length, bool(params.get("reverse", False)),
             params.get("unroll", 1), source))
         return [self.ops[t].outputs[0] for t in final_ops + stack_ops]
+
+    def _walk_at(self, trip: int, closed: Any, ins: list[ValueId]) -> list[ValueId]:
+        """Walk a closed body whose ops run ``trip`` times per step."""
+        outer, self.trip = self.trip, trip
+        try:
+            return self.walk(closed.jaxpr, closed.consts, ins)
+        finally:
+            self.trip = outer
+
+    def _flatten_while(self, eqn: Any, ins: list[ValueId]) -> list[ValueId]:
+        """A while loop walked into the graph as a loop region (``LoopRegion``); its final carries."""
+        params = eqn.params
+        cn, bn = int(params["cond_nconsts"]), int(params["body_nconsts"])
+        cond_consts, body_consts, inits = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
+        trips, how = counted_trip_count(params, [self.constants.get(v) for v in ins]), "derived"
+        if trips is None:
+            trips, how = stated_trip_count(_source(eqn))
+        start, outer = len(self.ops), self.trip
+        carry_ops = [self._pseudo("loop_carry", v, self.values[v].shape, outer, trips) for v in inits]
+        carries = [self.ops[t].outputs[0] for t in carry_ops]
+        body_start = len(self.ops)
+        predicate = self._walk_at(outer * (trips + 1), params["cond_jaxpr"], list(cond_consts) + carries)[0]
+        cond_stop = len(self.ops)
+        body_out = self._walk_at(outer * trips, params["body_jaxpr"], list(body_consts) + carries)
+        body_stop = len(self.ops)
+        final_ops = [self._pseudo("loop_final", v, self.values[v].shape, outer, trips) for v in body_out]
+        self.loops.append(LoopRegion(
+            "while", start, len(self.ops), body_start, body_stop, tuple(carry_ops), (), (), tuple(final_ops),
+            trips, source=_source(eqn), trip_source=how, cond_stop=cond_stop, predicate=predicate))
+        return [self.ops[t].outputs[0] for t in final_ops]
+
+    def _flatten_cond(self, eqn: Any, ins: list[ValueId]) -> list[ValueId]:
+        """A cond / switch walked into the graph as a region of its branches (module docstring); its results."""
+        start, outer = len(self.ops), self.trip
+        index_op = self._pseudo("loop_carry", ins[0], self.values[ins[0]].shape, outer, 1)
+        carry_ops = [self._pseudo("loop_carry", v, self.values[v].shape, outer, 1) for v in ins[1:]]
+        operands = [self.ops[t].outputs[0] for t in carry_ops]
+        ranges, results = [], []
+        for branch in eqn.params["branches"]:
+            lo = len(self.ops)
+            results.append(self._walk_at(outer, branch, operands))
+            ranges.append((lo, len(self.ops)))
+        work = [(sum(op.flops for op in self.ops[lo:hi]), sum(op.bytes_accessed for op in self.ops[lo:hi]))
+                for lo, hi in ranges]
+        priced = max(range(len(ranges)), key=lambda b: (work[b], -b))
+        for b, (lo, hi) in enumerate(ranges):
+            if b != priced:  # the other branches run instead of it, never beside it: they add nothing
+                for t in range(lo, hi):
+                    self.ops[t] = dataclasses.replace(self.ops[t], flops=0.0, bytes_accessed=0.0, trip_count=0)
+        final_ops = []
+        for k in range(len(eqn.outvars)):
+            srcs = tuple(r[k] for r in results)
+            out = len(self.values)
+            self.values[out] = Value(out, self.values[srcs[0]].shape, self.values[srcs[0]].dtype, Role.ACTIVATION)
+            self.ops.append(Op(len(self.ops), "cond_merge", {"priced": priced}, srcs, (out,), 0.0, 0.0,
+                               trip_count=outer))
+            final_ops.append(len(self.ops) - 1)
+        self.loops.append(LoopRegion(
+            "cond", start, len(self.ops), ranges[0][0] if ranges else len(self.ops), ranges[-1][1] if ranges else
+            len(self.ops), tuple(carry_ops), (), (), tuple(final_ops), 1, source=_source(eqn), trip_source="",
+            index_op=index_op, branches=tuple(ranges), priced_branch=priced))
+        return [self.ops[t].outputs[0] for t in final_ops]
 
 
 def _inline_body(eqn: Any) -> tuple[jcore.Jaxpr, Sequence[Any]] | None:

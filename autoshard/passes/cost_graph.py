@@ -18,7 +18,10 @@ Loops (a flattened scan, ``ir/graph.LoopRegion``): an op inside runs
 ``trip_count`` times, so its compute and collectives, and the resharding into
 it, count that many times (``edge_weight``); a carry's layout is one choice
 (its ``loop_carry`` node), and the body's carry out reshards to it every
-iteration, priced as an edge from the carry out's producer to that node.
+iteration, priced as an edge from the carry out's producer to that node. A while loop is the same
+at its trip count. A cond (``kind == "cond"``): its operands' and results' layouts are one choice each
+(``loop_carry``, ``cond_merge``), its costliest branch is priced and the others' ops weigh 0
+(``ir/trace.py``), so is a reshard into the merge from a branch that is not priced.
 """
 from __future__ import annotations
 
@@ -172,6 +175,8 @@ class CostGraph:
         op = self.graph.ops[c - self.num_inputs]
         if pos < 0 and op.primitive == "loop_carry":
             return op.trip_count * int(op.params["length"])
+        if op.primitive == "cond_merge" and pos != op.params["priced"]:
+            return 0  # that branch runs instead of the priced one: the cond costs its costliest branch
         return op.trip_count
 
     # per-node views indexed by class strategy
@@ -206,7 +211,9 @@ class CostGraph:
             if in_index is not None and vid in self.producer and self.producer[vid][0] != in_index:
                 p, k = self.producer[vid]
                 yield p, k, in_index, -1, vid
-        for region in graph.loops:  # a scan's carry out, written back to its carry's layout
+        for region in graph.loops:  # a loop's carry out, written back to its carry's layout
+            if region.kind == "cond":
+                continue
             for carry, final in zip(region.carry_ops, region.final_ops):
                 vid = graph.ops[final].inputs[0]
                 c = self.num_inputs + carry

@@ -10,13 +10,14 @@ PlanMismatchError says what differs.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
-from autoshard.errors import PlanMismatchError
+from autoshard.errors import PlanMismatchError, TripCountGuessWarning
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.trace import signature, trace
 from autoshard.plans.planfile import PlanLike, check_args, check_mesh, check_signature
@@ -49,7 +50,9 @@ class AppliedPlan:
         if self.step is None:
             # Trace from shapes: tracing committed, sharded arrays makes jax add reshard ops of its own.
             shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x)), args)
-            graph = trace(self.fn, *shapes)
+            with warnings.catch_warnings():  # the plan is priced already: a while loop's guessed trip count
+                warnings.simplefilter("ignore", TripCountGuessWarning)  # is no news when it is only run
+                graph = trace(self.fn, *shapes)
             check_signature(self.plan, graph)
             self.step = SpmdStep(graph, annotations_for(self.plan, graph), self.mesh)
             self.called_with = signature(args)

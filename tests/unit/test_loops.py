@@ -10,13 +10,12 @@ import jax.numpy as jnp
 import pytest
 
 from autoshard.compiler.explain import loop_notes, op_explanations
-from autoshard.ir.spec import Spec
 from autoshard.ir.trace import trace
 from autoshard.meshes.cluster import get_cluster
 from autoshard.meshes.logical import make_logical_mesh
 from autoshard.passes.cost_graph import CostGraph, IntraOpOptions
 from autoshard.passes.intra_op import plan_intra_op
-from autoshard.passes.strategies import UnsupportedPrimitiveWarning, strategies_for
+from autoshard.passes.strategies import strategies_for
 
 LENGTH = 6
 
@@ -122,21 +121,4 @@ def test_planned_scan_keeps_one_layout_per_carry_and_explains_it():
     carries = [explained[t] for r in graph.loops for t in r.carry_ops if t in explained]
     assert all("at the boundary of the scan" in e.loop for e in carries)
 
-
-def test_loops_it_cannot_plan_warn_by_name():
-    def with_while(x):
-        return jax.lax.while_loop(lambda c: jnp.sum(c) < 10.0, lambda c: c * 2.0, x)
-
-    def with_cond(p, x):
-        return jax.lax.cond(p, jnp.sin, jnp.cos, x)
-
-    mesh = _mesh()
-    for fn, args, name in ((with_while, (_f32((8, 8)),), "while"),
-                           (with_cond, (jax.ShapeDtypeStruct((), jnp.bool_), _f32((8, 8))), "cond")):
-        graph = trace(fn, *args)
-        op = next(op for op in graph.ops if op.primitive == name)
-        with pytest.warns(UnsupportedPrimitiveWarning, match=repr(name)):
-            found = strategies_for(op, [graph.values[v] for v in op.inputs], [graph.values[v] for v in op.outputs],
-                                   mesh)
-        assert [s.note for s in found] == ["replicated"]
-        assert all(spec == Spec.replicated(len(spec.dims)) for s in found for spec in s.in_specs)
+# while / cond: tests/unit/test_cond_while.py (a loop with side effects still warns by name there)

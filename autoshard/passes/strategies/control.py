@@ -9,9 +9,14 @@ count times); ``loop_slice`` gives the body a slice of a stacked input and
 leading layer axis never is, so each iteration reads its slice where it lies.
 A ``scan`` op itself (never left by the tracer) is planned replicated.
 
-``while`` and ``cond`` are not planned inside yet: they are planned replicated
-with an ``UnsupportedPrimitiveWarning`` naming them (a while loop's trip count
-is not static; cond's branches are kept whole).
+A ``while`` is flattened the same way (carries through ``loop_carry`` /
+``loop_final``, priced at its derived, stated or guessed trip count:
+``ir/trips.py``). A ``cond`` / ``switch``: its operands pass through
+``loop_carry`` (one layout each, read by every branch) and each result leaves
+through a ``cond_merge`` whose inputs are the branches' results, all in the
+result's one layout. A ``while`` or ``cond`` the tracer keeps whole (side effects
+in its bodies) is planned replicated with an ``UnsupportedPrimitiveWarning``
+naming it.
 
 Random primitives are replicated only: a shard of ``random_bits`` is not the
 local computation on a shard of the key (the counter is a global iota), and
@@ -41,7 +46,8 @@ RANDOM = (
     "random_clone", "random_gamma", "threefry2x32", "threefry4x32", "philox2x32", "philox4x32",
     "iota_2x32_shape", "rng_bit_generator", "rng_uniform",
 )
-REPLICATED_ONLY = ("pure_callback", "io_callback", "platform_index")
+# empty / empty2: an uninitialized filler (cond's gradient branches pad their residuals with it)
+REPLICATED_ONLY = ("pure_callback", "io_callback", "platform_index", "empty", "empty2")
 LOCAL_IDENTITY = ("sharding_constraint", "reshard", "device_put", "layout_constraint")
 IDENTITY = ("optimization_barrier", "name", "loop_carry", "loop_final", *LOCAL_IDENTITY)
 
@@ -73,13 +79,21 @@ def _identity_rule(op: Op, ins: Sequence[Value], outs: Sequence[Value], mesh: Lo
 
 @register(*UNPLANNED_LOOPS)
 def _unplanned_loop_rule(op: Op, ins: Sequence[Value], outs: Sequence[Value], mesh: LogicalMesh) -> list[Strategy]:
-    why = ("its trip count is not static" if op.primitive == "while" else "its branches are not planned inside")
     warnings.warn(
-        f"autoshard does not plan inside {op.primitive!r} ({why}); it is planned replicated: every operand and "
-        f"result whole on every device{' at ' + op.source if op.source else ''}. Write a loop with a static trip "
-        "count as lax.scan or fori_loop with Python-int bounds to have its body planned.",
+        f"autoshard does not plan inside {op.primitive!r} (its bodies have side effects, such as a callback or a "
+        f"debug print, which a re-emitted loop would reorder); it is planned replicated: every operand and "
+        f"result whole on every device{' at ' + op.source if op.source else ''}. Move the side effect out of the "
+        f"{'loop' if op.primitive == 'while' else 'branches'} to have its body planned.",
         UnsupportedPrimitiveWarning, stacklevel=2)
     return []
+
+
+@register("cond_merge")
+def _cond_merge_rule(op: Op, ins: Sequence[Value], outs: Sequence[Value], mesh: LogicalMesh) -> list[Strategy]:
+    """``k`` branch results -> the cond's result, every one in the result's layout (each branch reshards
+    into it inside the branch)."""
+    factors = [Factor(size, (d,) * len(ins), (d,)) for d, size in enumerate(outs[0].shape)]
+    return factor_strategies(op, ins, outs, mesh, factors, note="one layout for every branch")
 
 
 @register("loop_slice")
