@@ -80,8 +80,8 @@ def check_stack(forward: Forward, stack: ScanStack) -> None:
         raise PlanningError("the layer scan runs in reverse (reverse=True); a pipeline cuts a forward scan into "
                             "stages: scan forward over the stacked layers")
     carries = e.ins[stack.num_consts: stack.num_consts + stack.num_carry]
-    bad = [forward.avals[a].str_short() for a in carries
-           if isinstance(a, jcore.Literal) or not jnp.issubdtype(forward.avals[a].dtype, jnp.floating)]
+    avals = [a.aval if isinstance(a, jcore.Literal) else forward.avals[a] for a in carries]
+    bad = [aval.str_short() for aval in avals if not jnp.issubdtype(aval.dtype, jnp.floating)]
     if bad:
         raise PlanningError(f"the layer scan carries {bad} besides the layer activation; pipeline stages pass only "
                             "float activations from one stage's scan to the next: carry only the activations "
@@ -404,7 +404,7 @@ def split_stack(parts: StepParts, stack: ScanStack, bounds: Sequence[int], *, ma
                     user.append(jnp.concatenate([rest[index[i, c]] for c in range(num_chunks)], axis=0))
                 else:
                     user.append(rest[index[i, None]])
-            return jcore.eval_jaxpr(parts.prologue, [], *consts, *user)
+            return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(parts.prologue, []))(*consts, *user)
 
         pro = jax.make_jaxpr(joined)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals[:nc + len(inputs)]])
         if pro.consts:
