@@ -192,3 +192,24 @@ def test_update_runs_per_chunk_and_equals_the_whole():
     for g, w in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0])):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-3, rtol=0)
     assert rel(got[2], want[2]) <= 1e-6
+
+
+def test_scanned_pipeline_plan_file_applies_on_reversed_devices(scanned, tmp_path, devices8):
+    """Saved, loaded and applied on the reversed device order: the same losses; the stack's stage ranges kept."""
+    work, tx, step, ref_losses, ref_params = scanned
+    params, _, batch = work.args
+    planned = autoshard.plan(step, params, tx.init(params), batch, cluster="cpu-8", num_stages=2,
+                             num_microbatches=2, schedule="1f1b")
+    plan = planned.plan if hasattr(planned, "plan") else planned
+    assert plan.pipeline.scan_layers == TINY.num_layers
+    plan.save(tmp_path / "plan.json")
+    loaded = autoshard.load_plan(tmp_path / "plan.json")
+    assert loaded.pipeline.scan_layers == TINY.num_layers
+    assert [(s.first_layer, s.last_layer) for s in loaded.stages] == [(s.first_layer, s.last_layer) for s in plan.stages]
+    run = loaded.apply(step, list(reversed(jax.devices())))
+    state = (params, tx.init(params))
+    for ref_loss in ref_losses:
+        *state, loss = run(*state, batch)
+        assert rel(loss, ref_loss) <= 1e-5, f"loss {float(loss)} vs one device {ref_loss}"
+    assert_leaves_close(state[0], ref_params, "params")
+    assert run.step.stage_iterations == ((0, 1), (1, 2))
