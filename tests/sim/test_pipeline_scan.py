@@ -167,11 +167,13 @@ def test_update_runs_per_chunk_and_equals_the_whole():
     flat = [leaf for _, leaf in user_leaves]
     vflat = cut.split_flat(flat)
     fwd = cut.parts.forward
-    env = dict(fwd.consts)
-    env.update({v: vflat[cut.parts.operand_inputs[k]] for k, v in enumerate(fwd.invars)})
-    fwd.run(range(len(fwd.eqns)), env)
-    loss, grads = jax.value_and_grad(work.loss_fn)(params, batch)
-    assert rel(env[fwd.outvar], loss) <= 1e-6
+    def rewritten_loss(vflat):
+        env = dict(fwd.consts)
+        env.update({v: vflat[cut.parts.operand_inputs[k]] for k, v in enumerate(fwd.invars)})
+        return fwd.run(range(len(fwd.eqns)), env)[fwd.outvar]
+
+    loss, grads = jax.jit(jax.value_and_grad(work.loss_fn))(params, batch)
+    assert rel(jax.jit(rewritten_loss)(vflat), loss) <= 1e-6
     # the per-chunk update on the whole gradients (sliced) equals the user's update
     grad_of_leaf = dict(zip(parts.grad_for_leaf, jax.tree.leaves(grads)))
     vgrads = []
@@ -181,7 +183,8 @@ def test_update_runs_per_chunk_and_equals_the_whole():
         vgrads.append(g if c is None else g[cut.bounds[c]:cut.bounds[c + 1]])
     from jax.extend import core as jcore
 
-    outs = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(cut.parts.update, []))(*parts.closed.consts, *vflat, loss, *vgrads)
+    outs = jax.jit(jcore.jaxpr_as_fun(jcore.ClosedJaxpr(cut.parts.update, [])))(
+        *parts.closed.consts, *vflat, loss, *vgrads)
     want = jax.jit(step)(*args)
     joined = cut.join_outputs(outs, len(jax.tree.leaves(want)))
     got = jax.tree.unflatten(jax.tree.structure(want), joined)
@@ -249,3 +252,30 @@ def test_plain_lax_scan_stack_with_adam_matches_one_device(devices8):
     assert [r for r in its if r is not None][0][0] == 0 and [r for r in its if r is not None][-1][1] == 4
     assert state[1][0].mu["layers"]["w"].shape == (4, 16, 16)  # Adam's state comes back stacked too
     assert_leaves_close(state[1][0].mu, ref[1][0].mu, "mu")
+
+
+@pytest.mark.parametrize("kind, message", [("ys", "returns per-layer outputs"), ("reverse", "runs in reverse"),
+                                           ("outside", "also read outside it")])
+def test_other_uncuttable_scans_are_refused(kind, message):
+    """Per-layer outputs the loss reads, a reversed scan, stacked weights read outside the scan: each refused."""
+    import jax.numpy as jnp
+
+    def loss(p, batch):
+        def body(h, w):
+            h = jnp.tanh(h @ w)
+            return h, jnp.sum(h)
+
+        h, ys = jax.lax.scan(body, batch, p, reverse=kind == "reverse")
+        extra = jnp.sum(ys) if kind == "ys" else jnp.sum(p) if kind == "outside" else 0.0
+        return jnp.mean(h ** 2) + 1e-3 * extra
+
+    def step(p, batch):
+        value, grads = autoshard.value_and_grad(loss)(p, batch)
+        return p - 0.1 * grads, value
+
+    args = (jax.ShapeDtypeStruct((3, 4, 4), jnp.float32), jax.ShapeDtypeStruct((8, 4), jnp.float32))
+    parts = split_step(trace(step, *args).jaxpr)
+    stack = find_stack(parts.forward)
+    assert stack is not None
+    with pytest.raises(PlanningError, match=message):
+        split_stack(parts, stack, [0, 1, 3])
