@@ -9,6 +9,9 @@ is chosen, or the SPMD ``PlannedStep`` when
 - ``num_stages=None`` and the best SPMD-only plan (the intra-op planner over
   every logical mesh shape) is at least as fast, under the model, as the best
   plan of two or more stages.
+
+A loss that runs its layers under ``lax.scan`` / ``nnx.scan`` (a scanned stack, ``ir/scan_stack.py``) is
+planned by ``compiler/scan_pipeline.py``: the scan's iterations are the layers.
 """
 from __future__ import annotations
 
