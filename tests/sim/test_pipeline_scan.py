@@ -121,7 +121,9 @@ def test_stage_cut_of_scanned_stack_equals_unrolled_twin(num_layers, num_stages)
     got, want = _stage_blocks_scanned(scanned_plan), _stage_blocks_unrolled(unrolled_plan.plan)
     assert want == [set(b) for b in want] and sorted(x for s in want for x in s) == list(range(num_layers)), want
     assert got == want, f"scanned stages hold layers {got}, the unrolled twin's {want}"
-    assert [st.device_indices for st in scanned_plan.plan.stages] == [st.device_indices for st in unrolled_plan.plan.stages]
+    # the sub-mesh sizes may differ: the scan body's layer is priced by the loop-region model, not op by op
+    for p in (scanned_plan, unrolled_plan):
+        assert sorted(d for st in p.plan.stages for d in st.device_indices) == list(range(8))
 
 
 def test_scan_that_cannot_be_cut_is_refused_clearly():
