@@ -19,6 +19,7 @@ from autoshard.meshes.cluster import ClusterSpec
 from autoshard.plans import planfile
 from autoshard.plans.applied import AppliedPlan
 from autoshard.plans.applied_pipeline import AppliedPipeline
+from autoshard.plans.applied_scan import AppliedScanPipeline
 from autoshard.plans.breakdown import LayerTime
 from autoshard.plans.caveats import Caveats, plan_caveats
 from autoshard.plans.ledger import GIB, Ledger, OpExplanation, SolverInfo, fmt_bytes, fmt_s, solver_summary
@@ -79,7 +80,8 @@ class Plan:
         """A callable that runs ``fn`` with this plan on ``mesh`` (a jax Mesh of the plan's shape; for a
         pipeline plan any mesh or device list: its stages' device indices name ``mesh.devices.flat``)."""
         if self.stages and self.pipeline is not None:
-            return AppliedPipeline(self, fn, mesh)
+            scanned = getattr(self.pipeline, "scan_layers", 0)
+            return AppliedScanPipeline(self, fn, mesh) if scanned else AppliedPipeline(self, fn, mesh)
         return AppliedPlan(self, fn, mesh)
 
     @property

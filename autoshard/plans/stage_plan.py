@@ -92,6 +92,9 @@ class PipelineSummary:
     notes: tuple[str, ...] = field(default_factory=tuple)
     # the forward equation indices of each layer (``ir/split.py``): what ``plan.apply`` runs in each stage
     layer_eqns: tuple[tuple[int, ...], ...] = ()
+    # > 0: the layers are the iterations of a scanned stack of that many layers, the forward rewritten per
+    # iteration (``ir/scan_stack.py``); ``layer_eqns`` index that rewrite (``plans/applied_scan.py``)
+    scan_layers: int = 0
 
     def __str__(self) -> str:
         line = (f"pipeline          {self.schedule}, B={self.num_microbatches} microbatches over {self.layers} "

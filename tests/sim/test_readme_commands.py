@@ -38,6 +38,8 @@ HOW = {
     "autoshard compare examples/gpt.py --config medium --mesh 2x4 --cluster 2x8-a100 --time-limit 2": "slow",
     "autoshard verify examples/gpt.py --config tiny --mesh 2x4 --cluster cpu-8 --time-limit 2": "ci",
     "autoshard verify examples/pipeline_gpt.py --config tiny --stages 2 --microbatches 2 --cluster cpu-8": "ci",
+    "autoshard plan examples/pipeline_gpt_scan.py --config tiny --stages 2 --microbatches 2 --cluster cpu-8 "
+    "--out scan_plan.json": "slow",
     "autoshard launch --processes 2 --devices-per-process 4 -- python -m examples.multihost_gpt --steps 3": "slow",
     "python -m autoshard.runtime.launch -n 2 -k 4 -- python -m examples.multihost_gpt --steps 3": "slow",
     "autoshard profile --out cluster.json": "slow",

@@ -1,0 +1,185 @@
+"""Pipelines over a scanned layer stack at run time: each stage scans its own iteration range.
+
+The planner (``compiler/scan_pipeline.py``) prices and lays out the step rewritten per iteration
+(:func:`per_layer`: the stack cut into N one-iteration scans, ``ir/scan_stack.py``); its stage layouts are
+keyed by that rewrite's leaves. :func:`scanned_step` traces the user's step at the microbatch, rewrites it
+with one chunk per stage (the iterations of the stage's layers), re-keys each layout for it and builds a
+:class:`ScanPipelineStep`: called like the user's step, it slices every stacked input into the stages'
+rows, runs the stages (stage s holds only rows ``[lo, hi)`` of each stacked parameter, gradient and
+optimizer state and runs a ``scan`` over them), and concatenates the stacked outputs on the first stage's
+devices, so the step returns the user's stacked layout. ``plan.apply`` of a saved plan runs the same
+(``plans/applied_scan.py``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from autoshard.errors import PlanningError
+from autoshard.ir.scan_stack import StackSplit, find_stack, split_stack
+from autoshard.ir.split import StepParts, batch_inputs, microbatch_shapes, split_step
+from autoshard.ir.trace import trace
+from autoshard.runtime.pipeline import PipelineError, PipelineStep, StageLayout
+
+
+def per_layer(parts: StepParts) -> StackSplit:
+    """``parts`` with its layer stack cut into single iterations, a layer cut marked between them."""
+    stack = find_stack(parts.forward)
+    if stack is None:
+        raise PlanningError("internal: the step traced at the microbatch has no layer scan")
+    return split_stack(parts, stack, range(stack.length + 1), mark_cuts=True)
+
+
+def stacked_function(fn: Callable[..., Any], in_tree: Any, out_tree: Any, split: StackSplit) -> Callable[..., Any]:
+    """``fn`` over the rewritten step's inputs (each stacked leaf a tuple of its chunks) and outputs: the graph the
+    plan reports (paths such as ``[0]['blocks']['mlp']['kernel'][2]``: chunk 2)."""
+    num_inputs = in_tree.num_leaves
+
+    def run(*vargs: Any) -> Any:
+        vflat = jax.tree_util.tree_leaves(vargs)
+        user: list[list[Any]] = [[] for _ in range(num_inputs)]
+        for (i, _c), x in zip(split.inputs, vflat):
+            user[i].append(x)
+        flat = [xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=0) for xs in user]
+        outs = jax.tree_util.tree_leaves(fn(*jax.tree_util.tree_unflatten(in_tree, flat)))
+        leaves = []
+        for k, out in enumerate(outs):
+            chunks = [c for kk, c in split.outputs if kk == k]
+            b = split.bounds
+            leaves.append(out if chunks == [None] else tuple(out[b[c]:b[c + 1]] for c in chunks))
+        return jax.tree_util.tree_unflatten(out_tree, leaves)
+
+    return run
+
+
+def stacked_args(arg_leaves: Sequence[Any], in_tree: Any, split: StackSplit) -> tuple[Any, ...]:
+    """The user's arguments (ShapeDtypeStructs or arrays) with each split leaf a tuple of its chunk shapes."""
+    leaves = []
+    for i, leaf in enumerate(arg_leaves):
+        chunks = [c for ii, c in split.inputs if ii == i]
+        if chunks == [None]:
+            leaves.append(leaf)
+            continue
+        shape, dtype = tuple(jnp.shape(leaf)), jnp.result_type(leaf)
+        leaves.append(tuple(jax.ShapeDtypeStruct((split.bounds[c + 1] - split.bounds[c], *shape[1:]), dtype)
+                            for c in chunks))
+    return tuple(jax.tree_util.tree_unflatten(in_tree, leaves))
+
+
+def stage_bounds(pricing: StackSplit, layer_eqns: Sequence[Sequence[int]], ranges: Sequence[tuple[int, int]]
+                 ) -> list[tuple[int, int] | None]:
+    """Per stage (its layer range, inclusive): the scan iterations ``[lo, hi)`` it runs, or None."""
+    out: list[tuple[int, int] | None] = []
+    for a, b in ranges:
+        its = sorted(c for layer in layer_eqns[a:b + 1] for e in layer
+                     if (c := pricing.chunk_of_eqn(e)) is not None)
+        out.append((its[0], its[-1] + 1) if its else None)
+    return out
+
+
+
+def scanned_step(fn: Callable[..., Any], in_tree: Any, arg_leaves: Sequence[Any], split_inputs: Sequence[bool],
+                 stack_length: int, layer_eqns: Sequence[Sequence[int]], layouts: Sequence[StageLayout],
+                 num_microbatches: int, schedule: Any, devices: Sequence[jax.Device] | None = None,
+                 **step_options: Any) -> PipelineStep:
+    """The runtime of a scanned-stack pipeline plan (module docstring). ``layer_eqns`` and ``layouts`` are over
+    the per-iteration rewrite; ``split_inputs`` marks the user's batch inputs."""
+    big_b = int(num_microbatches)
+    user_graph = trace(fn, *jax.tree_util.tree_unflatten(in_tree, microbatch_shapes(arg_leaves, split_inputs, big_b)))
+    small = split_step(user_graph.jaxpr)
+    stack = find_stack(small.forward) if small is not None else None
+    if stack is None or stack.length != stack_length:
+        raise PipelineError(f"the loss traces to different equations at the microbatch size (batch / {big_b}); "
+                            "a pipeline needs shape-independent loss code")
+    pricing = split_stack(small, stack, range(stack.length + 1), mark_cuts=True)
+    its = stage_bounds(pricing, layer_eqns, [(st.first_layer, st.last_layer) for st in layouts])
+    held = [r for r in its if r is not None]
+    if not held or any(a[1] != b[0] for a, b in zip(held[:-1], held[1:])) or held[0][0] != 0 \
+            or held[-1][1] != stack.length:
+        raise PipelineError(f"the stages' scan iterations {its} do not cover the {stack.length} scanned layers in "
+                            "order: plan again")
+    bounds = [0] + [hi for _lo, hi in held]
+    run = split_stack(small, stack, bounds)
+    chunk_of_stage = {s: held.index(r) for s, r in enumerate(its) if r is not None}
+    rt_index = {o: j for j, o in enumerate(run.eqn_origin) if o is not None}
+    rt_layers, rt_layouts = [], []
+    for s, layout in enumerate(layouts):
+        eqns = [rt_index[o] for layer in layer_eqns[layout.first_layer:layout.last_layer + 1] for e in layer
+                if (o := pricing.eqn_origin[e]) is not None]
+        if s in chunk_of_stage:
+            eqns.append(run.chunk_eqns[chunk_of_stage[s]])
+        rt_layers.append(tuple(sorted(eqns)))
+        rt_layouts.append(_runtime_layout(layout, s, pricing, run, chunk_of_stage.get(s)))
+    _, split = batch_inputs(run.parts)
+    step = ScanPipelineStep(run.parts, rt_layers, rt_layouts, big_b, schedule, split_inputs=split, in_tree=None,
+                            out_tree=None, devices=devices, **step_options)
+    step.stack_split, step.user_in_tree, step.user_out_tree = run, in_tree, user_graph.out_tree
+    step.stage_iterations = tuple(its)
+    return step
+
+
+def _runtime_layout(layout: StageLayout, s: int, pricing: StackSplit, run: StackSplit, chunk: int | None
+                    ) -> StageLayout:
+    """Stage s's layout (keyed by the per-iteration rewrite's leaves and inputs) keyed by the runtime rewrite's."""
+    leaf_index = {key: j for j, key in enumerate(pricing.leaf_of)}
+    input_index = {key: j for j, key in enumerate(pricing.inputs)}
+
+    def leaf(key: tuple[int, int | None]) -> int | None:
+        k, c = key
+        return leaf_index.get((k, None if c is None else run.bounds[c]))
+
+    params, grads, inputs = {}, {}, {}
+    for j, key in enumerate(run.leaf_of):
+        p = leaf(key)
+        if key[1] is not None and key[1] != chunk:
+            continue
+        if p is not None and p in layout.param_specs:
+            params[j] = layout.param_specs[p]
+        if p is not None and p in layout.grad_specs:
+            grads[j] = layout.grad_specs[p]
+    for j, (i, c) in enumerate(run.inputs):
+        if c is not None and c != chunk:
+            continue
+        p = input_index.get((i, None if c is None else run.bounds[c]))
+        if p is not None and p in layout.input_specs:
+            inputs[j] = layout.input_specs[p]
+    return dataclasses.replace(layout, first_layer=s, last_layer=s, param_specs=params, grad_specs=grads,
+                               input_specs=inputs)
+
+
+class ScanPipelineStep(PipelineStep):
+    """A pipelined step over a scanned stack, called like the user's step: stacked arrays in and out."""
+
+    stack_split: StackSplit
+    user_in_tree: Any
+    user_out_tree: Any
+    stage_iterations: tuple[tuple[int, int] | None, ...]
+
+    def flatten_args(self, args: Sequence[Any]) -> list[Any]:
+        leaves, tree = jax.tree_util.tree_flatten(tuple(args))
+        if tree != self.user_in_tree:
+            raise ValueError(f"arguments do not match the planned signature:\n  planned {self.user_in_tree}\n"
+                             f"  got     {tree}")
+        return self.stack_split.split_flat(leaves)
+
+    def __call__(self, *args: Any) -> Any:
+        outs = self.run_flat(self.flatten_args(args))
+        joined = self.stack_split.join_outputs(outs, self.user_out_tree.num_leaves, join=_join)
+        return jax.tree_util.tree_unflatten(self.user_out_tree, joined)
+
+
+def _join(chunks: Sequence[Any]) -> Any:
+    """Stacked chunks from several stages concatenated on the first one's devices."""
+    first = chunks[0]
+    sharding = getattr(first, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        where = NamedSharding(sharding.mesh, PartitionSpec())
+        chunks = [jax.device_put(c, where) for c in chunks]
+    return jnp.concatenate(chunks, axis=0)
+
+
