@@ -109,13 +109,12 @@ def test_scanned_plan_is_priced_as_xla_compiles_it(compared):
         assert report.row(what).ok, str(report)
 
 
-@pytest.mark.slow  # the figure XLA counts a loop body once for (compiler/hlo_bytes.py prices its other runs)
+# the figure XLA counts a loop body once for (compiler/hlo_bytes.py prices its other runs); no compile of its own
 def test_scanned_plan_hbm_bytes_as_xla_compiles_it(compared):
     report = compared["scanned"][4]
     assert report.row("hbm bytes per device").ok, str(report)
 
 
-@pytest.mark.slow
 def test_scanned_plans_extra_time_is_the_compiled_programs(compared):
     """The scan's modeled penalty over its unrolled twin is XLA's, not the model's: the two compiled programs,
     priced on the same cluster from their own HLO, cost bytes and collectives (ratio) within 15% of the plans'."""
