@@ -103,9 +103,14 @@ def micro_batch(per_rank: int, data_parallel: int, ceiling: int | None) -> int:
     return max((m for m in range(1, limit + 1) if per_rank % m == 0), default=0)
 
 
-def _mixed_precision(plan: Plan) -> str:
+def mixed_precision(plan: Plan) -> str:
+    """Accelerate's ``mixed_precision``: the half dtype the step computes in, whether its parameters are stored
+    in it or are fp32 masters cast down in the forward (the dtype most of its FLOPs run in)."""
     dtypes = {dtype for path, (_shape, dtype) in plan.input_shapes.items() if plan.input_roles.get(path) == "param"}
-    return "bf16" if dtypes == {"bfloat16"} else "fp16" if dtypes == {"float16"} else "no"
+    compute = plan.ledger.main_compute_dtype
+    if dtypes == {"bfloat16"} or compute == "bfloat16":
+        return "bf16"
+    return "fp16" if dtypes == {"float16"} or compute == "float16" else "no"
 
 
 def module_names(graph: OpGraph, indices: Sequence[int]) -> tuple[str, tuple[str, ...]]:
@@ -200,7 +205,7 @@ def advise(comparison: Comparison, *, global_batch: int | None = None, fsdp_vers
     setup = TorchSetup(
         strategy=kind.value, label=kind.label, num_machines=cluster.num_nodes,
         processes_per_machine=cluster.devices_per_node, tensor_parallel=tp, micro_batch_per_gpu=micro,
-        gradient_accumulation=per_rank // micro, mixed_precision=_mixed_precision(plan), gradient_clipping=clip,
+        gradient_accumulation=per_rank // micro, mixed_precision=mixed_precision(plan), gradient_clipping=clip,
         fsdp_version=fsdp_version, layer_container=container, column_modules=column, row_modules=row,
         source=f"{source or plan.name} on {cluster.name}")
     return Advice(setup=setup, chosen=chosen.name, rows=tuple(rows), autoshard_speedup=comparison.speedup(chosen),

@@ -54,7 +54,7 @@ def build_plan(graph: OpGraph, result: IntraOpResult, budget: float, timings: di
         peak_memory_bytes=result.peak_bytes, memory_by_kind=dict(result.memory_by_role),
         collective_bytes=result.collective_bytes_by_kind(), compute_lower_bound_s=bound,
         flops_per_device=result.flops_per_device, hbm_bytes_per_device=result.hbm_bytes_per_device,
-        compute_bound_s=compute_bound, memory_bound_s=memory_bound,
+        compute_bound_s=compute_bound, memory_bound_s=memory_bound, flops_by_dtype=result.flops_by_dtype(),
     )
     s = result.ilp
     return Plan(

@@ -44,6 +44,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
+from autoshard.compiler.hlo_bytes import xla_instruction_bytes
 from autoshard.compiler.hlo_parse import (Computation, Instruction, HloModule, parse_module, permute_groups,
                                           split_top_level, group_size_of, shape_elements, shape_nbytes)
 
@@ -359,8 +360,6 @@ _SIMPLE_FLOP_OPS = frozenset({
     "and", "or", "xor", "not", "clamp", "remainder", "sign", "floor", "ceil", "round-nearest-even",
     "round-nearest-afz", "convert",
 })
-_NO_COST_OPS = frozenset({"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "after-all",
-                          "partition-id", "replica-id"})
 
 
 def _instruction_flops(module: HloModule, comp: Computation, inst: Instruction) -> float:
@@ -382,18 +381,12 @@ def _instruction_flops(module: HloModule, comp: Computation, inst: Instruction) 
     return float(out) if inst.opcode in _SIMPLE_FLOP_OPS else 0.0
 
 
-def _instruction_bytes(comp: Computation, inst: Instruction) -> float:
-    """Operand + result bytes of one top-level instruction: what "bytes accessed" counts for it."""
-    if inst.opcode in _NO_COST_OPS:
-        return 0.0
-    return float(shape_nbytes(inst.shape) + sum(shape_nbytes(comp.instructions[o].shape)
-                                                for o in inst.operands if o in comp.instructions))
-
-
 def loop_repeats(hlo_text: str) -> tuple[float, float]:
     """(FLOPs, bytes) that ``cost_analysis()`` leaves out: it counts a while body once, so each
     computation that runs m > 1 times per step (a loop body, or one called from it) adds m - 1 times
-    its instructions. Fused computations are counted through their fusion instruction."""
+    its instructions, each priced as XLA prices it (``compiler/hlo_bytes.py``: a dynamic-slice of a stacked
+    array reads one slice, a dynamic-update-slice writes one). Fused computations are counted through their
+    fusion instruction."""
     module = parse_module(hlo_text)
     runs = _multipliers(module)
     fused = {i.attrs.get("calls", "").lstrip("%") for c in module.computations.values()
@@ -405,7 +398,7 @@ def loop_repeats(hlo_text: str) -> tuple[float, float]:
             continue
         for inst in comp.instructions.values():
             flops += extra * _instruction_flops(module, comp, inst)
-            nbytes += extra * _instruction_bytes(comp, inst)
+            nbytes += extra * xla_instruction_bytes(module, comp, inst)
     return flops, nbytes
 
 

@@ -17,7 +17,7 @@ from autoshard.ir.graph import OpGraph
 from autoshard.ir.spec import Spec
 from autoshard.ir.split import StepParts
 from autoshard.meshes.cluster import ClusterSpec
-from autoshard.passes.hbm_traffic import compute_lower_bound_s
+from autoshard.passes.hbm_traffic import compute_lower_bound_s, graph_flops_by_dtype
 from autoshard.passes.layers import Layer
 from autoshard.passes.stage_costs import PricedStages
 from autoshard.passes.stages import StageChoice, StagePlan
@@ -114,7 +114,8 @@ def build_pipeline_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer
         peak_memory_bytes=mem.peak_bytes,
         memory_by_kind={"param": mem.params_bytes, "grad": mem.grads_bytes, "opt_state": mem.opt_state_bytes,
                         "activation": mem.activations_bytes},
-        collective_bytes={}, compute_lower_bound_s=compute_lower_bound_s(graph, cluster, cluster.num_devices))
+        collective_bytes={}, compute_lower_bound_s=compute_lower_bound_s(graph, cluster, cluster.num_devices),
+        flops_by_dtype={d: f / cluster.num_devices for d, f in graph_flops_by_dtype(graph).items()})
     spmd_plan = getattr(spmd, "plan", None)
     summary = PipelineSummary(
         num_microbatches=sp.num_microbatches, schedule=sp.schedule, step_s=sp.step_time_s,

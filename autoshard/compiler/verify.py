@@ -107,7 +107,7 @@ def compare(plan: Plan, summary: CompiledSummary) -> FidelityReport:
 class CompiledPrice:
     """A compiled program priced by the cluster the plan was made for, from what XLA compiled alone."""
 
-    compute_s: float  # max(FLOPs / dot peak, bytes accessed / HBM bandwidth)
+    compute_s: float  # max(FLOPs at the plan's peaks, bytes accessed / HBM bandwidth)
     collectives_s: float  # every HLO collective (times its loop count) at the alpha-beta model's links
     flops: float
     bytes_accessed: float
@@ -130,15 +130,20 @@ def _group_axes(mesh: LogicalMesh, group_size: int) -> tuple[str, ...]:
 
 
 def compiled_price(plan: Plan, summary: CompiledSummary) -> CompiledPrice:
-    """What the compiled program costs on ``plan.cluster``: its own FLOPs at the dot peak of the
-    parameters' dtype (TF32 for float32), its bytes accessed at HBM bandwidth, and its collectives."""
+    """What the compiled program costs on ``plan.cluster``: its own FLOPs at the peaks the plan's ops run at
+    (``Ledger.flops_by_dtype``: bf16 dots of a fp32-master step at the bf16 peak; a plan without that split,
+    at the parameters' dtype, TF32 for float32), its bytes accessed at HBM bandwidth, and its collectives."""
     cluster = plan.cluster
     mesh = make_logical_mesh(cluster, tuple(plan.mesh_shape), tuple(plan.axis_names))
-    dtypes = [dtype for p, (_shape, dtype) in plan.input_shapes.items() if plan.input_roles.get(p) == "param"]
-    dtype = max(set(dtypes), key=dtypes.count) if dtypes else "float32"
-    peak = cluster.peak_flops("tfloat32" if dtype == "float32" else dtype)
+    split = {d: f for d, f in plan.ledger.flops_by_dtype.items() if f > 0}
+    if split:  # seconds per FLOP, averaged over the plan's mix of peaks
+        seconds_per_flop = sum(f / cluster.peak_flops(d) for d, f in split.items()) / sum(split.values())
+    else:
+        dtypes = [dtype for p, (_shape, dtype) in plan.input_shapes.items() if plan.input_roles.get(p) == "param"]
+        dtype = max(set(dtypes), key=dtypes.count) if dtypes else "float32"
+        seconds_per_flop = 1.0 / cluster.peak_flops("tfloat32" if dtype == "float32" else dtype)
     flops, nbytes = float(summary.flops or 0.0), float(summary.bytes_accessed or 0.0)
-    compute = max(flops / peak, nbytes / cluster.memory_bandwidth_bytes_per_s)
+    compute = max(flops * seconds_per_flop, nbytes / cluster.memory_bandwidth_bytes_per_s)
     seconds = 0.0
     for c in summary.collectives:
         seconds += c.count * collective_s(mesh, Collective(c.kind, _group_axes(mesh, c.group_size), float(c.nbytes)))

@@ -191,6 +191,16 @@ def graph_costs(graph: OpGraph, cluster: ClusterSpec) -> GraphCosts:
     return GraphCosts(np.asarray(flops, dtype=float), np.asarray(nbytes, dtype=float), np.asarray(peaks, dtype=float))
 
 
+def graph_flops_by_dtype(graph: OpGraph) -> dict[str, float]:
+    """The graph's FLOPs (nothing split) by the peak each op runs at (``compute_dtype``)."""
+    found: dict[str, float] = {}
+    for op in graph.ops:
+        if op.flops:
+            dtype = compute_dtype(op, graph)
+            found[dtype] = found.get(dtype, 0.0) + float(op.flops)
+    return found
+
+
 def compute_lower_bound_s(graph: OpGraph, cluster: ClusterSpec, num_devices: int) -> float:
     """The step's FLOPs spread perfectly over ``num_devices``, each op at its compute dtype's peak."""
     seconds = sum(op.flops / cluster.peak_flops(compute_dtype(op, graph)) for op in graph.ops)

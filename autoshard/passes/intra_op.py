@@ -110,6 +110,16 @@ class IntraOpResult:
         return (float(sum(self.op_hbm_bytes)) + sum(collective_hbm_bytes(c, self.mesh) for c in self.collectives())
                 + float(sum(slices.values())))
 
+    def flops_by_dtype(self) -> dict[str, float]:
+        """``flops_per_device`` split by the peak each op runs at (``hbm_traffic.compute_dtype``)."""
+        found: dict[str, float] = {}
+        for j, op in enumerate(self.graph.ops):
+            flops = float(self.op_strategy(j).flops)
+            if flops:
+                dtype = compute_dtype(op, self.graph)
+                found[dtype] = found.get(dtype, 0.0) + flops
+        return found
+
     def bound_split_s(self) -> tuple[float, float]:
         """(compute-bound, memory-bound) seconds: the ops whose roofline is set by FLOPs, by bytes."""
         cluster = self.mesh.cluster

@@ -8,7 +8,7 @@ collective bytes, the compute lower bound); ``SolverInfo`` how the ILP fared; ``
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 GIB = 1024**3
 
@@ -49,6 +49,14 @@ class Ledger:
     # compute_s split by what bounds each op's roofline: FLOPs at peak, or bytes at HBM bandwidth
     compute_bound_s: float = 0.0
     memory_bound_s: float = 0.0
+    # flops_per_device split by the peak each op runs at (``strategies.base.op_dtype``: "tfloat32", "bfloat16",
+    # ...): a fp32-master / bf16-compute step runs its dots at the bf16 peak although its parameters are fp32
+    flops_by_dtype: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def main_compute_dtype(self) -> str | None:
+        """The dtype most of the step's FLOPs run in (None when unknown: a plan file without the split)."""
+        return max(self.flops_by_dtype, key=lambda d: self.flops_by_dtype[d]) if self.flops_by_dtype else None
 
     @property
     def step_s(self) -> float:

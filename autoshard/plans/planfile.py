@@ -12,7 +12,7 @@ Top-level fields (version 2; version 1 files, without the fields marked v2, stil
     output_reshards: {flat output index: [spec, ...]}
     ledger: {compute_s, comm_s, reshard_s, bubble_s, step_s, peak_memory_bytes,
              memory_by_kind: {param, opt_state, batch, activation, resharded, ...}, collective_bytes: {kind: bytes},
-             compute_lower_bound_s}
+             compute_lower_bound_s, ..., flops_by_dtype: {peak dtype: FLOPs per device}}
     solver: {status, gap, solve_s, num_nodes, num_classes, num_variables, num_constraints, num_edges}
     planning_s: {pass: seconds}   memory_budget_bytes   num_microbatches   schedule
     stages: [{kind: "pipeline-stage", index, first_layer, last_layer, submesh, device_indices, mesh_shape,
@@ -315,7 +315,7 @@ def _plan_fields(data: Any, source: str) -> dict[str, Any]:
     led = jf.field(data, "ledger", dict, source)
     sol = jf.field(data, "solver", dict, source)
     ledger = Ledger(**jf.record(Ledger, {k: v for k, v in led.items() if k != "step_s"}, f"{source}: ledger"))
-    for key in ("memory_by_kind", "collective_bytes"):
+    for key in ("memory_by_kind", "collective_bytes", "flops_by_dtype"):
         jf.numbers(getattr(ledger, key), f"{source}: ledger.{key}")
     solver = SolverInfo(**jf.record(SolverInfo, sol, f"{source}: solver"))
     return dict(

@@ -42,3 +42,24 @@ def test_predicted_flops_and_hbm_bytes_match_cost_analysis(model, mesh, devices8
     flops, hbm = report.row("flops per device"), report.row("hbm bytes per device")
     assert flops.rel_error <= 0.05, str(report)
     assert hbm.rel_error <= 0.20, str(report)
+
+
+def test_a_cheap_value_read_by_many_fusions_is_materialised_as_xla_does():
+    """``a = x + y`` read by 20 reductions: XLA:CPU writes ``a`` once and the reductions read it, rather than
+    recomputing it (reading x and y) in each; the model's bytes (one device, nothing split) are cost_analysis's."""
+    import jax
+    import jax.numpy as jnp
+
+    from autoshard.ir.trace import trace
+    from autoshard.meshes.cluster import PRESETS
+    from autoshard.passes.hbm_traffic import graph_costs
+
+    def fan(x, y, w):
+        a = x + y
+        return [jnp.sum(a * w[i]) for i in range(20)]
+
+    args = (jnp.ones(1 << 16), jnp.ones(1 << 16), jnp.ones((20, 1)))
+    cost = jax.jit(fan).lower(*args).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    modeled = float(graph_costs(trace(fan, *args), PRESETS["1x8-a100"]).hbm_bytes.sum())
+    assert modeled == pytest.approx(float(cost["bytes accessed"]), rel=0.05)

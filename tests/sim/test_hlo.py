@@ -339,3 +339,41 @@ def test_reduce_scatter_recognition_on_hand_written_hlo(cols, extra_use, kind):
     text = text.replace("COLS", str(cols))
     (c,) = read_hlo_collectives(text)
     assert (c.kind, c.nbytes, c.group_size, c.num_groups) == (kind, 16 * 64 * 4, 4, 1)
+
+
+# ----------------------------------------------------------------------------- bytes accessed of loop bodies
+
+STACK = jnp.ones((8, 128, 128), jnp.float32)  # 8 layers of weights: 512 KiB, read one layer per iteration
+ACTS = jnp.ones((4, 128), jnp.float32)
+
+
+def _scanned_layers(stack, x):
+    return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, stack)[0]
+
+
+def _unrolled_layers(stack, x):
+    for w in stack:
+        x = jnp.tanh(x @ w)
+    return x
+
+
+def test_loop_body_bytes_are_counted_as_xla_counts_them():
+    """cost_analysis() counts a while body once and a dynamic-slice of the stacked weights as one layer; the
+    reader prices each instruction the same way (so the whole program, counted once, is what XLA says), and the
+    scanned program's bytes with the body times its trip count are the unrolled program's, not eight stacks."""
+    from autoshard.compiler.hlo_bytes import xla_instruction_bytes
+    from autoshard.compiler.hlo_parse import parse_module
+    scanned = jax.jit(_scanned_layers).lower(STACK, ACTS).compile()
+    module = parse_module(scanned.as_text())
+    fused = {i.attrs.get("calls", "").lstrip("%") for c in module.computations.values()
+             for i in c.instructions.values() if i.opcode == "fusion"}
+    once = sum(xla_instruction_bytes(module, c, i) for c in module.computations.values() if c.name not in fused
+               for i in c.instructions.values())
+    raw = scanned.cost_analysis()
+    raw = raw[0] if isinstance(raw, (list, tuple)) else raw
+    assert once == pytest.approx(float(raw["bytes accessed"]), rel=0.02)
+    unrolled = summarize_compiled(jax.jit(_unrolled_layers).lower(STACK, ACTS).compile()).bytes_accessed
+    looped = summarize_compiled(scanned).bytes_accessed
+    assert looped == pytest.approx(unrolled, rel=0.25), (looped, unrolled)
+    # each iteration copies its layer out (read + write) and the dot reads it: 3 stacks, not 8 (whole stack each)
+    assert looped < 4 * STACK.nbytes, looped

@@ -131,3 +131,37 @@ def test_autoshard_plan_and_export_of_a_bf16_gpt_write_every_parameter_spec(tmp_
     assert all(len(entries) == len(leaf.shape) for entries, leaf in
                zip((data["params"][jax.tree_util.keystr(p)] for p, _ in jax.tree_util.tree_leaves_with_path(params)),
                    jax.tree.leaves(params)))
+
+
+def test_fp32_masters_with_bf16_compute_are_priced_and_advised_as_bf16(tmp_path):
+    """The plan records which peaks its FLOPs run at: a fp32-master / bf16-compute GPT runs them at the bf16
+    peak, so ``verify.compiled_price`` prices the compiled FLOPs there (not at TF32, the parameters' dtype), and
+    ``advise`` writes Accelerate's ``mixed_precision: bf16`` for it (and "no" for the fp32 twin)."""
+    from autoshard.compiler.advise import mixed_precision
+    from autoshard.compiler.hlo import CompiledSummary
+    from autoshard.compiler.verify import compiled_price
+
+    plans = {}
+    for config in ("tiny", "tiny-mixed", "tiny-bf16"):
+        work = gpt.workload(config, abstract=True)
+        plans[config] = autoshard.plan(work.step, *work.args, mesh=(2, 4), cluster="1x8-a100", num_stages=1,
+                                       options=FAST)
+    fp32, mixed, bf16 = plans["tiny"], plans["tiny-mixed"], plans["tiny-bf16"]
+    assert fp32.ledger.main_compute_dtype == "tfloat32" and mixed.ledger.main_compute_dtype == "bfloat16"
+    assert sum(mixed.ledger.flops_by_dtype.values()) == pytest.approx(mixed.ledger.flops_per_device)
+    assert [mixed_precision(p) for p in (fp32, mixed, bf16)] == ["no", "bf16", "bf16"]
+    path = tmp_path / "mixed.json"
+    mixed.save(str(path))
+    assert dict(autoshard.load_plan(str(path)).ledger.flops_by_dtype) == pytest.approx(dict(mixed.ledger.flops_by_dtype))
+
+    a100 = PRESETS["1x8-a100"]
+    summary = CompiledSummary(collectives=(), bytes_by_kind={}, argument_bytes=0, output_bytes=0, alias_bytes=0,
+                              temp_bytes=0, peak_bytes=0, flops=1e12, bytes_accessed=0.0)
+    share = {d: f / sum(mixed.ledger.flops_by_dtype.values()) for d, f in mixed.ledger.flops_by_dtype.items()}
+    assert share["bfloat16"] > 0.5
+    want = 1e12 * sum(s / a100.peak_flops(d) for d, s in share.items())
+    assert compiled_price(mixed, summary).compute_s == pytest.approx(want)
+    assert compiled_price(mixed, summary).compute_s < 0.75 * 1e12 / a100.peak_flops("tfloat32")
+    assert compiled_price(fp32, summary).compute_s == pytest.approx(
+        1e12 * sum(f / a100.peak_flops(d) for d, f in fp32.ledger.flops_by_dtype.items())
+        / sum(fp32.ledger.flops_by_dtype.values()))
