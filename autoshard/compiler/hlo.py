@@ -209,7 +209,7 @@ def _computation_work(module: HloModule, name: str) -> tuple[float, float]:
     flops = nbytes = 0.0
     for inst in comp.instructions.values():
         flops += _instruction_flops(module, comp, inst)
-        nbytes += _instruction_bytes(comp, inst)
+        nbytes += xla_instruction_bytes(module, comp, inst)
         if inst.opcode == "fusion":
             continue  # _instruction_flops counted its fused computation
         for key in _CALL_ATTRS:
