@@ -9,7 +9,7 @@ whether it recomputes its forward. ``build_pipeline_plan`` writes the Plan: one
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -19,13 +19,13 @@ from autoshard.ir.split import StepParts
 from autoshard.meshes.cluster import ClusterSpec
 from autoshard.passes.hbm_traffic import compute_lower_bound_s
 from autoshard.passes.layers import Layer
-from autoshard.passes.stage_costs import PricedStages
+from autoshard.passes.stage_costs import MODES, PricedStages, lerp_microbatch
 from autoshard.passes.stages import StageChoice, StagePlan
 from autoshard.plans.ledger import Ledger, SolverInfo
 from autoshard.plans.plan import Plan
 from autoshard.plans.stage_plan import PipelineStage, PipelineSummary, StageMemory
 from autoshard.runtime.pipeline import StageLayout, StageProgram
-from autoshard.runtime.stage_layout import state_specs
+from autoshard.runtime.stage_layout import output_specs, state_specs
 
 COST_MODEL = ("intra-op: each distinct layer's forward + backward planned by the intra-op ILP on the stage's "
               "logical mesh (at B = 1 and B = r, linear in the microbatch between), optimizer update once per step "
@@ -41,6 +41,8 @@ def stage_layout(graph: OpGraph, parts: StepParts, programs: Sequence[StageProgr
     mesh = priced.meshes[priced.mesh_of[k]]
     params: dict[int, Spec] = {}
     grads: dict[int, Spec] = {}
+    op_out: dict[int, tuple[Spec | None, ...]] = {}
+    op_in: dict[int, dict[int, tuple[Spec, ...]]] = {}
     batch_axes: tuple[str, ...] | None = None
     for layer in range(choice.first_layer, choice.last_layer + 1):
         cost = priced.layer_cost(layer, k)
@@ -48,14 +50,52 @@ def stage_layout(graph: OpGraph, parts: StepParts, programs: Sequence[StageProgr
         for p, leaf in enumerate(programs[layer].param_leaves):
             params.setdefault(leaf, cost.input_specs[na + p])
             grads.setdefault(leaf, cost.input_specs[p])
+        eqns = programs[layer].eqns
+        if len(cost.eqn_out_specs) == len(eqns):  # the layer class's plan, equation by equation
+            for i, specs, moves in zip(eqns, cost.eqn_out_specs, cost.eqn_in_reshards):
+                if specs is not None:
+                    op_out.setdefault(i, specs)
+                if moves:
+                    op_in.setdefault(i, dict(moves))
         if batch_axes is None:
             leading = [s for s in cost.input_specs[na + npar:na + npar + nd + nact] if s.rank]
             if leading:
                 batch_axes = tuple(leading[0].dims[0])
+    inputs = state_specs(graph, parts, params, grads)
     return StageLayout(choice.first_layer, choice.last_layer, tuple(devices), mesh_shape=tuple(mesh.shape),
                        axis_names=tuple(mesh.axis_names), param_specs=params, grad_specs=grads,
-                       input_specs=state_specs(graph, parts, params, grads),
-                       batch_axes=batch_axes if batch_axes is not None else (), recompute=variant.recompute)
+                       input_specs=inputs, batch_axes=batch_axes if batch_axes is not None else (),
+                       recompute=variant.recompute, op_out_specs=op_out, op_in_reshards=op_in,
+                       output_specs=output_specs(graph.carried, inputs))
+
+
+def stage_collectives(priced: PricedStages, choice: StageChoice, num_microbatches: int, last: bool
+                      ) -> dict[str, dict[str, float]]:
+    """Predicted per-device collective bytes per call of each stage executable, from its layers' plans:
+    the forward's and the backward's per microbatch (the layer plans at B = 1 and B = r, linear in the
+    microbatch between, as the stage times), summed over the stage's layers; the backward also runs the
+    forward when it recomputes it or is the last stage's (which fuses it); the apply once per step."""
+    k = choice.submesh_index
+    variant = priced.variants[k]
+    out: dict[str, dict[str, float]] = {"forward": {}, "backward": {}, "apply": {}}
+
+    def add(action: str, figures: Mapping[str, float], other: Mapping[str, float]) -> None:
+        for kind in set(figures) | set(other):
+            value = lerp_microbatch(float(figures.get(kind, 0.0)), float(other.get(kind, 0.0)), priced.ratio,
+                                    num_microbatches)
+            out[action][kind] = out[action].get(kind, 0.0) + value
+
+    for layer in range(choice.first_layer, choice.last_layer + 1):
+        big, small = priced.costs[priced.layer_keys[layer], priced.mesh_of[k], MODES.index(variant.mode)]
+        add("forward", big.forward_collectives, small.forward_collectives)
+        add("backward", big.backward_collectives, small.backward_collectives)
+        if last or variant.recompute:
+            add("backward", big.forward_collectives, small.forward_collectives)
+        for kind, value in small.apply_collectives.items():
+            out["apply"][kind] = out["apply"].get(kind, 0.0) + float(value)
+    if last:
+        out["forward"] = {}  # fused into its backward: no forward executable runs
+    return {a: {kind: v for kind, v in kinds.items() if v > 0} for a, kinds in out.items()}
 
 
 def build_pipeline_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer], sp: StagePlan,
@@ -100,7 +140,9 @@ def build_pipeline_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer
             sync_s=float(priced.update_s[i, j, k]),
             transfer_out_s=sp.transfer_times_s[s] if s < len(sp.transfer_times_s) else 0.0,
             memory=memory, num_params=len(pspecs), intra_op=intra, recompute=variant.recompute,
-            grad_specs=gspecs))
+            grad_specs=gspecs, state_specs={paths[f]: spec for f, spec in sorted(layout.input_specs.items())},
+            op_out_specs=dict(layout.op_out_specs), op_in_reshards={i: dict(m) for i, m in layout.op_in_reshards.items()},
+            collective_bytes=stage_collectives(priced, choice, sp.num_microbatches, s == len(sp.stages) - 1)))
     times = list(sp.stage_times_s) + list(sp.transfer_times_s)
     worst = int(np.argmax(times))
     busy = sp.num_microbatches * sp.bottleneck_s

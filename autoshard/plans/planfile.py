@@ -18,7 +18,10 @@ Top-level fields (version 2; version 1 files, without the fields marked v2, stil
     stages: [{kind: "pipeline-stage", index, first_layer, last_layer, submesh, device_indices, mesh_shape,
               axis_names, param_specs: {path: spec}, batch_specs: {path: spec}, time_s, compute_s, sync_s,
               transfer_out_s, memory: {params_bytes, grads_bytes, opt_state_bytes, activations_bytes,
-              in_flight}, num_params}, ...]   (other objects are kept as they are)
+              in_flight}, num_params, grad_specs, state_specs: {input path: spec} (optional: older files
+              rebuild it), op_out_specs: {forward equation: [spec or null, ...]}, op_in_reshards:
+              {forward equation: {input position: [spec, ...]}}, collective_bytes: {action: {kind: bytes}}
+              (optional)}, ...]   (other objects are kept as they are)
     pipeline: {num_microbatches, schedule, step_s, first_microbatch_latency_s, bottleneck_s,
                bubble_fraction, layers, cost_model, intra_stage, spmd_step_s, spmd_mesh, notes,
                layer_eqns: [[[first, last] equation index runs] per layer] (optional)} or null
@@ -120,8 +123,15 @@ def _stage_json(stage: Any, index: int) -> dict[str, Any]:
         data: dict[str, Any] = {"kind": "pipeline-stage"}
         for f in dataclasses.fields(PipelineStage):
             value = getattr(stage, f.name)
-            if f.name in ("param_specs", "batch_specs", "grad_specs"):
+            if f.name in ("param_specs", "batch_specs", "grad_specs", "state_specs"):
                 value = {k: s.to_json() for k, s in value.items()}
+            elif f.name == "op_out_specs":
+                value = {str(k): [s.to_json() if s is not None else None for s in v] for k, v in value.items()}
+            elif f.name == "op_in_reshards":
+                value = {str(k): {str(pos): [s.to_json() for s in chain] for pos, chain in v.items()}
+                         for k, v in value.items()}
+            elif f.name == "collective_bytes":
+                value = {a: dict(kinds) for a, kinds in value.items()}
             elif isinstance(value, StageMemory):
                 value = asdict(value)
             elif isinstance(value, tuple):
@@ -146,10 +156,36 @@ def _stage(data: Any, where: str) -> Any:
     if "grad_specs" in body:  # older files: gradients accumulate in the parameter's layout
         fields["grad_specs"] = {p: jf.spec(s, names, f"{where}.grad_specs[{p}]")
                                 for p, s in jf.field(body, "grad_specs", dict, where).items()}
+    if "state_specs" in body:  # older files: none (the optimizer state follows its parameter's gradient)
+        fields["state_specs"] = {p: jf.spec(s, names, f"{where}.state_specs[{p}]")
+                                 for p, s in jf.field(body, "state_specs", dict, where).items()}
+    fields.update(_stage_op_specs(body, names, where))
     fields["memory"] = StageMemory(**jf.record(StageMemory, jf.field(body, "memory", dict, where), f"{where}.memory"))
     for key in ("submesh", "device_indices", "mesh_shape", "axis_names"):
         fields[key] = tuple(fields[key])
     return PipelineStage(**fields, num_params=int(body.get("num_params", 0)))
+
+
+def _stage_op_specs(body: Mapping[str, Any], names: Sequence[str], where: str) -> dict[str, Any]:
+    """A stage's per-equation specs and predicted collectives (fields older files lack: they load empty)."""
+    out: dict[str, Any] = {}
+    op_out = jf.optional_dict(body, "op_out_specs", where)
+    out["op_out_specs"] = {
+        jf.index(k, None, f"{where}.op_out_specs"): tuple(
+            None if s is None else jf.spec(s, names, f"{where}.op_out_specs[{k}]")
+            for s in jf.field(op_out, k, list, f"{where}.op_out_specs"))
+        for k in op_out}
+    op_in = jf.optional_dict(body, "op_in_reshards", where)
+    out["op_in_reshards"] = {
+        jf.index(k, None, f"{where}.op_in_reshards"): {
+            jf.index(pos, None, f"{where}.op_in_reshards[{k}]"): jf.specs(chain, names, f"{where}.op_in_reshards[{k}]")
+            for pos, chain in jf.mapping(v, f"{where}.op_in_reshards[{k}]").items()}
+        for k, v in op_in.items()}
+    collectives = jf.optional_dict(body, "collective_bytes", where)
+    out["collective_bytes"] = {str(a): jf.numbers(jf.mapping(kinds, f"{where}.collective_bytes[{a}]"),
+                                                  f"{where}.collective_bytes[{a}]")
+                               for a, kinds in collectives.items()}
+    return out
 
 
 def _pipeline_json(summary: Any) -> dict[str, Any] | None:
