@@ -19,6 +19,7 @@ from autoshard.ir.split import StepParts
 from autoshard.meshes.cluster import ClusterSpec
 from autoshard.passes.hbm_traffic import compute_lower_bound_s
 from autoshard.passes.layers import Layer
+from autoshard.passes.resharding import reshard
 from autoshard.passes.stage_costs import MODES, PricedStages, lerp_microbatch
 from autoshard.passes.stages import StageChoice, StagePlan
 from autoshard.plans.ledger import Ledger, SolverInfo
@@ -69,15 +70,95 @@ def stage_layout(graph: OpGraph, parts: StepParts, programs: Sequence[StageProgr
                        output_specs=output_specs(graph.carried, inputs))
 
 
-def stage_collectives(priced: PricedStages, choice: StageChoice, num_microbatches: int, last: bool
+def _runtime_act_spec(shape: tuple[int, ...], batch_axes: Sequence[str], sizes: Mapping[str, int]) -> Spec:
+    """The layout the runtime gives an activation at a stage boundary (``stage_layout.split_leading``)."""
+    axes = tuple(a for a in batch_axes if sizes.get(a, 1) > 1)
+    n = int(np.prod([sizes[a] for a in axes])) if axes else 1
+    if shape and n > 1 and shape[0] % n == 0:
+        return Spec((axes,) + ((),) * (len(shape) - 1))
+    return Spec.replicated(len(shape))
+
+
+def boundary_collectives(parts: StepParts, programs: Sequence[StageProgram], priced: PricedStages,
+                         layout: StageLayout, k: int, num_microbatches: int, last: bool
+                         ) -> tuple[dict[str, float], dict[str, float]]:
+    """(forward, backward) per-device bytes per microbatch of the reshards between the layer plans of one
+    stage: an activation leaves its producing layer's plan in that plan's output spec and enters each reading
+    layer's plan in that plan's input spec; at the stage's boundaries it is in the runtime's layout (split
+    over the batch axes). Cotangents go the other way. Each is priced as ``passes/resharding`` would run it."""
+    mesh = priced.meshes[priced.mesh_of[k]]
+    sizes = dict(zip(mesh.axis_names, mesh.shape))
+    fwd = parts.forward
+    layers = range(layout.first_layer, layout.last_layer + 1)
+    made: dict[int, tuple[int, int]] = {}  # var -> (producing layer, its index among that layer's out_acts)
+    for layer in layers:
+        for j, v in enumerate(programs[layer].out_acts):
+            if not hasattr(v, "val"):
+                made.setdefault(v, (layer, j))
+    out = {"forward": {}, "backward": {}}
+
+    def move(action: str, var: int, src: Spec, dst: Spec) -> None:
+        aval = fwd.avals[var]
+        shape = tuple(int(d) for d in aval.shape)
+        if shape and shape[0] % num_microbatches == 0:
+            shape = (shape[0] // num_microbatches,) + shape[1:]
+        if src == dst or src.rank != len(shape) or dst.rank != len(shape):
+            return
+        for c in reshard(shape, np.dtype(aval.dtype).itemsize, src, dst, mesh).collectives:
+            out[action][c.kind] = out[action].get(c.kind, 0.0) + c.nbytes
+
+    def specs(layer: int) -> tuple[Sequence[Spec], Sequence[Spec], Sequence[Spec], Sequence[Spec]]:
+        """(activations in, cotangents in, activations out, cotangents out) of a layer's plan."""
+        cost = priced.layer_cost(layer, k)
+        na, npar, nd, nact, nct = priced.groups[layer]
+        ins = cost.input_specs[na + npar + nd:]
+        outs = cost.output_specs[na:]
+        return ins[:nact], ins[nact:nact + nct], outs[:nct], outs[nct:]
+
+    for layer in layers:
+        acts_in, _, _, dacts = specs(layer)
+        for i, v in enumerate(programs[layer].in_acts):
+            if v in made and made[v][0] != layer:  # inside the stage
+                a, j = made[v]
+                _, cts_in_a, acts_out_a, _ = specs(a)
+                move("forward", v, acts_out_a[j], acts_in[i])
+                move("backward", v, dacts[i], cts_in_a[j])
+            elif v not in made:  # enters the stage
+                here = _runtime_act_spec(tuple(fwd.avals[v].shape), layout.batch_axes or (), sizes)
+                move("forward", v, here, acts_in[i])
+                move("backward", v, dacts[i], here)
+    if not last:
+        produced = [made[v] for v in programs_out(programs, layout)]
+        for v, (a, j) in zip(programs_out(programs, layout), produced):
+            _, cts_in_a, acts_out_a, _ = specs(a)
+            here = _runtime_act_spec(tuple(fwd.avals[v].shape), layout.batch_axes or (), sizes)
+            move("forward", v, acts_out_a[j], here)
+            move("backward", v, here, cts_in_a[j])
+    return out["forward"], out["backward"]
+
+
+def programs_out(programs: Sequence[StageProgram], layout: StageLayout) -> list[int]:
+    """The activations one stage's layers make that a later layer outside it reads."""
+    inside = set(range(layout.first_layer, layout.last_layer + 1))
+    made = {v for layer in inside for v in programs[layer].out_acts if not hasattr(v, "val")}
+    read_after = {v for layer in range(layout.last_layer + 1, len(programs)) for v in programs[layer].in_acts}
+    return sorted(made & read_after)
+
+
+def stage_collectives(priced: PricedStages, choice: StageChoice, num_microbatches: int, last: bool,
+                      boundary: tuple[Mapping[str, float], Mapping[str, float]] = ({}, {})
                       ) -> dict[str, dict[str, float]]:
     """Predicted per-device collective bytes per call of each stage executable, from its layers' plans:
     the forward's and the backward's per microbatch (the layer plans at B = 1 and B = r, linear in the
-    microbatch between, as the stage times), summed over the stage's layers; the backward also runs the
-    forward when it recomputes it or is the last stage's (which fuses it); the apply once per step."""
+    microbatch between, as the stage times), summed over the stage's layers, plus the ``boundary`` reshards
+    between them (``boundary_collectives``); the backward also runs the forward when it recomputes it or is
+    the last stage's (which fuses it); the apply once per step."""
     k = choice.submesh_index
     variant = priced.variants[k]
-    out: dict[str, dict[str, float]] = {"forward": {}, "backward": {}, "apply": {}}
+    out: dict[str, dict[str, float]] = {"forward": dict(boundary[0]), "backward": dict(boundary[1]), "apply": {}}
+    if last or variant.recompute:
+        for kind, value in boundary[0].items():
+            out["backward"][kind] = out["backward"].get(kind, 0.0) + value
 
     def add(action: str, figures: Mapping[str, float], other: Mapping[str, float]) -> None:
         for kind in set(figures) | set(other):
@@ -100,7 +181,10 @@ def stage_collectives(priced: PricedStages, choice: StageChoice, num_microbatche
 
 def build_pipeline_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer], sp: StagePlan,
                         layouts: Sequence[StageLayout], priced: PricedStages, cluster: ClusterSpec, budget: float,
-                        timings: dict[str, float], name: str, spmd: object | None, split: Sequence[bool]) -> Plan:
+                        timings: dict[str, float], name: str, spmd: object | None, split: Sequence[bool],
+                        programs: Sequence[StageProgram] = ()) -> Plan:
+    """The Plan of a chosen stage plan; ``programs`` (each layer's one-layer program) lets each stage predict
+    the reshards between its layers' plans (``boundary_collectives``)."""
     values = graph.values
     paths = [values[v].path or f"[{i}]" for i, v in enumerate(graph.inputs)]
     shapes = {p: (values[v].shape, values[v].dtype) for p, v in zip(paths, graph.inputs)}
@@ -142,7 +226,10 @@ def build_pipeline_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer
             memory=memory, num_params=len(pspecs), intra_op=intra, recompute=variant.recompute,
             grad_specs=gspecs, state_specs={paths[f]: spec for f, spec in sorted(layout.input_specs.items())},
             op_out_specs=dict(layout.op_out_specs), op_in_reshards={i: dict(m) for i, m in layout.op_in_reshards.items()},
-            collective_bytes=stage_collectives(priced, choice, sp.num_microbatches, s == len(sp.stages) - 1)))
+            collective_bytes=stage_collectives(
+                priced, choice, sp.num_microbatches, s == len(sp.stages) - 1,
+                boundary_collectives(parts, programs, priced, layout, k, sp.num_microbatches,
+                                     s == len(sp.stages) - 1) if programs else ({}, {}))))
     times = list(sp.stage_times_s) + list(sp.transfer_times_s)
     worst = int(np.argmax(times))
     busy = sp.num_microbatches * sp.bottleneck_s

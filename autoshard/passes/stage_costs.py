@@ -115,6 +115,7 @@ class LayerCost:
     extra_bytes: float
     in_replicated: bool  # the layer takes its input activations replicated
     input_specs: tuple[Spec, ...]  # storage spec per graph input
+    output_specs: tuple[Spec, ...]  # spec per graph output (accumulators, activations out, their cotangents in)
     summary: str  # DP / FSDP / ZeRO / TP, as the specs say
     # per forward equation of the layer's program (LayerTrainGraph.eqn_ops): the planned spec of each output
     # (None: not matched) and the reshard chains of its inputs, as ``passes/emit.annotations_from`` emits them
@@ -259,6 +260,7 @@ def layer_cost(train: LayerTrainGraph, result: IntraOpResult, leaf_update_s: Seq
         update_s=update_s, act_bytes=act, in_bytes=in_b,
         extra_bytes=max(0.0, float(result.peak_bytes) - acc_b - param_b - act),
         in_replicated=all(s.is_replicated for s in acts_in), input_specs=tuple(specs),
+        output_specs=tuple(result.output_specs),
         summary=_describe(train.groups, specs, mesh),
         eqn_out_specs=tuple(None if t is None else tuple(ann.op_out_specs[t]) for t in train.eqn_ops),
         eqn_in_reshards=tuple({} if t is None else dict(ann.op_in_reshards.get(t, {})) for t in train.eqn_ops),
