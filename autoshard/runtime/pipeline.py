@@ -220,12 +220,12 @@ class PipelineStep:
             closed = jcore.ClosedJaxpr(sub, [])
             shardings = [self._update_input_sharding(s, i) for i in used_idx]
             planned = self.layouts[s].output_specs
-            out_shardings = {"out_shardings": [self._output_sharding(s, k) for k in outs]} if planned else {}
+            out_shardings = {"out_shardings": [self.output_sharding(s, k) for k in outs]} if planned else {}
             fn = jax.jit(jcore.jaxpr_as_fun(closed), in_shardings=shardings, **out_shardings, **self._jit_options)
             self.apply_fns.append((fn, used_idx, outs))
             self.apply_in_shardings.append(shardings)
 
-    def _output_sharding(self, s: int, k: int) -> NamedSharding:
+    def output_sharding(self, s: int, k: int) -> NamedSharding:
         """Step output k as stage s's apply leaves it: updated state in its planned layout, others replicated."""
         shape = tuple(self.parts.update.outvars[k].aval.shape)
         return planned_sharding(self.meshes[s], self.layouts[s].output_specs.get(k), shape)
