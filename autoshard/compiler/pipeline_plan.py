@@ -81,11 +81,13 @@ def _runtime_act_spec(shape: tuple[int, ...], batch_axes: Sequence[str], sizes: 
 
 def boundary_collectives(parts: StepParts, programs: Sequence[StageProgram], priced: PricedStages,
                          layout: StageLayout, k: int, num_microbatches: int, last: bool
-                         ) -> tuple[dict[str, float], dict[str, float]]:
-    """(forward, backward) per-device bytes per microbatch of the reshards between the layer plans of one
-    stage: an activation leaves its producing layer's plan in that plan's output spec and enters each reading
-    layer's plan in that plan's input spec; at the stage's boundaries it is in the runtime's layout (split
-    over the batch axes). Cotangents go the other way. Each is priced as ``passes/resharding`` would run it."""
+                         ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """(forward, backward, forward without the outputs) per-device bytes per microbatch of the reshards
+    between the layer plans of one stage: an activation leaves its producing layer's plan in that plan's
+    output spec and enters each reading layer's plan in that plan's input spec; at the stage's boundaries it
+    is in the runtime's layout (split over the batch axes). Cotangents go the other way. Each is priced as
+    ``passes/resharding`` would run it. A backward that re-runs the forward does not return the forward's
+    outputs, so it runs the third figure, not the first."""
     mesh = priced.meshes[priced.mesh_of[k]]
     sizes = dict(zip(mesh.axis_names, mesh.shape))
     fwd = parts.forward
@@ -95,9 +97,9 @@ def boundary_collectives(parts: StepParts, programs: Sequence[StageProgram], pri
         for j, v in enumerate(programs[layer].out_acts):
             if not hasattr(v, "val"):
                 made.setdefault(v, (layer, j))
-    out = {"forward": {}, "backward": {}}
+    out: dict[str, dict[str, float]] = {"forward": {}, "backward": {}, "inside": {}}
 
-    def move(action: str, var: int, src: Spec, dst: Spec) -> None:
+    def move(action: str, var: int, src: Spec, dst: Spec, leaving: bool = False) -> None:
         aval = fwd.avals[var]
         shape = tuple(int(d) for d in aval.shape)
         if shape and shape[0] % num_microbatches == 0:
@@ -105,7 +107,8 @@ def boundary_collectives(parts: StepParts, programs: Sequence[StageProgram], pri
         if src == dst or src.rank != len(shape) or dst.rank != len(shape):
             return
         for c in reshard(shape, np.dtype(aval.dtype).itemsize, src, dst, mesh).collectives:
-            out[action][c.kind] = out[action].get(c.kind, 0.0) + c.nbytes
+            for key in (action, "inside") if action == "forward" and not leaving else (action,):
+                out[key][c.kind] = out[key].get(c.kind, 0.0) + c.nbytes
 
     def specs(layer: int) -> tuple[Sequence[Spec], Sequence[Spec], Sequence[Spec], Sequence[Spec]]:
         """(activations in, cotangents in, activations out, cotangents out) of a layer's plan."""
@@ -132,9 +135,9 @@ def boundary_collectives(parts: StepParts, programs: Sequence[StageProgram], pri
         for v, (a, j) in zip(programs_out(programs, layout), produced):
             _, cts_in_a, acts_out_a, _ = specs(a)
             here = _runtime_act_spec(tuple(fwd.avals[v].shape), layout.batch_axes or (), sizes)
-            move("forward", v, acts_out_a[j], here)
+            move("forward", v, acts_out_a[j], here, leaving=True)
             move("backward", v, here, cts_in_a[j])
-    return out["forward"], out["backward"]
+    return out["forward"], out["backward"], out["inside"]
 
 
 def programs_out(programs: Sequence[StageProgram], layout: StageLayout) -> list[int]:
@@ -146,7 +149,7 @@ def programs_out(programs: Sequence[StageProgram], layout: StageLayout) -> list[
 
 
 def stage_collectives(priced: PricedStages, choice: StageChoice, num_microbatches: int, last: bool,
-                      boundary: tuple[Mapping[str, float], Mapping[str, float]] = ({}, {})
+                      boundary: tuple[Mapping[str, float], ...] = ({}, {}, {})
                       ) -> dict[str, dict[str, float]]:
     """Predicted per-device collective bytes per call of each stage executable, from its layers' plans:
     the forward's and the backward's per microbatch (the layer plans at B = 1 and B = r, linear in the
@@ -157,7 +160,7 @@ def stage_collectives(priced: PricedStages, choice: StageChoice, num_microbatche
     variant = priced.variants[k]
     out: dict[str, dict[str, float]] = {"forward": dict(boundary[0]), "backward": dict(boundary[1]), "apply": {}}
     if last or variant.recompute:
-        for kind, value in boundary[0].items():
+        for kind, value in boundary[2].items():
             out["backward"][kind] = out["backward"].get(kind, 0.0) + value
 
     def add(action: str, figures: Mapping[str, float], other: Mapping[str, float]) -> None:
@@ -229,7 +232,7 @@ def build_pipeline_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer
             collective_bytes=stage_collectives(
                 priced, choice, sp.num_microbatches, s == len(sp.stages) - 1,
                 boundary_collectives(parts, programs, priced, layout, k, sp.num_microbatches,
-                                     s == len(sp.stages) - 1) if programs else ({}, {}))))
+                                     s == len(sp.stages) - 1) if programs else ({}, {}, {}))))
     times = list(sp.stage_times_s) + list(sp.transfer_times_s)
     worst = int(np.argmax(times))
     busy = sp.num_microbatches * sp.bottleneck_s
