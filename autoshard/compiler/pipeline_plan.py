@@ -87,7 +87,10 @@ def boundary_collectives(parts: StepParts, programs: Sequence[StageProgram], pri
     output spec and enters each reading layer's plan in that plan's input spec; at the stage's boundaries it
     is in the runtime's layout (split over the batch axes). Cotangents go the other way. Each is priced as
     ``passes/resharding`` would run it. A backward that re-runs the forward does not return the forward's
-    outputs, so it runs the third figure, not the first."""
+    outputs, so it runs the third figure, not the first; a forward that keeps its residuals for the backward
+    returns its outputs in the layouts XLA leaves them in (their move happens in the send), so only a
+    recomputing stage's forward reshards them to the runtime layout, and only its backward takes the
+    cotangents in it (a stage keeping residuals reads them as they arrive: the same layout)."""
     mesh = priced.meshes[priced.mesh_of[k]]
     sizes = dict(zip(mesh.axis_names, mesh.shape))
     fwd = parts.forward
@@ -130,7 +133,7 @@ def boundary_collectives(parts: StepParts, programs: Sequence[StageProgram], pri
                 here = _runtime_act_spec(tuple(fwd.avals[v].shape), layout.batch_axes or (), sizes)
                 move("forward", v, here, acts_in[i])
                 move("backward", v, dacts[i], here)
-    if not last:
+    if not last and layout.recompute:  # (a stage that keeps its residuals returns them as XLA leaves them)
         produced = [made[v] for v in programs_out(programs, layout)]
         for v, (a, j) in zip(programs_out(programs, layout), produced):
             _, cts_in_a, acts_out_a, _ = specs(a)

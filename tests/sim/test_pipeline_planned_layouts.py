@@ -77,8 +77,9 @@ def test_planner_sharded_stages_match_one_device(stages, schedule, microbatches,
 def test_planned_stage_collectives_match_compiled_hlo(devices8):
     """Per stage executable, the collectives predicted from the stage's layer plans (forward and backward per
     microbatch, apply once per step) equal those in its compiled HLO, within verify's tolerances, for a plan
-    whose stages the planner shards (a budget under which replicated state does not fit). Recomputation is
-    not searched here: how XLA reshards a forward re-run inside a backward is not modeled per reshard yet."""
+    whose stages the planner shards (a budget under which replicated state does not fit; the stages' state
+    fully sharded, "lean"). Recomputation is not searched here: how XLA reshards a forward re-run inside a
+    backward is not modeled per reshard yet."""
     from autoshard.compiler.pipeline_driver import finish_pipeline, price_pipeline
     from autoshard.compiler.target import resolve_target
     from autoshard.compiler.verify_pipeline import verify_pipeline
@@ -100,8 +101,9 @@ def test_planned_stage_collectives_match_compiled_hlo(devices8):
     parts = split_step(graph.jaxpr)
     target = resolve_target(None, "cpu-8", 2.6 * param_bytes)
     layers = cluster_layers(parts.forward, None)
+    # "lean": every layer's state pinned fully sharded (FSDP), as a stage of many layers needs when memory binds
     options = StageCostOptions(num_stages=2, num_microbatches=2, memory_budget_bytes=target.memory_budget_bytes,
-                               recompute=(False,), time_limit_s=0.05)
+                               recompute=(False,), modes=("lean",), time_limit_s=0.05)
     priced, programs = price_pipeline(step, args, graph, parts, layers, options, target.cluster, target.num_devices)
     piped = finish_pipeline(step, args, graph, parts, layers, solve_stages(priced.problem), priced, programs,
                             target, {}, "fidelity", None)
