@@ -63,11 +63,48 @@ def stage_layout(graph: OpGraph, parts: StepParts, programs: Sequence[StageProgr
             if leading:
                 batch_axes = tuple(leading[0].dims[0])
     inputs = state_specs(graph, parts, params, grads)
+    edges = edge_pins(parts, programs, priced, choice.first_layer, choice.last_layer, k)
     return StageLayout(choice.first_layer, choice.last_layer, tuple(devices), mesh_shape=tuple(mesh.shape),
                        axis_names=tuple(mesh.axis_names), param_specs=params, grad_specs=grads,
                        input_specs=inputs, batch_axes=batch_axes if batch_axes is not None else (),
                        recompute=variant.recompute, op_out_specs=op_out, op_in_reshards=op_in,
-                       output_specs=output_specs(graph.carried, inputs))
+                       output_specs=output_specs(graph.carried, inputs), edge_pins=edges)
+
+
+def _act_specs(priced: PricedStages, layer: int, k: int
+               ) -> tuple[Sequence[Spec], Sequence[Spec], Sequence[Spec], Sequence[Spec]]:
+    """(activations in, cotangents in, activations out, cotangents out) of a layer's plan on variant k."""
+    cost = priced.layer_cost(layer, k)
+    na, npar, nd, nact, nct = priced.groups[layer]
+    ins = cost.input_specs[na + npar + nd:]
+    outs = cost.output_specs[na:]
+    return ins[:nact], ins[nact:nact + nct], outs[:nct], outs[nct:]
+
+
+def edge_pins(parts: StepParts, programs: Sequence[StageProgram], priced: PricedStages, first: int, last: int,
+              k: int) -> dict[tuple[int, int, int], tuple[Spec, Spec]]:
+    """The two-way pins (``runtime/stage_pins.two_way_pin``) of the activations a stage's layers read and
+    make: each reading equation takes it in its layer plan's input spec (its cotangent leaves in that plan's
+    gradient spec); each making equation gives it in its plan's output spec (its cotangent arrives in that
+    plan's cotangent spec). The last layer's outputs (the loss, the aux outputs) are not pinned."""
+    fwd = parts.forward
+    out: dict[tuple[int, int, int], tuple[Spec, Spec]] = {}
+    producer = {v: i for i, e in enumerate(fwd.eqns) for v in e.outs}
+    for layer in range(first, last + 1):
+        program = programs[layer]
+        acts_in, cts_in, acts_out, dacts = _act_specs(priced, layer, k)
+        position = {v: i for i, v in enumerate(program.in_acts)}
+        for i in program.eqns:
+            for pos, atom in enumerate(fwd.eqns[i].ins):
+                if not hasattr(atom, "val") and atom in position:
+                    out[(i, 0, pos)] = (acts_in[position[atom]], dacts[position[atom]])
+        if layer == len(programs) - 1:
+            continue
+        for j, v in enumerate(program.out_acts):
+            if not hasattr(v, "val") and v in producer:
+                i = producer[v]
+                out[(i, 1, fwd.eqns[i].outs.index(v))] = (acts_out[j], cts_in[j])
+    return out
 
 
 def _runtime_act_spec(shape: tuple[int, ...], batch_axes: Sequence[str], sizes: Mapping[str, int]) -> Spec:
@@ -89,8 +126,7 @@ def boundary_collectives(parts: StepParts, programs: Sequence[StageProgram], pri
     ``passes/resharding`` would run it. A backward that re-runs the forward does not return the forward's
     outputs, so it runs the third figure, not the first; a forward that keeps its residuals for the backward
     returns its outputs in the layouts XLA leaves them in (their move happens in the send), so only a
-    recomputing stage's forward reshards them to the runtime layout, and only its backward takes the
-    cotangents in it (a stage keeping residuals reads them as they arrive: the same layout)."""
+    recomputing stage's forward reshards them to the runtime layout; cotangents arrive in it either way."""
     mesh = priced.meshes[priced.mesh_of[k]]
     sizes = dict(zip(mesh.axis_names, mesh.shape))
     fwd = parts.forward
@@ -114,12 +150,7 @@ def boundary_collectives(parts: StepParts, programs: Sequence[StageProgram], pri
                 out[key][c.kind] = out[key].get(c.kind, 0.0) + c.nbytes
 
     def specs(layer: int) -> tuple[Sequence[Spec], Sequence[Spec], Sequence[Spec], Sequence[Spec]]:
-        """(activations in, cotangents in, activations out, cotangents out) of a layer's plan."""
-        cost = priced.layer_cost(layer, k)
-        na, npar, nd, nact, nct = priced.groups[layer]
-        ins = cost.input_specs[na + npar + nd:]
-        outs = cost.output_specs[na:]
-        return ins[:nact], ins[nact:nact + nct], outs[:nct], outs[nct:]
+        return _act_specs(priced, layer, k)
 
     for layer in layers:
         acts_in, _, _, dacts = specs(layer)
@@ -133,12 +164,13 @@ def boundary_collectives(parts: StepParts, programs: Sequence[StageProgram], pri
                 here = _runtime_act_spec(tuple(fwd.avals[v].shape), layout.batch_axes or (), sizes)
                 move("forward", v, here, acts_in[i])
                 move("backward", v, dacts[i], here)
-    if not last and layout.recompute:  # (a stage that keeps its residuals returns them as XLA leaves them)
+    if not last:
         produced = [made[v] for v in programs_out(programs, layout)]
         for v, (a, j) in zip(programs_out(programs, layout), produced):
             _, cts_in_a, acts_out_a, _ = specs(a)
             here = _runtime_act_spec(tuple(fwd.avals[v].shape), layout.batch_axes or (), sizes)
-            move("forward", v, acts_out_a[j], here, leaving=True)
+            if layout.recompute:  # a stage keeping its residuals returns its outputs as XLA leaves them
+                move("forward", v, acts_out_a[j], here, leaving=True)
             move("backward", v, here, cts_in_a[j])
     return out["forward"], out["backward"], out["inside"]
 
@@ -232,6 +264,7 @@ def build_pipeline_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer
             memory=memory, num_params=len(pspecs), intra_op=intra, recompute=variant.recompute,
             grad_specs=gspecs, state_specs={paths[f]: spec for f, spec in sorted(layout.input_specs.items())},
             op_out_specs=dict(layout.op_out_specs), op_in_reshards={i: dict(m) for i, m in layout.op_in_reshards.items()},
+            edge_pins=dict(layout.edge_pins),
             collective_bytes=stage_collectives(
                 priced, choice, sp.num_microbatches, s == len(sp.stages) - 1,
                 boundary_collectives(parts, programs, priced, layout, k, sp.num_microbatches,

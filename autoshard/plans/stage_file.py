@@ -26,6 +26,8 @@ def stage_json(stage: Any, index: int) -> dict[str, Any]:
             elif f.name == "op_in_reshards":
                 value = {str(k): {str(pos): [s.to_json() for s in chain] for pos, chain in v.items()}
                          for k, v in value.items()}
+            elif f.name == "edge_pins":
+                value = {":".join(map(str, k)): [a.to_json(), b.to_json()] for k, (a, b) in value.items()}
             elif f.name == "collective_bytes":
                 value = {a: dict(kinds) for a, kinds in value.items()}
             elif isinstance(value, StageMemory):
@@ -77,6 +79,15 @@ def _stage_op_specs(body: Mapping[str, Any], names: Sequence[str], where: str) -
             jf.index(pos, None, f"{where}.op_in_reshards[{k}]"): jf.specs(chain, names, f"{where}.op_in_reshards[{k}]")
             for pos, chain in jf.mapping(v, f"{where}.op_in_reshards[{k}]").items()}
         for k, v in op_in.items()}
+    edges = jf.optional_dict(body, "edge_pins", where)
+    out["edge_pins"] = {}
+    for key, pair in edges.items():
+        parts = key.split(":")
+        if len(parts) != 3 or not isinstance(pair, list) or len(pair) != 2:
+            raise PlanFileError(f"{where}.edge_pins: expected 'equation:side:position': [forward spec, cotangent "
+                                f"spec], got {key!r}: {pair!r}")
+        index = tuple(jf.index(x, None, f"{where}.edge_pins[{key}]") for x in parts)
+        out["edge_pins"][index] = tuple(jf.spec(x, names, f"{where}.edge_pins[{key}]") for x in pair)
     collectives = jf.optional_dict(body, "collective_bytes", where)
     out["collective_bytes"] = {str(a): jf.numbers(jf.mapping(kinds, f"{where}.collective_bytes[{a}]"),
                                                   f"{where}.collective_bytes[{a}]")

@@ -34,6 +34,9 @@ class StageLayout:
     op_out_specs: Mapping[int, tuple[Spec | None, ...]] = field(default_factory=dict)
     op_in_reshards: Mapping[int, Mapping[int, tuple[Spec, ...]]] = field(default_factory=dict)
     output_specs: Mapping[int, Spec] = field(default_factory=dict)  # flat step output -> its planned spec
+    # activations crossing between layer plans: (forward equation, 0: an input / 1: an output, position) ->
+    # (the spec the value is pinned to going forward, the spec its cotangent is pinned to coming back)
+    edge_pins: Mapping[tuple[int, int, int], tuple[Spec, Spec]] = field(default_factory=dict)
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -34,6 +34,7 @@ def staged_plan():
         state_specs={**{p: split for p in params[:2]}, **{p: Spec((("x", "y"), ())) for p in opt[:1]}},
         op_out_specs={3: (split, None), 7: (Spec(((), ("y",))),)},
         op_in_reshards={7: {1: (Spec.replicated(2), Spec((("y",), ())))}},
+        edge_pins={(3, 0, 1): (split, Spec.replicated(2)), (7, 1, 0): (Spec.replicated(2), split)},
         collective_bytes={"forward": {"all-gather": 1024.0}, "backward": {"reduce-scatter": 2048.0}, "apply": {}})
         for s in range(2))
     summary = PipelineSummary(num_microbatches=2, schedule="1f1b", step_s=0.02, first_microbatch_latency_s=6e-3,
@@ -48,18 +49,20 @@ def test_stage_intra_op_fields_round_trip(staged_plan, tmp_path):
     assert loaded == staged_plan
     assert loaded.stages[0].op_out_specs[3] == (Spec((("x",), ())), None)
     assert loaded.stages[1].collective_bytes["backward"] == {"reduce-scatter": 2048.0}
+    assert loaded.stages[0].edge_pins[(3, 0, 1)] == (Spec((("x",), ())), Spec.replicated(2))
 
 
 def test_files_without_the_fields_still_load(staged_plan, tmp_path):
     staged_plan.save(tmp_path / "plan.json")
     data = json.loads((tmp_path / "plan.json").read_text())
     for stage in data["stages"]:
-        for key in ("state_specs", "op_out_specs", "op_in_reshards", "collective_bytes"):
+        for key in ("state_specs", "op_out_specs", "op_in_reshards", "edge_pins", "collective_bytes"):
             del stage[key]
     (tmp_path / "plan.json").write_text(json.dumps(data))
     loaded = load_plan(tmp_path / "plan.json")
     for stage in loaded.stages:
         assert stage.state_specs == {} and stage.op_out_specs == {} and stage.collective_bytes == {}
+        assert stage.edge_pins == {}
         assert stage.param_specs == staged_plan.stages[stage.index].param_specs
 
 
