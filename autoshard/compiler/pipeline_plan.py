@@ -81,19 +81,38 @@ def _act_specs(priced: PricedStages, layer: int, k: int
     return ins[:nact], ins[nact:nact + nct], outs[:nct], outs[nct:]
 
 
+def _matches(priced: PricedStages, layer: int, k: int, program: StageProgram) -> bool:
+    """Whether the layer plan's activation specs line up with this layer's own program (a layer sharing its
+    class's graph may cross other values: then its boundaries are left to XLA)."""
+    acts_in, cts_in, acts_out, dacts = _act_specs(priced, layer, k)
+    return len(acts_in) == len(dacts) == len(program.in_acts) and len(acts_out) == len(cts_in) == len(
+        program.out_acts)
+
+
 def edge_pins(parts: StepParts, programs: Sequence[StageProgram], priced: PricedStages, first: int, last: int,
               k: int) -> dict[tuple[int, int, int], tuple[Spec, Spec]]:
     """The two-way pins (``runtime/stage_pins.two_way_pin``) of the activations a stage's layers read and
     make: each reading equation takes it in its layer plan's input spec (its cotangent leaves in that plan's
     gradient spec); each making equation gives it in its plan's output spec (its cotangent arrives in that
-    plan's cotangent spec). The last layer's outputs (the loss, the aux outputs) are not pinned."""
+    plan's cotangent spec); a batch leaf is taken in the plan's spec for it. The last layer's outputs (the
+    loss, the aux outputs) are not pinned."""
     fwd = parts.forward
     out: dict[tuple[int, int, int], tuple[Spec, Spec]] = {}
     producer = {v: i for i, e in enumerate(fwd.eqns) for v in e.outs}
     for layer in range(first, last + 1):
         program = programs[layer]
         acts_in, cts_in, acts_out, dacts = _act_specs(priced, layer, k)
+        if not _matches(priced, layer, k, program):
+            continue
         position = {v: i for i, v in enumerate(program.in_acts)}
+        cost = priced.layer_cost(layer, k)
+        na, npar, nd = priced.groups[layer][:3]
+        data = {fwd.invars[leaf]: cost.input_specs[na + npar + d] for d, leaf in enumerate(program.data_leaves)
+                if d < nd}
+        for i in program.eqns:
+            for pos, atom in enumerate(fwd.eqns[i].ins):
+                if not hasattr(atom, "val") and atom in data and not fwd.free[i]:
+                    out[(i, 0, pos)] = (data[atom], data[atom])
         for i in program.eqns:
             for pos, atom in enumerate(fwd.eqns[i].ins):
                 if not hasattr(atom, "val") and atom in position:
@@ -130,7 +149,8 @@ def boundary_collectives(parts: StepParts, programs: Sequence[StageProgram], pri
     mesh = priced.meshes[priced.mesh_of[k]]
     sizes = dict(zip(mesh.axis_names, mesh.shape))
     fwd = parts.forward
-    layers = range(layout.first_layer, layout.last_layer + 1)
+    layers = [layer for layer in range(layout.first_layer, layout.last_layer + 1)
+              if _matches(priced, layer, k, programs[layer])]
     made: dict[int, tuple[int, int]] = {}  # var -> (producing layer, its index among that layer's out_acts)
     for layer in layers:
         for j, v in enumerate(programs[layer].out_acts):
@@ -152,6 +172,14 @@ def boundary_collectives(parts: StepParts, programs: Sequence[StageProgram], pri
     def specs(layer: int) -> tuple[Sequence[Spec], Sequence[Spec], Sequence[Spec], Sequence[Spec]]:
         return _act_specs(priced, layer, k)
 
+    for layer in layers:  # the batch leaves a layer reads arrive in the runtime's layout
+        cost = priced.layer_cost(layer, k)
+        na, npar = priced.groups[layer][:2]
+        for d, leaf in enumerate(programs[layer].data_leaves):
+            var = fwd.invars[leaf]
+            if d < priced.groups[layer][2] and fwd.avals[var].shape:
+                here = _runtime_act_spec(tuple(fwd.avals[var].shape), layout.batch_axes or (), sizes)
+                move("forward", var, here, cost.input_specs[na + npar + d])
     for layer in layers:
         acts_in, _, _, dacts = specs(layer)
         for i, v in enumerate(programs[layer].in_acts):
@@ -165,8 +193,8 @@ def boundary_collectives(parts: StepParts, programs: Sequence[StageProgram], pri
                 move("forward", v, here, acts_in[i])
                 move("backward", v, dacts[i], here)
     if not last:
-        produced = [made[v] for v in programs_out(programs, layout)]
-        for v, (a, j) in zip(programs_out(programs, layout), produced):
+        leaving = [v for v in programs_out(programs, layout) if v in made]
+        for v, (a, j) in zip(leaving, [made[v] for v in leaving]):
             _, cts_in_a, acts_out_a, _ = specs(a)
             here = _runtime_act_spec(tuple(fwd.avals[v].shape), layout.batch_axes or (), sizes)
             if layout.recompute:  # a stage keeping its residuals returns its outputs as XLA leaves them
