@@ -9,7 +9,7 @@ whether it recomputes its forward. ``build_pipeline_plan`` writes the Plan: one
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -19,13 +19,14 @@ from autoshard.ir.split import StepParts
 from autoshard.meshes.cluster import ClusterSpec
 from autoshard.passes.hbm_traffic import compute_lower_bound_s, graph_flops_by_dtype
 from autoshard.passes.layers import Layer
-from autoshard.passes.stage_costs import PricedStages
+from autoshard.passes.resharding import reshard
+from autoshard.passes.stage_costs import MODES, PricedStages, lerp_microbatch
 from autoshard.passes.stages import StageChoice, StagePlan
 from autoshard.plans.ledger import Ledger, SolverInfo
 from autoshard.plans.plan import Plan
 from autoshard.plans.stage_plan import PipelineStage, PipelineSummary, StageMemory
 from autoshard.runtime.pipeline import StageLayout, StageProgram
-from autoshard.runtime.stage_layout import state_specs
+from autoshard.runtime.stage_layout import output_specs, state_specs
 
 COST_MODEL = ("intra-op: each distinct layer's forward + backward planned by the intra-op ILP on the stage's "
               "logical mesh (at B = 1 and B = r, linear in the microbatch between), optimizer update once per step "
@@ -41,6 +42,8 @@ def stage_layout(graph: OpGraph, parts: StepParts, programs: Sequence[StageProgr
     mesh = priced.meshes[priced.mesh_of[k]]
     params: dict[int, Spec] = {}
     grads: dict[int, Spec] = {}
+    op_out: dict[int, tuple[Spec | None, ...]] = {}
+    op_in: dict[int, dict[int, tuple[Spec, ...]]] = {}
     batch_axes: tuple[str, ...] | None = None
     for layer in range(choice.first_layer, choice.last_layer + 1):
         cost = priced.layer_cost(layer, k)
@@ -48,19 +51,206 @@ def stage_layout(graph: OpGraph, parts: StepParts, programs: Sequence[StageProgr
         for p, leaf in enumerate(programs[layer].param_leaves):
             params.setdefault(leaf, cost.input_specs[na + p])
             grads.setdefault(leaf, cost.input_specs[p])
+        eqns = programs[layer].eqns
+        if len(cost.eqn_out_specs) == len(eqns):  # the layer class's plan, equation by equation
+            for i, specs, moves in zip(eqns, cost.eqn_out_specs, cost.eqn_in_reshards):
+                if specs is not None:
+                    op_out.setdefault(i, specs)
+                if moves:
+                    op_in.setdefault(i, dict(moves))
         if batch_axes is None:
             leading = [s for s in cost.input_specs[na + npar:na + npar + nd + nact] if s.rank]
             if leading:
                 batch_axes = tuple(leading[0].dims[0])
+    inputs = state_specs(graph, parts, params, grads)
+    edges = edge_pins(parts, programs, priced, choice.first_layer, choice.last_layer, k)
     return StageLayout(choice.first_layer, choice.last_layer, tuple(devices), mesh_shape=tuple(mesh.shape),
                        axis_names=tuple(mesh.axis_names), param_specs=params, grad_specs=grads,
-                       input_specs=state_specs(graph, parts, params, grads),
-                       batch_axes=batch_axes if batch_axes is not None else (), recompute=variant.recompute)
+                       input_specs=inputs, batch_axes=batch_axes if batch_axes is not None else (),
+                       recompute=variant.recompute, op_out_specs=op_out, op_in_reshards=op_in,
+                       output_specs=output_specs(graph.carried, inputs), edge_pins=edges)
+
+
+def _act_specs(priced: PricedStages, layer: int, k: int
+               ) -> tuple[Sequence[Spec], Sequence[Spec], Sequence[Spec], Sequence[Spec]]:
+    """(activations in, cotangents in, activations out, cotangents out) of a layer's plan on variant k."""
+    cost = priced.layer_cost(layer, k)
+    na, npar, nd, nact, nct = priced.groups[layer]
+    ins = cost.input_specs[na + npar + nd:]
+    outs = cost.output_specs[na:]
+    return ins[:nact], ins[nact:nact + nct], outs[:nct], outs[nct:]
+
+
+def _matches(priced: PricedStages, layer: int, k: int, program: StageProgram) -> bool:
+    """Whether the layer plan's activation specs line up with this layer's own program (a layer sharing its
+    class's graph may cross other values: then its boundaries are left to XLA)."""
+    acts_in, cts_in, acts_out, dacts = _act_specs(priced, layer, k)
+    return len(acts_in) == len(dacts) == len(program.in_acts) and len(acts_out) == len(cts_in) == len(
+        program.out_acts)
+
+
+def edge_pins(parts: StepParts, programs: Sequence[StageProgram], priced: PricedStages, first: int, last: int,
+              k: int) -> dict[tuple[int, int, int], tuple[Spec, Spec]]:
+    """The two-way pins (``runtime/stage_pins.two_way_pin``) of the activations a stage's layers read and
+    make: each reading equation takes it in its layer plan's input spec (its cotangent leaves in that plan's
+    gradient spec); each making equation gives it in its plan's output spec (its cotangent arrives in that
+    plan's cotangent spec); a batch leaf is taken in the plan's spec for it. The last layer's outputs (the
+    loss, the aux outputs) are not pinned."""
+    fwd = parts.forward
+    out: dict[tuple[int, int, int], tuple[Spec, Spec]] = {}
+    producer = {v: i for i, e in enumerate(fwd.eqns) for v in e.outs}
+    for layer in range(first, last + 1):
+        program = programs[layer]
+        acts_in, cts_in, acts_out, dacts = _act_specs(priced, layer, k)
+        if not _matches(priced, layer, k, program):
+            continue
+        position = {v: i for i, v in enumerate(program.in_acts)}
+        cost = priced.layer_cost(layer, k)
+        na, npar, nd = priced.groups[layer][:3]
+        data = {fwd.invars[leaf]: cost.input_specs[na + npar + d] for d, leaf in enumerate(program.data_leaves)
+                if d < nd}
+        for i in program.eqns:
+            for pos, atom in enumerate(fwd.eqns[i].ins):
+                if not hasattr(atom, "val") and atom in data and not fwd.free[i]:
+                    out[(i, 0, pos)] = (data[atom], data[atom])
+        for i in program.eqns:
+            for pos, atom in enumerate(fwd.eqns[i].ins):
+                if not hasattr(atom, "val") and atom in position:
+                    out[(i, 0, pos)] = (acts_in[position[atom]], dacts[position[atom]])
+        if layer == len(programs) - 1:
+            continue
+        for j, v in enumerate(program.out_acts):
+            if not hasattr(v, "val") and v in producer:
+                i = producer[v]
+                out[(i, 1, fwd.eqns[i].outs.index(v))] = (acts_out[j], cts_in[j])
+    return out
+
+
+def _runtime_act_spec(shape: tuple[int, ...], batch_axes: Sequence[str], sizes: Mapping[str, int]) -> Spec:
+    """The layout the runtime gives an activation at a stage boundary (``stage_layout.split_leading``)."""
+    axes = tuple(a for a in batch_axes if sizes.get(a, 1) > 1)
+    n = int(np.prod([sizes[a] for a in axes])) if axes else 1
+    if shape and n > 1 and shape[0] % n == 0:
+        return Spec((axes,) + ((),) * (len(shape) - 1))
+    return Spec.replicated(len(shape))
+
+
+def boundary_collectives(parts: StepParts, programs: Sequence[StageProgram], priced: PricedStages,
+                         layout: StageLayout, k: int, num_microbatches: int, last: bool
+                         ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """(forward, backward, forward without the outputs) per-device bytes per microbatch of the reshards
+    between the layer plans of one stage: an activation leaves its producing layer's plan in that plan's
+    output spec and enters each reading layer's plan in that plan's input spec; at the stage's boundaries it
+    is in the runtime's layout (split over the batch axes). Cotangents go the other way. Each is priced as
+    ``passes/resharding`` would run it. A backward that re-runs the forward does not return the forward's
+    outputs, so it runs the third figure, not the first; a forward that keeps its residuals for the backward
+    returns its outputs in the layouts XLA leaves them in (their move happens in the send), so only a
+    recomputing stage's forward reshards them to the runtime layout; cotangents arrive in it either way."""
+    mesh = priced.meshes[priced.mesh_of[k]]
+    sizes = dict(zip(mesh.axis_names, mesh.shape))
+    fwd = parts.forward
+    layers = [layer for layer in range(layout.first_layer, layout.last_layer + 1)
+              if _matches(priced, layer, k, programs[layer])]
+    made: dict[int, tuple[int, int]] = {}  # var -> (producing layer, its index among that layer's out_acts)
+    for layer in layers:
+        for j, v in enumerate(programs[layer].out_acts):
+            if not hasattr(v, "val"):
+                made.setdefault(v, (layer, j))
+    out: dict[str, dict[str, float]] = {"forward": {}, "backward": {}, "inside": {}}
+
+    def move(action: str, var: int, src: Spec, dst: Spec, leaving: bool = False) -> None:
+        aval = fwd.avals[var]
+        shape = tuple(int(d) for d in aval.shape)
+        if shape and shape[0] % num_microbatches == 0:
+            shape = (shape[0] // num_microbatches,) + shape[1:]
+        if src == dst or src.rank != len(shape) or dst.rank != len(shape):
+            return
+        for c in reshard(shape, np.dtype(aval.dtype).itemsize, src, dst, mesh).collectives:
+            for key in (action, "inside") if action == "forward" and not leaving else (action,):
+                out[key][c.kind] = out[key].get(c.kind, 0.0) + c.nbytes
+
+    def specs(layer: int) -> tuple[Sequence[Spec], Sequence[Spec], Sequence[Spec], Sequence[Spec]]:
+        return _act_specs(priced, layer, k)
+
+    for layer in layers:  # the batch leaves a layer reads arrive in the runtime's layout
+        cost = priced.layer_cost(layer, k)
+        na, npar = priced.groups[layer][:2]
+        for d, leaf in enumerate(programs[layer].data_leaves):
+            var = fwd.invars[leaf]
+            if d < priced.groups[layer][2] and fwd.avals[var].shape:
+                here = _runtime_act_spec(tuple(fwd.avals[var].shape), layout.batch_axes or (), sizes)
+                move("forward", var, here, cost.input_specs[na + npar + d])
+    for layer in layers:
+        acts_in, _, _, dacts = specs(layer)
+        for i, v in enumerate(programs[layer].in_acts):
+            if v in made and made[v][0] != layer:  # inside the stage
+                a, j = made[v]
+                _, cts_in_a, acts_out_a, _ = specs(a)
+                move("forward", v, acts_out_a[j], acts_in[i])
+                move("backward", v, dacts[i], cts_in_a[j])
+            elif v not in made:  # enters the stage
+                here = _runtime_act_spec(tuple(fwd.avals[v].shape), layout.batch_axes or (), sizes)
+                move("forward", v, here, acts_in[i])
+                move("backward", v, dacts[i], here)
+    if not last:
+        leaving = [v for v in programs_out(programs, layout) if v in made]
+        for v, (a, j) in zip(leaving, [made[v] for v in leaving]):
+            _, cts_in_a, acts_out_a, _ = specs(a)
+            here = _runtime_act_spec(tuple(fwd.avals[v].shape), layout.batch_axes or (), sizes)
+            if layout.recompute:  # a stage keeping its residuals returns its outputs as XLA leaves them
+                move("forward", v, acts_out_a[j], here, leaving=True)
+            move("backward", v, here, cts_in_a[j])
+    return out["forward"], out["backward"], out["inside"]
+
+
+def programs_out(programs: Sequence[StageProgram], layout: StageLayout) -> list[int]:
+    """The activations one stage's layers make that a later layer outside it reads."""
+    inside = set(range(layout.first_layer, layout.last_layer + 1))
+    made = {v for layer in inside for v in programs[layer].out_acts if not hasattr(v, "val")}
+    read_after = {v for layer in range(layout.last_layer + 1, len(programs)) for v in programs[layer].in_acts}
+    return sorted(made & read_after)
+
+
+def stage_collectives(priced: PricedStages, choice: StageChoice, num_microbatches: int, last: bool,
+                      boundary: tuple[Mapping[str, float], ...] = ({}, {}, {})
+                      ) -> dict[str, dict[str, float]]:
+    """Predicted per-device collective bytes per call of each stage executable, from its layers' plans:
+    the forward's and the backward's per microbatch (the layer plans at B = 1 and B = r, linear in the
+    microbatch between, as the stage times), summed over the stage's layers, plus the ``boundary`` reshards
+    between them (``boundary_collectives``); the backward also runs the forward when it recomputes it or is
+    the last stage's (which fuses it); the apply once per step."""
+    k = choice.submesh_index
+    variant = priced.variants[k]
+    out: dict[str, dict[str, float]] = {"forward": dict(boundary[0]), "backward": dict(boundary[1]), "apply": {}}
+    if last or variant.recompute:
+        for kind, value in boundary[2].items():
+            out["backward"][kind] = out["backward"].get(kind, 0.0) + value
+
+    def add(action: str, figures: Mapping[str, float], other: Mapping[str, float]) -> None:
+        for kind in set(figures) | set(other):
+            value = lerp_microbatch(float(figures.get(kind, 0.0)), float(other.get(kind, 0.0)), priced.ratio,
+                                    num_microbatches)
+            out[action][kind] = out[action].get(kind, 0.0) + value
+
+    for layer in range(choice.first_layer, choice.last_layer + 1):
+        big, small = priced.costs[priced.layer_keys[layer], priced.mesh_of[k], MODES.index(variant.mode)]
+        add("forward", big.forward_collectives, small.forward_collectives)
+        add("backward", big.backward_collectives, small.backward_collectives)
+        if last or variant.recompute:
+            add("backward", big.forward_collectives, small.forward_collectives)
+        for kind, value in small.apply_collectives.items():
+            out["apply"][kind] = out["apply"].get(kind, 0.0) + float(value)
+    if last:
+        out["forward"] = {}  # fused into its backward: no forward executable runs
+    return {a: {kind: v for kind, v in kinds.items() if v > 0} for a, kinds in out.items()}
 
 
 def build_pipeline_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer], sp: StagePlan,
                         layouts: Sequence[StageLayout], priced: PricedStages, cluster: ClusterSpec, budget: float,
-                        timings: dict[str, float], name: str, spmd: object | None, split: Sequence[bool]) -> Plan:
+                        timings: dict[str, float], name: str, spmd: object | None, split: Sequence[bool],
+                        programs: Sequence[StageProgram] = ()) -> Plan:
+    """The Plan of a chosen stage plan; ``programs`` (each layer's one-layer program) lets each stage predict
+    the reshards between its layers' plans (``boundary_collectives``)."""
     values = graph.values
     paths = [values[v].path or f"[{i}]" for i, v in enumerate(graph.inputs)]
     shapes = {p: (values[v].shape, values[v].dtype) for p, v in zip(paths, graph.inputs)}
@@ -100,7 +290,13 @@ def build_pipeline_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer
             sync_s=float(priced.update_s[i, j, k]),
             transfer_out_s=sp.transfer_times_s[s] if s < len(sp.transfer_times_s) else 0.0,
             memory=memory, num_params=len(pspecs), intra_op=intra, recompute=variant.recompute,
-            grad_specs=gspecs))
+            grad_specs=gspecs, state_specs={paths[f]: spec for f, spec in sorted(layout.input_specs.items())},
+            op_out_specs=dict(layout.op_out_specs), op_in_reshards={i: dict(m) for i, m in layout.op_in_reshards.items()},
+            edge_pins=dict(layout.edge_pins),
+            collective_bytes=stage_collectives(
+                priced, choice, sp.num_microbatches, s == len(sp.stages) - 1,
+                boundary_collectives(parts, programs, priced, layout, k, sp.num_microbatches,
+                                     s == len(sp.stages) - 1) if programs else ({}, {}, {}))))
     times = list(sp.stage_times_s) + list(sp.transfer_times_s)
     worst = int(np.argmax(times))
     busy = sp.num_microbatches * sp.bottleneck_s

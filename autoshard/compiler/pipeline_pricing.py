@@ -84,7 +84,7 @@ def finish_pipeline(fn: Callable[..., Any], args: Sequence[Any], graph: OpGraph,
     layouts = tuple(stage_layout(graph, parts, programs, priced, st, devs)
                     for st, devs in zip(stage_plan.stages, placed))
     plan = build_pipeline_plan(graph, parts, layers, stage_plan, layouts, priced, target.cluster,
-                               target.memory_budget_bytes, timings, name, spmd, split)
+                               target.memory_budget_bytes, timings, name, spmd, split, programs)
     log.info("%s", plan)
     return PipelinePlanned(plan, fn, tuple(jax.tree_util.tree_leaves(tuple(args))), graph, parts, tuple(layers),
                            stage_plan, layouts, split, graph.in_tree, graph.out_tree, graph.output_paths, priced)

@@ -21,8 +21,8 @@ from typing import Any
 
 import jax
 
-from autoshard.ir.graph import Role
-from autoshard.ir.split import StepParts
+from autoshard.ir.graph import OpGraph, Role
+from autoshard.ir.split import Forward, StepParts
 from autoshard.ir.trace import trace, trace_jaxpr
 from autoshard.passes.layers import Layer
 from autoshard.passes.stage_costs import LayerTrainGraph
@@ -58,7 +58,33 @@ def layer_graph(parts: StepParts, program: StageProgram, key: str) -> LayerTrain
     carried = tuple(k if k < groups[0] else None for k in range(len(graph.outputs)))
     graph = dataclasses.replace(graph, values=values, carried=carried)
     forward_ops = len(trace_jaxpr(jax.make_jaxpr(lambda p_, d_, a_: run(p_, d_, a_))(params, data, acts)).ops)
-    return LayerTrainGraph(graph, min(forward_ops, len(graph.ops)), groups, key)
+    return LayerTrainGraph(graph, min(forward_ops, len(graph.ops)), groups, key,
+                           eqn_ops=align_equations(fwd, program.eqns, graph))
+
+
+def align_equations(fwd: Forward, eqns: Sequence[int], graph: OpGraph) -> tuple[int | None, ...]:
+    """Per forward equation (in ``eqns`` order), the op of the train ``graph`` that computes it, or None.
+
+    ``jax.vjp`` keeps the primal equations in order and interleaves what the JVP rules add (the derivative
+    factors the backward reads), so each equation is matched to the next op with its primitive and output
+    shapes; one without a match is skipped (its output is then left to XLA by the runtime)."""
+    ops = graph.ops
+    out: list[int | None] = []
+    t = 0
+    for i in eqns:
+        e = fwd.eqns[i]
+        name = e.eqn.primitive.name
+        shapes = [tuple(fwd.avals[v].shape) for v in e.outs]
+        u = t
+        while u < len(ops) and not (ops[u].primitive == name
+                                    and [tuple(graph.values[v].shape) for v in ops[u].outputs] == shapes):
+            u += 1
+        if u < len(ops):
+            out.append(u)
+            t = u + 1
+        else:
+            out.append(None)
+    return tuple(out)
 
 
 def layer_graphs(parts: StepParts, layers: Sequence[Layer]) -> tuple[list[LayerTrainGraph], list[StageProgram]]:

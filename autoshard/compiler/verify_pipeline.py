@@ -7,14 +7,16 @@ the apply once per step); for each stage, its per-device peak memory
 (``PipelineStage.memory``: parameters, gradient accumulators, optimizer state
 and the activations of the microbatches in flight).
 
-Predicted collectives come from the stage: a stage that carries its own
-figures (``collective_bytes``: {action: {kind: bytes}}) is taken at its word;
-a stage without an intra-op plan is data parallel, and its backward
-all-reduces the gradient of every parameter it holds whole when the stage's
-batch is split over more than one device. A stage that runs its own intra-op
-plan (DP, FSDP, ZeRO, TP inside the stage) carries no per-executable figures
-yet: its collectives are not predicted, and the report says so in ``notes``
-instead of comparing them with a rule that does not hold for it.
+Predicted collectives come from the stage: a stage planned with its own
+intra-op plan carries per-executable figures (``collective_bytes``: {action:
+{kind: bytes}}, ``compiler/pipeline_plan.stage_collectives``: its layer plans'
+forward and backward collectives per microbatch summed over its layers, the
+reshards between those plans and at its boundaries, the apply's once per
+step), taken at their word; a stage without an intra-op plan is data
+parallel, and its backward all-reduces the gradient of every parameter it
+holds whole when the stage's batch is split over more than one device. A
+stage with an intra-op plan but no figures (a plan file written before they
+were recorded) is not compared, and the report says so in ``notes``.
 
 The compiled stage peak is composed from ``memory_analysis()`` of the stage's
 executables, as the runtime holds their buffers: the apply executable's
@@ -120,7 +122,7 @@ def verify_pipeline(plan: Plan, compiled: PipelineCompiled) -> PipelineFidelityR
         if predicted is None:
             compiled_bytes = sum(float(sum(got[a][1].bytes_by_kind.values())) for a in ACTIONS if a in got)
             notes.append(f"stage {stage.index}: collectives not predicted (it runs its own intra-op plan: "
-                         f"{stage.intra_op}, with no per-executable figures); "
+                         f"{stage.intra_op}, with no per-executable figures: re-plan to record them); "
                          f"compiled: {compiled_bytes:,.0f} bytes per device over its executables")
         for action in ACTIONS:
             if action in got and predicted is not None:

@@ -21,7 +21,7 @@ microbatches.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 VarId: TypeAlias = int
 Atom: TypeAlias = "VarId | jcore.Literal"
+EqnHook: TypeAlias = Callable[[int, list[Any]], list[Any]]  # (equation index, its values) -> values
 CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})  # inlined: pure calls, no custom rules lost
 
 
@@ -76,12 +77,20 @@ class Forward:
         aval = self.avals[var]
         return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
-    def run(self, eqn_indices: Iterable[int], env: dict[VarId, Any]) -> dict[VarId, Any]:
-        """Evaluate the given equations in order on ``env`` (var -> value), in place."""
+    def run(self, eqn_indices: Iterable[int], env: dict[VarId, Any], before: EqnHook | None = None,
+            after: EqnHook | None = None) -> dict[VarId, Any]:
+        """Evaluate the given equations in order on ``env`` (var -> value), in place. ``before(i, inputs)`` and
+        ``after(i, outputs)`` may return replaced values (the pipeline runtime pins layouts with them, as
+        ``OpGraph.evaluate``'s hooks do for the SPMD runtime)."""
         for i in eqn_indices:
             e = self.eqns[i]
             vals = [a.val if isinstance(a, jcore.Literal) else env[a] for a in e.ins]
-            for var, val in zip(e.outs, e.bind(vals)):
+            if before is not None:
+                vals = before(i, vals)
+            outs = e.bind(vals)
+            if after is not None:
+                outs = after(i, outs)
+            for var, val in zip(e.outs, outs):
                 env[var] = val
         return env
 

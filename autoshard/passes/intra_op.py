@@ -149,18 +149,24 @@ class IntraOpResult:
         computes a copy of one value in one layout once, however many ops read it). An all-reduce whose
         result is only read split over its axes (through views) is what XLA shows as a reduce-scatter
         (an all-reduce and a slice: ``compiler/hlo.py``), so it is reported as one, bytes unchanged."""
+        return [c for _, c in self.collectives_by_op()]
+
+    def collectives_by_op(self) -> list[tuple[int, Collective]]:
+        """``collectives()`` with the op each belongs to: the op whose strategy runs it or whose input it
+        reshards; -1 for the inputs' own and for carried state written back to its storage layout."""
         sliced = _sliced_after_all_reduce(self)
         ops = self.graph.ops
-        found = [_runs(dataclasses.replace(c, kind="reduce-scatter") if (t, k) in sliced else c, ops[t].trip_count)
+        found = [(t, _runs(dataclasses.replace(c, kind="reduce-scatter") if (t, k) in sliced else c,
+                           ops[t].trip_count))
                  for t, s in enumerate(self.node_strategies[len(self.graph.inputs):])
                  for k, c in enumerate(s.collectives)]
-        found += [c for s in self.node_strategies[:len(self.graph.inputs)] for c in s.collectives]
+        found += [(-1, c) for s in self.node_strategies[:len(self.graph.inputs)] for c in s.collectives]
         seen: set[tuple] = set()
         for site in self.reshards:
             key = (site.value, site.src, site.chain)
             if key not in seen:
                 seen.add(key)
-                found += [_runs(c, site.runs) for c in site.collectives]
+                found += [(site.op_index, _runs(c, site.runs)) for c in site.collectives]
         return found
 
     def collective_bytes_by_kind(self) -> dict[str, float]:

@@ -51,8 +51,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -62,6 +62,7 @@ from autoshard.ir.spec import Spec
 from autoshard.meshes.cluster import ClusterSpec
 from autoshard.meshes.logical import LogicalMesh, factorizations, make_logical_mesh
 from autoshard.passes.classic import Baseline, baseline_pins, batch_spec
+from autoshard.passes.emit import annotations_from
 from autoshard.passes.intra_op import IntraOpOptions, IntraOpResult, plan_intra_op
 from autoshard.passes.resharding import reshard
 from autoshard.passes.inter_op import cross_mesh_send_s
@@ -81,6 +82,8 @@ class LayerTrainGraph:
     num_forward_ops: int  # its first ops are the forward
     groups: tuple[int, int, int, int, int]  # input counts: accumulators, params, data, activations, cotangents
     key: str  # the layer structure hash: equal keys, one solve
+    # per forward equation of the layer's program (in its order): the graph op computing it (None: unmatched)
+    eqn_ops: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,17 @@ class LayerCost:
     extra_bytes: float
     in_replicated: bool  # the layer takes its input activations replicated
     input_specs: tuple[Spec, ...]  # storage spec per graph input
+    output_specs: tuple[Spec, ...]  # spec per graph output (accumulators, activations out, their cotangents in)
     summary: str  # DP / FSDP / ZeRO / TP, as the specs say
+    # per forward equation of the layer's program (LayerTrainGraph.eqn_ops): the planned spec of each output
+    # (None: not matched) and the reshard chains of its inputs, as ``passes/emit.annotations_from`` emits them
+    eqn_out_specs: tuple[tuple[Spec, ...] | None, ...] = ()
+    eqn_in_reshards: tuple[Mapping[int, tuple[Spec, ...]], ...] = ()
+    # per-device bytes by collective kind: per microbatch in its forward and in its backward (with the
+    # accumulation), and once per step in the update (the accumulator resharded to each parameter's layout)
+    forward_collectives: Mapping[str, float] = field(default_factory=dict)
+    backward_collectives: Mapping[str, float] = field(default_factory=dict)
+    apply_collectives: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -219,14 +232,26 @@ def layer_cost(train: LayerTrainGraph, result: IntraOpResult, leaf_update_s: Seq
                    if v in result.value_specs)
     forward_s = float(sum(result.op_compute_s[:nf]) + sum(result.op_comm_s[:nf]))
     update_s = 0.0
+    apply_c: dict[str, float] = {}
     for p in range(npar):
         vid = graph.inputs[na + p]
         value = graph.values[vid]
         acc_spec, param_spec = specs[p], specs[na + p]
         update_s += float(leaf_update_s[p]) / max(1, acc_spec.num_shards(sizes))
         if acc_spec != param_spec:
-            update_s += reshard(value.shape, int(value.nbytes // max(1, int(np.prod(value.shape)))), acc_spec,
-                                param_spec, mesh).seconds
+            moved = reshard(value.shape, int(value.nbytes // max(1, int(np.prod(value.shape)))), acc_spec,
+                            param_spec, mesh)
+            update_s += moved.seconds
+            for c in moved.collectives:
+                apply_c[c.kind] = apply_c.get(c.kind, 0.0) + c.nbytes
+    ann = annotations_from(result)
+    matched = [t for t in train.eqn_ops if t is not None]
+    forward_end = max(matched) if matched else nf - 1  # ops up to here are the forward (JVP factors included)
+    fwd_c: dict[str, float] = {}
+    bwd_c: dict[str, float] = {}
+    for t, c in result.collectives_by_op():
+        side = fwd_c if 0 <= t <= forward_end else bwd_c
+        side[c.kind] = side.get(c.kind, 0.0) + c.nbytes
     act = residual + in_b
     acts_in = specs[na + npar + nd:na + npar + nd + nact]
     return LayerCost(
@@ -235,10 +260,14 @@ def layer_cost(train: LayerTrainGraph, result: IntraOpResult, leaf_update_s: Seq
         update_s=update_s, act_bytes=act, in_bytes=in_b,
         extra_bytes=max(0.0, float(result.peak_bytes) - acc_b - param_b - act),
         in_replicated=all(s.is_replicated for s in acts_in), input_specs=tuple(specs),
-        summary=_describe(train.groups, specs, mesh))
+        output_specs=tuple(result.output_specs),
+        summary=_describe(train.groups, specs, mesh),
+        eqn_out_specs=tuple(None if t is None else tuple(ann.op_out_specs[t]) for t in train.eqn_ops),
+        eqn_in_reshards=tuple({} if t is None else dict(ann.op_in_reshards.get(t, {})) for t in train.eqn_ops),
+        forward_collectives=fwd_c, backward_collectives=bwd_c, apply_collectives=apply_c)
 
 
-def _lerp(big: float, small: float, ratio: int, num_microbatches: int) -> float:
+def lerp_microbatch(big: float, small: float, ratio: int, num_microbatches: int) -> float:
     """Linear in the microbatch size between B = 1 (``big``) and B = r (``small``), clipped at 0."""
     if ratio == 1:
         return big
@@ -355,11 +384,11 @@ def price_stage_variants(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrai
             grad[layer, k] = small.grad_bytes
             in_rep[layer, k] = small.in_replicated
             for b, big_b in enumerate(bs):
-                t[layer, k, b] = _lerp(big.time_s, small.time_s, ratio, big_b)
-                f[layer, k, b] = _lerp(big.forward_s, small.forward_s, ratio, big_b)
-                act[layer, k, b] = _lerp(big.act_bytes, small.act_bytes, ratio, big_b)
-                extra[layer, k, b] = _lerp(big.extra_bytes, small.extra_bytes, ratio, big_b)
-                inb[layer, k, b] = _lerp(big.in_bytes, small.in_bytes, ratio, big_b)
+                t[layer, k, b] = lerp_microbatch(big.time_s, small.time_s, ratio, big_b)
+                f[layer, k, b] = lerp_microbatch(big.forward_s, small.forward_s, ratio, big_b)
+                act[layer, k, b] = lerp_microbatch(big.act_bytes, small.act_bytes, ratio, big_b)
+                extra[layer, k, b] = lerp_microbatch(big.extra_bytes, small.extra_bytes, ratio, big_b)
+                inb[layer, k, b] = lerp_microbatch(big.in_bytes, small.in_bytes, ratio, big_b)
     cum = {name: np.concatenate([np.zeros((1,) + a.shape[1:]), np.cumsum(a, axis=0)])
            for name, a in (("t", t), ("f", f), ("act", act), ("state", state), ("grad", grad), ("opt", opt), ("upd", upd))}
     shape4 = (num_layers, num_layers, num_k, num_b)

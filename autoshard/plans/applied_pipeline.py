@@ -21,36 +21,50 @@ from jax.sharding import Mesh
 
 from autoshard.errors import PlanMismatchError
 from autoshard.ir.graph import OpGraph, same_structure
+from autoshard.ir.spec import Spec
 from autoshard.ir.split import StepParts, batch_inputs, microbatch_shapes, split_step
 from autoshard.ir.trace import signature, trace
 from autoshard.plans.planfile import PlanLike, check_args, check_signature
 from autoshard.runtime.pipeline import PipelineStep, StageLayout
 from autoshard.runtime.pipeline_lower import PipelineLowered, lower_pipeline
-from autoshard.runtime.stage_layout import state_specs
+from autoshard.runtime.stage_layout import output_specs, state_specs
 
 
 def stage_layouts(plan: PlanLike, graph: OpGraph | None = None, parts: StepParts | None = None
                   ) -> tuple[StageLayout, ...]:
     """The runtime's view of the plan's stages: each stage's logical mesh, recomputation, the parameter and
     gradient-accumulator layouts the file records (older files: gradients in the parameter's layout), the
-    optimizer state following its parameter's gradient as the planner lays it out (``state_specs``), and
-    the axes its batch specs split."""
+    optimizer-state layouts it records (older files: the state follows its parameter's gradient as the
+    planner lays it out, ``state_specs``), the per-equation specs of its intra-op plan, the updated state
+    written back in those layouts, and the axes its batch specs split."""
     leaf_of: dict[str, int] = {}
+    flat_of: dict[str, int] = {}
     if graph is not None and parts is not None:
         paths = [graph.values[v].path for v in graph.inputs]
         leaf_of = {paths[src]: k for k, src in enumerate(parts.operand_inputs) if src is not None}
+        flat_of = {path: i for i, path in enumerate(paths) if path is not None}
     out = []
     for st in plan.stages:
         params = {leaf_of[path]: spec for path, spec in st.param_specs.items() if path in leaf_of}
         grads = {**params, **{leaf_of[path]: spec for path, spec in getattr(st, "grad_specs", {}).items()
                               if path in leaf_of}}
         batch = [spec for spec in st.batch_specs.values() if spec.rank]
-        inputs = state_specs(graph, parts, params, grads) if graph is not None and parts is not None else {}
+        recorded = getattr(st, "state_specs", {})
+        if graph is None or parts is None:
+            inputs: dict[int, Spec] = {}
+        elif recorded:  # the plan's own optimizer-state layouts
+            inputs = {flat_of[path]: spec for path, spec in recorded.items() if path in flat_of}
+        else:  # an older file: the state follows its parameter's gradient, as the planner lays it out
+            inputs = state_specs(graph, parts, params, grads)
         out.append(StageLayout(st.first_layer, st.last_layer, tuple(st.device_indices),
                                mesh_shape=tuple(st.mesh_shape), axis_names=tuple(st.axis_names),
                                param_specs=params, grad_specs=grads, input_specs=inputs,
                                batch_axes=tuple(batch[0].dims[0]) if batch else None,
-                               recompute=bool(getattr(st, "recompute", False))))
+                               recompute=bool(getattr(st, "recompute", False)),
+                               op_out_specs=dict(getattr(st, "op_out_specs", {})),
+                               op_in_reshards=dict(getattr(st, "op_in_reshards", {})),
+                               edge_pins=dict(getattr(st, "edge_pins", {})),
+                               output_specs=output_specs(graph.carried, inputs) if graph is not None else {}))
     return tuple(out)
 
 

@@ -18,7 +18,10 @@ Top-level fields (version 2; version 1 files, without the fields marked v2, stil
     stages: [{kind: "pipeline-stage", index, first_layer, last_layer, submesh, device_indices, mesh_shape,
               axis_names, param_specs: {path: spec}, batch_specs: {path: spec}, time_s, compute_s, sync_s,
               transfer_out_s, memory: {params_bytes, grads_bytes, opt_state_bytes, activations_bytes,
-              in_flight}, num_params}, ...]   (other objects are kept as they are)
+              in_flight}, num_params, grad_specs, state_specs: {input path: spec} (optional: older files
+              rebuild it), op_out_specs: {forward equation: [spec or null, ...]}, op_in_reshards:
+              {forward equation: {input position: [spec, ...]}}, collective_bytes: {action: {kind: bytes}}
+              (optional)}, ...]   (other objects are kept as they are)
     pipeline: {num_microbatches, schedule, step_s, first_microbatch_latency_s, bottleneck_s,
                bubble_fraction, layers, cost_model, intra_stage, spmd_step_s, spmd_mesh, notes,
                layer_eqns: [[[first, last] equation index runs] per layer] (optional)} or null
@@ -59,7 +62,8 @@ from autoshard.plans.breakdown import LayerTime
 from autoshard.plans import json_fields as jf
 from autoshard.plans.json_fields import PlanFileError
 from autoshard.plans.ledger import Choice, Ledger, OpExplanation, SolverInfo
-from autoshard.plans.stage_plan import PipelineStage, PipelineSummary, StageMemory
+from autoshard.plans.stage_file import stage_from_json, stage_json
+from autoshard.plans.stage_plan import PipelineSummary
 from autoshard.version import __version__
 
 # Functions here read a Plan's fields (``plans/plan.py`` imports this module, so it takes the plan as
@@ -102,7 +106,7 @@ def plan_to_json(plan: PlanLike) -> dict[str, Any]:
         "solver": asdict(plan.solver),
         "planning_s": dict(plan.planning_s),
         "memory_budget_bytes": plan.memory_budget_bytes,
-        "stages": [_stage_json(s, i) for i, s in enumerate(plan.stages)],
+        "stages": [stage_json(s, i) for i, s in enumerate(plan.stages)],
         "pipeline": _pipeline_json(plan.pipeline),
         "num_microbatches": plan.num_microbatches,
         "schedule": plan.schedule,
@@ -112,44 +116,6 @@ def plan_to_json(plan: PlanLike) -> dict[str, Any]:
         "checks": dict(plan.checks),
         "layer_times": [asdict(t) for t in plan.layer_times],
     }
-
-
-def _stage_json(stage: Any, index: int) -> dict[str, Any]:
-    """A pipeline stage as JSON: PipelineStage fields with specs as lists, or a plain mapping as is."""
-    if isinstance(stage, PipelineStage):
-        data: dict[str, Any] = {"kind": "pipeline-stage"}
-        for f in dataclasses.fields(PipelineStage):
-            value = getattr(stage, f.name)
-            if f.name in ("param_specs", "batch_specs", "grad_specs"):
-                value = {k: s.to_json() for k, s in value.items()}
-            elif isinstance(value, StageMemory):
-                value = asdict(value)
-            elif isinstance(value, tuple):
-                value = list(value)
-            data[f.name] = value
-        return data
-    if isinstance(stage, Mapping):
-        return dict(stage)
-    raise PlanFileError(f"stage {index} is a {type(stage).__name__}, which a plan file cannot hold")
-
-
-def _stage(data: Any, where: str) -> Any:
-    if not isinstance(data, dict):
-        raise PlanFileError(f"{where}: expected an object, got {type(data).__name__}")
-    if data.get("kind") != "pipeline-stage":
-        return dict(data)
-    body = {k: v for k, v in data.items() if k != "kind"}
-    fields = jf.record(PipelineStage, {k: v for k, v in body.items() if k != "num_params"}, where, partial=True)
-    names = tuple(jf.field(body, "axis_names", list, where))
-    for key in ("param_specs", "batch_specs"):
-        fields[key] = {p: jf.spec(s, names, f"{where}.{key}[{p}]") for p, s in jf.field(body, key, dict, where).items()}
-    if "grad_specs" in body:  # older files: gradients accumulate in the parameter's layout
-        fields["grad_specs"] = {p: jf.spec(s, names, f"{where}.grad_specs[{p}]")
-                                for p, s in jf.field(body, "grad_specs", dict, where).items()}
-    fields["memory"] = StageMemory(**jf.record(StageMemory, jf.field(body, "memory", dict, where), f"{where}.memory"))
-    for key in ("submesh", "device_indices", "mesh_shape", "axis_names"):
-        fields[key] = tuple(fields[key])
-    return PipelineStage(**fields, num_params=int(body.get("num_params", 0)))
 
 
 def _pipeline_json(summary: Any) -> dict[str, Any] | None:
@@ -326,7 +292,7 @@ def _plan_fields(data: Any, source: str) -> dict[str, Any]:
         memory_budget_bytes=jf.number(jf.field(data, "memory_budget_bytes", (int, float), source),
                                     f"{source}: memory_budget_bytes", positive=True),
         num_ops=num_ops, name=str(data.get("name", "plan")),
-        stages=tuple(_stage(s, f"{source}: stages[{i}]") for i, s in enumerate(data.get("stages", ()))),
+        stages=tuple(stage_from_json(s, f"{source}: stages[{i}]") for i, s in enumerate(data.get("stages", ()))),
         pipeline=_pipeline(data.get("pipeline"), f"{source}: pipeline"), num_microbatches=int(data.get("num_microbatches", 1)),
         schedule=str(data.get("schedule", "spmd")),
         alternatives=jf.numbers(jf.optional_dict(data, "alternatives", source), f"{source}: alternatives"),

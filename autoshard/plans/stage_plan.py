@@ -57,6 +57,19 @@ class PipelineStage:
     intra_op: str = ""  # the stage's intra-op plan, per distinct layer (DP / FSDP / ZeRO-2 / TP / DP x TP ...)
     recompute: bool = False  # the backward recomputes the stage's forward
     grad_specs: Mapping[str, Spec] = field(default_factory=dict)  # parameter path -> its gradient accumulator's spec
+    # flat step input path -> its storage spec on the stage's mesh: the parameters and the optimizer state the
+    # stage's update reads and writes (older files: none; the state then follows its parameter's gradient)
+    state_specs: Mapping[str, Spec] = field(default_factory=dict)
+    # the stage's intra-op plan per forward equation: each output's spec (None: not pinned), and per input
+    # position the layouts it is resharded through (``runtime/stage_pins.py``)
+    op_out_specs: Mapping[int, tuple[Spec | None, ...]] = field(default_factory=dict)
+    op_in_reshards: Mapping[int, Mapping[int, tuple[Spec, ...]]] = field(default_factory=dict)
+    # activations crossing between layer plans: (equation, 0 input / 1 output, position) -> (forward spec,
+    # cotangent spec), ``runtime/stage_pins.two_way_pin``
+    edge_pins: Mapping[tuple[int, int, int], tuple[Spec, Spec]] = field(default_factory=dict)
+    # predicted per-device bytes by collective kind per call of each executable: {forward|backward|apply: {kind:
+    # bytes}} (forward, backward per microbatch; apply once per step); empty: not predicted
+    collective_bytes: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
     def __str__(self) -> str:
         devices = self.device_indices
@@ -73,6 +86,10 @@ class PipelineStage:
         data = asdict(self)
         data["param_specs"] = {k: str(v) for k, v in self.param_specs.items()}
         data["batch_specs"] = {k: str(v) for k, v in self.batch_specs.items()}
+        data["state_specs"] = {k: str(v) for k, v in self.state_specs.items()}
+        data["op_out_specs"] = {k: [str(s) if s is not None else None for s in v] for k, v in self.op_out_specs.items()}
+        data["edge_pins"] = {":".join(map(str, k)): [str(a), str(b)] for k, (a, b) in self.edge_pins.items()}
+        data["op_in_reshards"] = {k: {p: [str(s) for s in c] for p, c in v.items()} for k, v in self.op_in_reshards.items()}
         return data
 
 

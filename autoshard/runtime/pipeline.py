@@ -25,11 +25,15 @@ Intra-stage sharding: each stage runs its own intra-op plan on its sub-mesh
 parameter and per gradient accumulator (FSDP, ZeRO, TP: whatever the plan
 chose), the step inputs the optimizer reads (its state in the accumulator's
 layout), and the mesh axes that split the batch and the activations along
-their leading dimension (when they divide it). Gradients accumulate in the
+their leading dimension (when they divide it). Inside the forward every
+planned equation output is pinned to its layer plan's spec and planned
+reshards run as pinned chains (``stage_pins.py``, the SPMD runtime's pins);
+the backward inherits them through ``jax.vjp``. Gradients accumulate in the
 accumulator's layout; the update runs on the stage's mesh with its inputs in
-their planned layouts. A layout without specs is data parallel: one axis
-``dp``, parameters and optimizer state replicated. XLA (GSPMD) shards the
-rest from these annotations.
+their planned layouts and, when the layout plans them (``output_specs``),
+leaves the updated parameters and optimizer state in them. A layout without
+specs is data parallel: one axis ``dp``, parameters and optimizer state
+replicated. XLA (GSPMD) shards the rest from these annotations.
 
 Microbatching assumes the loss is a mean over the batch: microbatch losses and
 gradients are averaged (the loss cotangent is 1/B). Every non-differentiated
@@ -74,6 +78,7 @@ from autoshard.runtime.cross_process import holds, placeholder, send, single_pro
 from autoshard.runtime.loss_io import Prologue, aux_per_example, combine_aux
 from autoshard.runtime.schedules import PipelineSchedule, schedule_actions
 from autoshard.runtime.stage_layout import StageLayout, deliver, planned_sharding, replicated, split_leading
+from autoshard.runtime.stage_pins import stage_hooks
 
 __all__ = ["PipelineError", "PipelineStep", "StageLayout", "StageProgram", "assign_outputs", "stage_programs"]
 
@@ -150,7 +155,7 @@ class PipelineStep:
         for p in self.programs:
             mesh = self.meshes[p.index]
             rep = replicated(mesh)
-            run = p.function(fwd)
+            run = p.function(fwd, *stage_hooks(fwd, self.layouts[p.index], mesh))
             ps = [self.param_sharding(p.index, k) for k in p.param_leaves]
             gs = [self.grad_sharding(p.index, k) for k in p.param_leaves]
             ds = [self._data_sharding(p.index, k) for k in p.data_leaves]
@@ -214,9 +219,16 @@ class PipelineStep:
             used_idx = tuple(i for i, u in enumerate(used) if u)
             closed = jcore.ClosedJaxpr(sub, [])
             shardings = [self._update_input_sharding(s, i) for i in used_idx]
-            fn = jax.jit(jcore.jaxpr_as_fun(closed), in_shardings=shardings, **self._jit_options)
+            planned = self.layouts[s].output_specs
+            out_shardings = {"out_shardings": [self.output_sharding(s, k) for k in outs]} if planned else {}
+            fn = jax.jit(jcore.jaxpr_as_fun(closed), in_shardings=shardings, **out_shardings, **self._jit_options)
             self.apply_fns.append((fn, used_idx, outs))
             self.apply_in_shardings.append(shardings)
+
+    def output_sharding(self, s: int, k: int) -> NamedSharding:
+        """Step output k as stage s's apply leaves it: updated state in its planned layout, others replicated."""
+        shape = tuple(self.parts.update.outvars[k].aval.shape)
+        return planned_sharding(self.meshes[s], self.layouts[s].output_specs.get(k), shape)
 
     def _update_input_sharding(self, s: int, i: int) -> NamedSharding:
         """Update-jaxpr input i ([*consts, *step inputs, loss, *grads]) in stage s's planned layout."""

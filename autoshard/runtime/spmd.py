@@ -62,6 +62,28 @@ def make_jax_mesh(logical: LogicalMesh | tuple[int, ...], axis_names: Sequence[s
     return Mesh(grid, tuple(names), axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
 
 
+def pin(value: Any, chain: Sequence[Spec], mesh: Mesh) -> Any:
+    """``value`` constrained through the layouts of ``chain`` in order (``with_sharding_constraint``): how a
+    planned op output or a planned reshard reaches XLA."""
+    for spec in chain:
+        value = jax.lax.with_sharding_constraint(value, named_sharding(spec, mesh))
+    return value
+
+
+def pin_op_inputs(vals: list[Any], moves: Mapping[int, Sequence[Spec]] | None, mesh: Mesh) -> list[Any]:
+    """An op's inputs, those the plan reshards pinned through their chains first (``Annotations.op_in_reshards``)."""
+    if not moves:
+        return vals
+    return [pin(v, moves[i], mesh) if i in moves else v for i, v in enumerate(vals)]
+
+
+def pin_op_outputs(vals: list[Any], specs: Sequence[Spec | None] | None, mesh: Mesh) -> list[Any]:
+    """An op's outputs pinned to their planned specs (``Annotations.op_out_specs``; a None entry: not pinned)."""
+    if specs is None:
+        return vals
+    return [v if s is None else pin(v, (s,), mesh) for v, s in zip(vals, specs)]
+
+
 class SpmdStep:
     """A planned train step: call it like the original function."""
 
@@ -76,27 +98,16 @@ class SpmdStep:
 
     def _flat_step(self, *flat: Any) -> list[Any]:
         ann, mesh = self.annotations, self.mesh
-        wsc = jax.lax.with_sharding_constraint
-
-        def pin(value: Any, chain: Sequence[Any]) -> Any:
-            for spec in chain:
-                value = wsc(value, named_sharding(spec, mesh))
-            return value
 
         def before(op: Op, vals: list[Any]) -> list[Any]:
-            moves = ann.op_in_reshards.get(op.id)
-            if not moves:
-                return vals
-            return [pin(v, moves[i]) if i in moves else v for i, v in enumerate(vals)]
+            return pin_op_inputs(vals, ann.op_in_reshards.get(op.id), mesh)
 
         def after(op: Op, vals: list[Any]) -> list[Any]:
-            specs = ann.op_out_specs.get(op.id)
-            if specs is None:
-                return vals
-            return [wsc(v, named_sharding(s, mesh)) for v, s in zip(vals, specs)]
+            return pin_op_outputs(vals, ann.op_out_specs.get(op.id), mesh)
 
         outs = self.graph.evaluate(flat, before_op=before, after_op=after)
-        return tuple(pin(v, ann.output_reshards[k]) if k in ann.output_reshards else v for k, v in enumerate(outs))
+        return tuple(pin(v, ann.output_reshards[k], mesh) if k in ann.output_reshards else v
+                     for k, v in enumerate(outs))
 
     def flatten_args(self, args: Sequence[Any]) -> list[Any]:
         leaves, tree = jax.tree_util.tree_flatten(tuple(args))

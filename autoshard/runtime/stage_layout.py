@@ -29,6 +29,14 @@ class StageLayout:
     input_specs: Mapping[int, Spec] = field(default_factory=dict)  # flat step input (params, optimizer state)
     batch_axes: tuple[str, ...] | None = None  # axes splitting data and activations; None: every axis
     recompute: bool = False  # the backward re-runs the stage's forward from its input (keeps no residuals)
+    # the stage's intra-op plan per forward equation (``runtime/stage_pins.py``): the spec of each output
+    # (None: not pinned) and, per input position, the layouts it is resharded through first
+    op_out_specs: Mapping[int, tuple[Spec | None, ...]] = field(default_factory=dict)
+    op_in_reshards: Mapping[int, Mapping[int, tuple[Spec, ...]]] = field(default_factory=dict)
+    output_specs: Mapping[int, Spec] = field(default_factory=dict)  # flat step output -> its planned spec
+    # activations crossing between layer plans: (forward equation, 0: an input / 1: an output, position) ->
+    # (the spec the value is pinned to going forward, the spec its cotangent is pinned to coming back)
+    edge_pins: Mapping[tuple[int, int, int], tuple[Spec, Spec]] = field(default_factory=dict)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -96,3 +104,8 @@ def state_specs(graph: OpGraph, parts: StepParts, params: Mapping[int, Spec], gr
                 out[flat] = spec
                 break
     return out
+
+
+def output_specs(carried: Sequence[int | None], inputs: Mapping[int, Spec]) -> dict[int, Spec]:
+    """Flat step output -> spec: each updated state leaf (``OpGraph.carried``) in its input's planned layout."""
+    return {k: inputs[i] for k, i in enumerate(carried) if i is not None and i in inputs}

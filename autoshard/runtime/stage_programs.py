@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from autoshard.errors import PlanningError
-from autoshard.ir.split import Forward, StepParts, VarId
+from autoshard.ir.split import EqnHook, Forward, StepParts, VarId
 
 
 LayerEqns: TypeAlias = tuple[int, ...]  # the forward equation indices of one layer
@@ -35,7 +35,9 @@ class StageProgram:
     in_acts: tuple[VarId, ...]  # activations entering
     out_acts: tuple[Any, ...]  # activations leaving (the last stage: the loss, then the aux outputs)
 
-    def function(self, forward: Forward) -> Callable[[list[Any], list[Any], list[Any]], list[Any]]:
+    def function(self, forward: Forward, before: EqnHook | None = None, after: EqnHook | None = None
+                 ) -> Callable[[list[Any], list[Any], list[Any]], list[Any]]:
+        """``(params, data, acts) -> out_acts``; ``before``/``after`` as in ``Forward.run`` (planned layouts)."""
         invars = forward.invars
 
         def run(params: list[Any], data: list[Any], acts: list[Any]) -> list[Any]:
@@ -43,7 +45,7 @@ class StageProgram:
             env.update({invars[k]: v for k, v in zip(self.param_leaves, params)})
             env.update({invars[k]: v for k, v in zip(self.data_leaves, data)})
             env.update(zip(self.in_acts, acts))
-            forward.run(self.eqns, env)
+            forward.run(self.eqns, env, before, after)
             return [v.val if isinstance(v, jcore.Literal) else env[v] for v in self.out_acts]
 
         return run

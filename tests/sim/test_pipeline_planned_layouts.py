@@ -1,0 +1,124 @@
+"""Pipelines whose stage layouts the PLANNER chooses (not set by hand), against one device.
+
+Under a per-device budget below what a stage holds with replicated parameters, gradients and AdamW state,
+the stage DP must pick sharded intra-op plans inside its stages. The test asserts that the chosen layouts
+are sharded (storage specs and the per-equation specs the stage executables pin), then runs 3 steps of the
+pipeline (GPipe or 1F1B, B = 1, 2, 4) against the same steps on one device: fp32 losses within 1e-5 at every
+step and AdamW's first moment (the averaged gradients) after the first step within 1e-5. Parameters are not
+compared: Adam divides rounding noise by tiny second moments where a gradient is zero in theory (attention
+key biases, JAX-NOTES).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import autoshard
+from examples import gpt
+from pipeline_helpers import assert_leaves_close, marked_step, rel
+
+CONFIG = dataclasses.replace(gpt.CONFIGS["small"], vocab_size=512, num_layers=4, d_model=64, num_heads=2, seq_len=8,
+                             batch_size=8)
+# (stages, schedule, microbatches, budget as a fraction of the parameter bytes)
+# one default case (tests/sim/test_pipeline_intra.py's memory-bound test runs 2 planned stages, 1F1B, B = 2 by
+# default); the others are slow
+CASES = [(4, "1f1b", 4, 0.8), pytest.param(2, "gpipe", 1, 1.25, marks=pytest.mark.slow),
+         pytest.param(4, "gpipe", 2, 0.8, marks=pytest.mark.slow)]
+
+
+def _ids(case) -> str:
+    s, sch, b, f = case.values if hasattr(case, "values") else case
+    return f"{s}stages-{sch}-B{b}-budget{f}P"
+
+
+@pytest.mark.parametrize("stages, schedule, microbatches, fraction", CASES, ids=[_ids(c) for c in CASES])
+def test_planner_sharded_stages_match_one_device(stages, schedule, microbatches, fraction, devices8):
+    work = gpt.workload(CONFIG)
+    params, opt_state, batch = work.args
+    tx = optax.adamw(CONFIG.learning_rate, weight_decay=CONFIG.weight_decay)
+    step = marked_step(work.loss_fn, tx)
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    budget = fraction * param_bytes
+    piped = autoshard.autoshard(step, cluster="cpu-8", memory_budget=budget, num_stages=stages,
+                                num_microbatches=microbatches, schedule=schedule)
+    reference = jax.jit(step)
+    ref, state = (params, opt_state), (params, opt_state)
+    for k in range(3):
+        *ref, ref_loss = reference(*ref, batch)
+        *state, loss = piped(*state, batch)
+        assert rel(loss, ref_loss) <= 1e-5, f"step {k}: loss {float(loss)} vs one device {float(ref_loss)}"
+        if k == 0:
+            assert_leaves_close(state[1][0].mu, ref[1][0].mu, "mu")
+    plan = piped.plan
+    assert len(plan.stages) == stages and plan.num_microbatches == microbatches and plan.schedule == schedule
+    sharded_stages = 0
+    for stage in plan.stages:
+        assert stage.memory.peak_bytes <= budget
+        # replicated, a stage holds its parameters, their gradients and AdamW's two moments: 4 x its parameters
+        replicated_bytes = 4 * sum(np.prod(plan.input_shapes[p][0]) * 4 for p in stage.param_specs)
+        state_specs = list(stage.param_specs.values()) + list(stage.grad_specs.values())
+        sharded = any(not spec.is_replicated for spec in state_specs)
+        assert sharded or replicated_bytes <= budget, f"stage {stage.index} keeps its state replicated over budget"
+        sharded_stages += sharded
+        assert stage.state_specs
+        if sharded:  # the stage executables pin the layer plans' layouts, sharded ones among them
+            assert any(s is not None and not s.is_replicated for specs in stage.op_out_specs.values() for s in specs)
+    assert sharded_stages >= 1
+    # the runtime really holds the updated state in the planned layouts (the apply's out_shardings)
+    run = piped.planned(params, opt_state, batch).runtime()
+    shardings = [run.output_sharding(s, k) for s, layout in enumerate(run.layouts) for k in layout.output_specs]
+    assert shardings and any(not sh.is_fully_replicated for sh in shardings)
+
+
+def test_planned_stage_collectives_match_compiled_hlo(devices8):
+    """Per stage executable, the collectives predicted from the stage's layer plans (forward per microbatch,
+    apply once per step; the backward is reported, see the end) equal those in its compiled HLO, within
+    verify's tolerances, for a plan
+    whose stages the planner shards (a budget under which replicated state does not fit; the stages' state
+    fully sharded, "lean"). Recomputation is not searched here: how XLA reshards a forward re-run inside a
+    backward is not modeled per reshard yet."""
+    from autoshard.compiler.pipeline_driver import finish_pipeline, price_pipeline
+    from autoshard.compiler.target import resolve_target
+    from autoshard.compiler.verify_pipeline import verify_pipeline
+    from autoshard.ir.split import split_step
+    from autoshard.ir.trace import trace
+    from autoshard.passes.layers import cluster_layers
+    from autoshard.passes.stage_costs import StageCostOptions
+    from autoshard.passes.stages import solve_stages
+    from autoshard.runtime.pipeline_lower import lower_pipeline
+
+    config = dataclasses.replace(CONFIG, batch_size=64)
+    work = gpt.workload(config)
+    params, opt_state, batch = work.args
+    tx = optax.adamw(config.learning_rate, weight_decay=config.weight_decay)
+    step = marked_step(work.loss_fn, tx)
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    args = (params, opt_state, batch)
+    graph = trace(step, *args)
+    parts = split_step(graph.jaxpr)
+    target = resolve_target(None, "cpu-8", 2.6 * param_bytes)
+    layers = cluster_layers(parts.forward, None)
+    # "lean": every layer's state pinned fully sharded (FSDP), as a stage of many layers needs when memory binds
+    options = StageCostOptions(num_stages=2, num_microbatches=2, memory_budget_bytes=target.memory_budget_bytes,
+                               recompute=(False,), modes=("lean",), time_limit_s=0.05)
+    priced, programs = price_pipeline(step, args, graph, parts, layers, options, target.cluster, target.num_devices)
+    piped = finish_pipeline(step, args, graph, parts, layers, solve_stages(priced.problem), priced, programs,
+                            target, {}, "fidelity", None)
+    plan = piped.plan
+    assert len(plan.stages) == 2 and not any(st.recompute for st in plan.stages)
+    assert any(not s.is_replicated for st in plan.stages for s in [*st.param_specs.values(), *st.grad_specs.values()])
+    report = verify_pipeline(plan, lower_pipeline(piped.runtime()).compile())
+    assert not report.notes, report.notes  # every stage's collectives are predicted
+    for st in plan.stages:
+        assert f"stage {st.index} backward all collective bytes" in [r.what for r in report.rows]
+    # the forward and apply executables run what the layer plans (and the reshards between them) predict
+    compared = [r for r in report.rows if " forward " in r.what or " apply " in r.what]
+    assert sum(r.predicted for r in compared if r.what.endswith("all collective bytes")) > 0
+    assert all(r.ok for r in compared), str(report)
+    # Not yet: the backward executables. Only the forward values are pinned (their cotangents through the
+    # transposed constraints); XLA places the rest of the backward itself, e.g. an all-reduce where the plan
+    # priced a reduce-scatter, so the backward rows are reported but not asserted here.
