@@ -148,8 +148,12 @@ def _runtime_layout(layout: StageLayout, s: int, pricing: StackSplit, run: Stack
         p = input_index.get((i, None if c is None else run.bounds[c]))
         if p is not None and p in layout.input_specs:
             inputs[j] = layout.input_specs[p]
+    # The per-equation pins and the update's output specs are keyed by the per-iteration rewrite's equations
+    # and outputs, which the chunk scans do not keep: inside a chunk the stage's layouts come from its stored
+    # parameters, accumulators and inputs (XLA propagates), and the update's outputs are left to XLA.
     return dataclasses.replace(layout, first_layer=s, last_layer=s, param_specs=params, grad_specs=grads,
-                               input_specs=inputs)
+                               input_specs=inputs, op_out_specs={}, op_in_reshards={}, edge_pins={},
+                               output_specs={})
 
 
 class ScanPipelineStep(PipelineStep):
