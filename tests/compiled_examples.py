@@ -25,10 +25,16 @@ class Planned:
     report: Any  # verify_compiled(plan, compiled)
 
 
-@functools.cache
 def planned_example(model: str, mesh: tuple[int, ...], *, config: str = "small", cluster: str | None = None,
                     num_stages: int | None = None, time_limit_s: float = 1.0) -> Planned:
     """``examples.<model>``'s ``config`` workload planned on ``mesh`` (arguments as ``@autoshard``'s)."""
+    # one cache key per argument set, however the caller spells it (defaults given or not)
+    return _planned(model, tuple(mesh), config, cluster, num_stages, float(time_limit_s))
+
+
+@functools.cache
+def _planned(model: str, mesh: tuple[int, ...], config: str, cluster: str | None, num_stages: int | None,
+             time_limit_s: float) -> Planned:
     work = importlib.import_module(f"examples.{model}").workload(config, abstract=True)
     step = autoshard.autoshard(work.step, mesh=mesh, cluster=cluster, num_stages=num_stages,
                                options=IntraOpOptions(time_limit_s=time_limit_s))
@@ -52,10 +58,14 @@ class SgdReference:
         return params, self.tx.init(params)
 
 
-@functools.cache
 def sgd_reference(model: str, *, config: str = "small", steps: int = 3, lr: float = 0.1) -> SgdReference:
     """``steps`` SGD steps of ``examples.<model>``'s workload on one device, run once per session for every
     test that compares a sharded run of the same steps with it."""
+    return _sgd_reference(model, config, int(steps), float(lr))
+
+
+@functools.cache
+def _sgd_reference(model: str, config: str, steps: int, lr: float) -> SgdReference:
     import jax
     import optax
 

@@ -15,7 +15,7 @@ import pytest
 
 import autoshard
 from autoshard.passes.intra_op import IntraOpOptions
-from compiled_examples import sgd_reference
+from compiled_examples import planned_example, sgd_reference
 
 FAST = IntraOpOptions(time_limit_s=1.0)  # local search finds these plans; CP-SAT only polishes
 CASES = [(model, mesh) for model in ("gpt", "moe") for mesh in ((2, 4), (1, 8), (8, 1), (2, 3))]
@@ -61,7 +61,8 @@ def test_adamw_steps_match_one_device(model, devices8):
     work = importlib.import_module(f"examples.{model}").workload("small")
     params, opt_state, batch = work.args
     ref_params, ref_opt, _ = jax.jit(work.step)(*jax.tree.map(lambda x: x.copy(), (params, opt_state)), batch)
-    sharded = autoshard.autoshard(work.step, mesh=(2, 4), options=FAST)
+    # the same step planned the same way (options FAST) as test_fidelity.py's {model}-2x4 case: run its plan
+    sharded = planned_example(model, (2, 4), time_limit_s=FAST.time_limit_s).step
     new_params, new_opt, _ = sharded(params, opt_state, batch)
     mu_got, mu_want = jax.tree.leaves(_first_moment(new_opt)), jax.tree.leaves(_first_moment(ref_opt))
     assert len(mu_got) == len(mu_want) > 0
