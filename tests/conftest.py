@@ -10,6 +10,12 @@ import os
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+# LLVM at -O0 for XLA:CPU's kernels: ~20% less compile time. The flag picks only LLVM's optimization of
+# the emitted code, not the HLO passes: on the planned GPT tiny step the optimized HLO text,
+# memory_analysis(), cost_analysis() and the loss were identical with and without it. Put the flag in
+# XLA_FLAGS yourself to choose another level.
+if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)

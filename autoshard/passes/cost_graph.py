@@ -145,6 +145,7 @@ class CostGraph:
         self._edge_cache: dict[tuple, np.ndarray] = {}
         self._compute_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self.budget_probes: dict[tuple[float, float], float] = {}  # intra_op: smallest budgets already found
+        self.problem_terms: tuple | None = None  # intra_op: the ILP terms no budget changes, once
 
     def op_work(self, j: int) -> tuple[np.ndarray, np.ndarray]:
         """Per strategy of op ``j`` (its own list, not its class's): fused compute seconds and HBM bytes,

@@ -27,8 +27,8 @@ from autoshard.ir.spec import Collective, Spec
 from autoshard.meshes.logical import LogicalMesh
 from autoshard.meshes import cost
 from autoshard.passes.buffer_rules import combine_all_reduces
-from autoshard.passes.cost_graph import (CostGraph, IntraOpOptions, class_costs_and_edges, class_name,
-                                         combined_latency_charges, memory_points, node_strategies)
+from autoshard.passes.cost_graph import (CostGraph, IntraOpOptions, MemoryPoints, class_costs_and_edges,
+                                         class_name, combined_latency_charges, memory_points, node_strategies)
 from autoshard.passes.hbm_traffic import collective_hbm_bytes, compute_dtype, local_slice_hbm_bytes
 from autoshard.passes.ilp import IlpProblem, IlpSolution, evaluate, min_peak_plan, solve
 from autoshard.plans.ledger import fmt_bytes
@@ -224,9 +224,7 @@ def _sliced_after_all_reduce(result: IntraOpResult) -> set[tuple[int, int]]:
 def build_problem(cg: CostGraph, budget_bytes: float | None = None) -> IlpProblem:
     """The ILP of a cost graph under ``budget_bytes`` (default: the options', else the device memory),
     hinted with the best search start (``passes/search_starts.py``) that fits it."""
-    class_cost, edges = class_costs_and_edges(cg)
-    charges = tuple(combined_latency_charges(cg))
-    points = memory_points(cg)
+    class_cost, edges, charges, points = _budget_free_terms(cg)
     budget = budget_bytes if budget_bytes is not None else cg.options.memory_budget_bytes
     if budget is None:
         budget = cg.mesh.cluster.memory_per_device_bytes
@@ -243,6 +241,21 @@ def build_problem(cg: CostGraph, budget_bytes: float | None = None) -> IlpProble
         time_limit_s=cg.options.time_limit_s,
         seed=cg.options.seed,
     )
+
+
+def _budget_free_terms(cg: CostGraph) -> tuple[list[np.ndarray], list, tuple, MemoryPoints]:
+    """Class costs, edges, shared charges and memory points of ``cg``: they do not depend on the budget, so
+    the re-solves of one plan (cuts, least-budget probes) share them; computed once per cost graph and
+    read-only (the arrays refuse writes)."""
+    if cg.problem_terms is None:
+        class_cost, edges = class_costs_and_edges(cg)
+        points = memory_points(cg)
+        for array in (*class_cost, *(m for _, _, m in edges), *(a for point in points for _, a in point)):
+            if isinstance(array, np.ndarray):
+                array.setflags(write=False)
+        cg.problem_terms = (class_cost, edges, tuple(combined_latency_charges(cg)), points)
+    class_cost, edges, charges, points = cg.problem_terms
+    return list(class_cost), list(edges), charges, points
 
 
 def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, options: IntraOpOptions | None = None, *,

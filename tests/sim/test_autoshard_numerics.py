@@ -11,12 +11,11 @@ import importlib
 
 import jax
 import numpy as np
-import optax
 import pytest
 
 import autoshard
 from autoshard.passes.intra_op import IntraOpOptions
-from examples.common import make_train_step
+from compiled_examples import planned_example, sgd_reference
 
 FAST = IntraOpOptions(time_limit_s=1.0)  # local search finds these plans; CP-SAT only polishes
 CASES = [(model, mesh) for model in ("gpt", "moe") for mesh in ((2, 4), (1, 8), (8, 1), (2, 3))]
@@ -27,31 +26,22 @@ def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-def _run_both(step_fn, params, opt_state, batch, mesh, steps=3):
-    reference = jax.jit(step_fn)
-    ref = jax.tree.map(lambda x: x.copy(), (params, opt_state))
-    sharded = autoshard.autoshard(step_fn, mesh=mesh, options=FAST)
-    state = (params, opt_state)
-    for _ in range(steps):
-        *ref, ref_loss = reference(*ref, batch)
-        *state, loss = sharded(*state, batch)
-        assert _rel(loss, ref_loss) <= 1e-5, f"loss {float(loss)} vs one device {float(ref_loss)}"
-    return sharded, state, ref
-
-
 @pytest.mark.parametrize("model, mesh", CASES, ids=[f"{m}-{'x'.join(map(str, s))}" for m, s in CASES])
 def test_sgd_steps_match_one_device(model, mesh, devices8):
-    work = importlib.import_module(f"examples.{model}").workload("small")
-    params, _, batch = work.args
-    tx = optax.sgd(0.1)
-    step, state, ref = _run_both(make_train_step(work.loss_fn, tx), params, tx.init(params), batch, mesh)
+    ref = sgd_reference(model)  # the one-device run, once per model (test_expert_parallel.py's too)
+    batch = ref.work.args[2]
+    step = autoshard.autoshard(ref.step_fn, mesh=mesh, options=FAST)
+    state = ref.fresh_state()
+    for ref_loss in ref.losses:
+        *state, loss = step(*state, batch)
+        assert _rel(loss, ref_loss) <= 1e-5, f"loss {float(loss)} vs one device {ref_loss}"
     assert step.plan.mesh_shape == mesh
     assert any(not spec.is_replicated for spec in step.plan.input_specs.values()), "the plan shards nothing"
     # Relative error per leaf, against the leaf's scale; a leaf whose gradient is zero in theory (attention
     # key biases: softmax ignores them) holds only rounding noise, so its scale is floored at 1% of the
     # largest parameter.
-    floor = 1e-2 * max(float(np.max(np.abs(np.asarray(x)))) for x in jax.tree.leaves(ref[0]))
-    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(state[0]), jax.tree.leaves(ref[0])):
+    floor = 1e-2 * max(float(np.max(np.abs(np.asarray(x)))) for x in jax.tree.leaves(ref.params))
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(state[0]), jax.tree.leaves(ref.params)):
         err = float(np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))))
         scale = max(float(np.max(np.abs(np.asarray(want)))), floor)
         assert err / scale <= 1e-5, f"{jax.tree_util.keystr(path)}: rel err {err / scale:.2e}"
@@ -71,7 +61,8 @@ def test_adamw_steps_match_one_device(model, devices8):
     work = importlib.import_module(f"examples.{model}").workload("small")
     params, opt_state, batch = work.args
     ref_params, ref_opt, _ = jax.jit(work.step)(*jax.tree.map(lambda x: x.copy(), (params, opt_state)), batch)
-    sharded = autoshard.autoshard(work.step, mesh=(2, 4), options=FAST)
+    # the same step planned the same way (options FAST) as test_fidelity.py's {model}-2x4 case: run its plan
+    sharded = planned_example(model, (2, 4), time_limit_s=FAST.time_limit_s).step
     new_params, new_opt, _ = sharded(params, opt_state, batch)
     mu_got, mu_want = jax.tree.leaves(_first_moment(new_opt)), jax.tree.leaves(_first_moment(ref_opt))
     assert len(mu_got) == len(mu_want) > 0

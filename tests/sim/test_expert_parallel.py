@@ -9,17 +9,14 @@ all-to-all bytes that XLA compiles for it within 10%.
 """
 from __future__ import annotations
 
-import importlib
 
 import jax
 import numpy as np
-import optax
 import pytest
 
 import autoshard
-from autoshard.compiler.verify import verify_compiled
 from autoshard.passes.intra_op import IntraOpOptions
-from examples.common import make_train_step
+from compiled_examples import planned_example, sgd_reference
 
 FAST = IntraOpOptions(time_limit_s=1.0)
 STYLES = ["moe", "moe_topk"]
@@ -38,23 +35,18 @@ def _expert_specs(plan):
 
 @pytest.mark.parametrize("model", STYLES)
 def test_expert_parallel_steps_match_one_device(model, devices8):
-    work = importlib.import_module(f"examples.{model}").workload("small")
-    params, _, batch = work.args
-    tx = optax.sgd(0.1)
-    step_fn = make_train_step(work.loss_fn, tx)
-    reference = jax.jit(step_fn)
-    ref = jax.tree.map(lambda x: x.copy(), (params, tx.init(params)))
-    sharded = autoshard.autoshard(step_fn, mesh=(2, 4), cluster="cpu-8", num_stages=1, options=FAST)
-    state = (params, tx.init(params))
-    for _ in range(3):
-        *ref, ref_loss = reference(*ref, batch)
+    ref = sgd_reference(model)  # the one-device run (moe's is test_autoshard_numerics.py's too)
+    work, batch = ref.work, ref.work.args[2]
+    sharded = autoshard.autoshard(ref.step_fn, mesh=(2, 4), cluster="cpu-8", num_stages=1, options=FAST)
+    state = ref.fresh_state()
+    for ref_loss in ref.losses:
         *state, loss = sharded(*state, batch)
-        assert _rel(loss, ref_loss) <= 1e-5, f"loss {float(loss)} vs one device {float(ref_loss)}"
+        assert _rel(loss, ref_loss) <= 1e-5, f"loss {float(loss)} vs one device {ref_loss}"
     experts = _expert_specs(sharded.plan)
     assert len(experts) == 2 * work.config.num_layers
     assert all(spec.dims[0] for spec in experts.values()), f"expert dim not split: {experts}"
-    floor = 1e-2 * max(float(np.max(np.abs(np.asarray(x)))) for x in jax.tree.leaves(ref[0]))
-    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(state[0]), jax.tree.leaves(ref[0])):
+    floor = 1e-2 * max(float(np.max(np.abs(np.asarray(x)))) for x in jax.tree.leaves(ref.params))
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(state[0]), jax.tree.leaves(ref.params)):
         err = float(np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))))
         scale = max(float(np.max(np.abs(np.asarray(want)))), floor)
         assert err / scale <= 1e-5, f"{jax.tree_util.keystr(path)}: rel err {err / scale:.2e}"
@@ -62,11 +54,9 @@ def test_expert_parallel_steps_match_one_device(model, devices8):
 
 @pytest.mark.parametrize("model", STYLES)
 def test_expert_parallel_all_to_all_matches_compiled_hlo(model, devices8):
-    work = importlib.import_module(f"examples.{model}").workload("small", abstract=True)
-    step = autoshard.autoshard(work.step, mesh=(2, 4), cluster="cpu-8", num_stages=1, options=FAST)
-    compiled = step.lower(*work.args).compile()
-    assert all(spec.dims[0] for spec in _expert_specs(step.plan).values())
-    report = verify_compiled(step.plan, compiled)
+    shared = planned_example(model, (2, 4), cluster="cpu-8", num_stages=1, time_limit_s=FAST.time_limit_s)
+    assert all(spec.dims[0] for spec in _expert_specs(shared.step.plan).values())
+    report = shared.report  # moe's is test_fidelity.py's moe-2x4 FLOP/HBM case too
     a2a = report.row("all-to-all bytes")
     assert a2a.predicted > 0 and a2a.compiled > 0, str(report)
     assert a2a.rel_error <= 0.10, str(report)

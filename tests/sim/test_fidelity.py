@@ -1,23 +1,16 @@
 """The plan's predicted collectives agree with the HLO XLA compiles for it (JAX-NOTES: reading HLO)."""
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
-import autoshard
-from autoshard.compiler.verify import verify_compiled
-from autoshard.passes.intra_op import IntraOpOptions
+from compiled_examples import planned_example
 
 CASES = [("mlp", (2, 4)), ("gpt", (2, 4)), ("gpt", (1, 8)), ("moe", (2, 4))]
 
 
 @pytest.mark.parametrize("model, mesh", CASES, ids=[f"{m}-{'x'.join(map(str, s))}" for m, s in CASES])
 def test_predicted_collectives_match_compiled_hlo(model, mesh, devices8):
-    work = importlib.import_module(f"examples.{model}").workload("small", abstract=True)
-    step = autoshard.autoshard(work.step, mesh=mesh, options=IntraOpOptions(time_limit_s=1.0))
-    compiled = step.lower(*work.args).compile()
-    report = verify_compiled(step.plan, compiled)
+    report = planned_example(model, mesh).report  # shared with test_memory_fidelity.py's cases
     total = report.row("all collective bytes")
     assert total.compiled > 0, "the plan should communicate"
     assert total.rel_error <= 0.10, str(report)
@@ -34,11 +27,7 @@ def test_predicted_flops_and_hbm_bytes_match_cost_analysis(model, mesh, devices8
     """The ledger's per-device FLOPs (5%) and HBM bytes (20%) against the compiled program's cost_analysis().
 
     On cpu-8 (slow compute against its links) the plans shard the small models."""
-    work = importlib.import_module(f"examples.{model}").workload("small", abstract=True)
-    step = autoshard.autoshard(work.step, mesh=mesh, cluster="cpu-8", num_stages=1,
-                               options=IntraOpOptions(time_limit_s=1.0))
-    compiled = step.lower(*work.args).compile()
-    report = verify_compiled(step.plan, compiled)
+    report = planned_example(model, mesh, cluster="cpu-8", num_stages=1).report  # moe-2x4: test_expert_parallel's
     flops, hbm = report.row("flops per device"), report.row("hbm bytes per device")
     assert flops.rel_error <= 0.05, str(report)
     assert hbm.rel_error <= 0.20, str(report)

@@ -11,14 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import autoshard
 from autoshard.plans.plan import Plan
-from autoshard.compiler.verify import MEMORY_TOLERANCE, verify_compiled
-from autoshard.passes.intra_op import IntraOpOptions
-from examples import gpt, mlp
+from autoshard.compiler.verify import MEMORY_TOLERANCE
+from compiled_examples import planned_example
 
 CASES = [("mlp", (2, 4)), ("mlp", (1, 8)), ("gpt", (2, 4)), ("gpt", (8, 1))]
-MODULES = {"mlp": mlp, "gpt": gpt}
 
 
 def _argument_bytes(plan: Plan) -> int:
@@ -33,10 +30,8 @@ def _argument_bytes(plan: Plan) -> int:
 
 @pytest.mark.parametrize(("example", "mesh"), CASES, ids=[f"{e}-{m[0]}x{m[1]}" for e, m in CASES])
 def test_predicted_peak_memory_matches_xla(devices8, example, mesh):
-    workload = MODULES[example].workload("small", abstract=True)
-    step = autoshard.autoshard(workload.step, mesh=mesh, options=IntraOpOptions(time_limit_s=1))
-    compiled = step.lower(*workload.args).compile()
-    plan = step.plan
+    shared = planned_example(example, mesh)  # mlp-2x4 and gpt-2x4 also serve test_fidelity.py
+    compiled, plan = shared.compiled, shared.step.plan
     stats = compiled.memory_analysis()
 
     input_roles = set(plan.input_roles.values())
@@ -44,6 +39,5 @@ def test_predicted_peak_memory_matches_xla(devices8, example, mesh):
     assert predicted_args == stats.argument_size_in_bytes
     assert _argument_bytes(plan) == stats.argument_size_in_bytes
 
-    report = verify_compiled(plan, compiled)
-    row = report.row("peak memory bytes")
-    assert row.rel_error <= MEMORY_TOLERANCE, f"{example} on {mesh}:\n{report}\nby kind: {plan.ledger.memory_by_kind}"
+    row = shared.report.row("peak memory bytes")
+    assert row.rel_error <= MEMORY_TOLERANCE, f"{example} on {mesh}:\n{shared.report}\nby kind: {plan.ledger.memory_by_kind}"
