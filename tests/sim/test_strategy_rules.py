@@ -655,7 +655,7 @@ NO_CASE = {  # registered primitives without a simulation case, and why
     "loop_stack": "a pseudo-op of a flattened scan, no jax primitive: the layer axis never splits "
                   "(tests/unit/test_loops.py; numerics in test_scan_layers.py)",
     "cond_merge": "a pseudo-op of a flattened cond, no jax primitive: every branch result in the result's layout "
-                  "(tests/unit/test_cond_while.py; numerics in tests/sim/test_cond_while.py)",
+                  "(tests/unit/test_cond_while.py; numerics in tests/sim/test_cond_while_numerics.py)",
     "empty": "replicated only; an uninitialized buffer, so there is nothing to compare",
     "empty2": "replicated only; an uninitialized buffer (cond's gradient pads residuals with it): nothing to compare",
 }

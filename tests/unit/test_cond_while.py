@@ -2,7 +2,7 @@
 stated or guessed (ir/trips.py), a cond priced as its costliest branch, carries and branch results in one
 layout each (passes/cost_graph.py, passes/strategies/control.py), and forms it cannot plan named in a warning.
 
-Traced from shapes and planned only: nothing compiles (the numerics are in tests/sim/test_cond_while.py).
+Traced from shapes and planned only: nothing compiles (the numerics are in tests/sim/test_cond_while_numerics.py).
 """
 from __future__ import annotations
 
