@@ -22,17 +22,16 @@ from typing import Any
 
 from autoshard.compiler.driver import PlannedStep, Progress, plan_on
 from autoshard.compiler.target import ClusterLike, MeshLike, resolve_target
-from autoshard.errors import InfeasibleMemoryError, PlanningError
+from autoshard.errors import PlanningError
 from autoshard.ir.scan_stack import find_stack
 from autoshard.ir.split import split_step
 from autoshard.ir.trace import trace
-from autoshard.passes.stage_costs import StageCostOptions
 from autoshard.passes.intra_op import IntraOpOptions
 from autoshard.passes.layers import cluster_layers
-from autoshard.passes.stages import StageInfeasibleError, solve_stages
 
 from autoshard.compiler.pipeline_pricing import (  # noqa: F401  (re-exported: callers import them from here)
-    STAGE_TIME_LIMIT_S, PipelinePlanned, finish_pipeline, leaf_apply_s, microbatch_ratios, price_pipeline, trace_at)
+    STAGE_TIME_LIMIT_S, PipelinePlanned, finish_pipeline, leaf_apply_s, microbatch_ratios, price_pipeline, spmd_or_stages,
+    stage_cost_options, trace_at)
 from autoshard.compiler.scan_pipeline import plan_scanned
 
 log = logging.getLogger(__name__)
@@ -71,7 +70,7 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
         return plan_on(graph, target, options, timings=timings, name=name, progress=progress)
     if schedule not in ("1f1b", "gpipe"):
         raise PlanningError(f"schedule must be '1f1b' or 'gpipe'; got {schedule!r}")
-    num_devices, spec, budget = target.num_devices, target.cluster, target.memory_budget_bytes
+    num_devices, spec = target.num_devices, target.cluster
 
     stack = find_stack(parts.forward) if num_stages != 1 else None
     if stack is not None:  # a scanned layer stack: its iterations are the layers (compiler/scan_pipeline.py)
@@ -83,35 +82,14 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike
     timings["layers"] = time.perf_counter() - t0
     say(f"pricing pipeline stages ({len(layers)} layers)")
     t0 = time.perf_counter()
-    cost_options = StageCostOptions(
-        schedule=schedule, num_stages=num_stages, num_microbatches=num_microbatches, memory_budget_bytes=budget,
-        min_stages=2 if num_stages is None else 1,
-        time_limit_s=min(STAGE_TIME_LIMIT_S, (options or IntraOpOptions()).time_limit_s))
+    cost_options = stage_cost_options(schedule, num_stages, num_microbatches, target, options)
     priced, programs = price_pipeline(fn, args, graph, parts, layers, cost_options, spec, num_devices, progress=say)
     timings["pricing"] = time.perf_counter() - t0
     log.info("priced %d stage variants with %d layer solves", len(priced.variants), priced.num_solves)
-
-    spmd: PlannedStep | None = None
-    if num_stages is None:
-        t0 = time.perf_counter()
-        try:
-            spmd = plan_on(graph, target, options, timings=dict(timings), name=name, progress=progress)
-        except InfeasibleMemoryError as err:
-            log.info("no SPMD plan fits (%s); pipelines only", err)
-        timings["spmd"] = time.perf_counter() - t0
-    say("choosing pipeline stages")
-    t0 = time.perf_counter()
-    try:
-        stage_plan = solve_stages(priced.problem)
-    except StageInfeasibleError:
-        if spmd is not None:
-            return spmd
-        raise
-    timings["stage-dp"] = time.perf_counter() - t0
-    if spmd is not None and spmd.plan.step_s <= stage_plan.step_time_s:
-        log.info("SPMD %.4gs beats the best pipeline %s", spmd.plan.step_s, stage_plan)
-        if not keep_both:
-            return spmd
+    spmd, stage_plan = spmd_or_stages(graph, priced, target, options, timings, name=name, num_stages=num_stages,
+                                      keep_both=keep_both, progress=progress)
+    if stage_plan is None:
+        return spmd
     piped = finish_pipeline(fn, args, graph, parts, layers, stage_plan, priced, programs, target, timings, name, spmd)
     return (piped, spmd) if keep_both else piped
 

@@ -4,14 +4,16 @@ chosen stage plan into a ``PipelinePlanned`` (its layouts, its Plan, its runtime
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 
-from autoshard.compiler.driver import PlannedStep, Progress
+from autoshard.compiler.driver import PlannedStep, Progress, plan_on
 from autoshard.compiler.target import Target
+from autoshard.errors import InfeasibleMemoryError
 from autoshard.ir.graph import OpGraph, Role, same_structure
 from autoshard.ir.split import StepParts, batch_inputs, microbatch_shapes, split_step
 from autoshard.ir.trace import trace, trace_jaxpr
@@ -20,7 +22,8 @@ from autoshard.passes.hbm_traffic import graph_costs
 from autoshard.passes.inter_op import place_stages
 from autoshard.passes.stage_costs import PricedStages, StageCostOptions, price_stage_variants
 from autoshard.passes.layers import Layer
-from autoshard.passes.stages import StagePlan
+from autoshard.passes.intra_op import IntraOpOptions
+from autoshard.passes.stages import StageInfeasibleError, StagePlan, solve_stages
 from autoshard.plans.plan import Plan
 from autoshard.compiler.pipeline_plan import build_pipeline_plan, stage_layout
 from autoshard.compiler.stage_graphs import layer_graphs
@@ -150,3 +153,44 @@ def leaf_apply_s(parts: StepParts, cluster: ClusterSpec) -> list[float]:
             for g in owners:
                 cost[parts.grad_for_leaf[g]] += float(seconds[t]) / len(owners)
     return cost
+
+
+def stage_cost_options(schedule: str, num_stages: int | None, num_microbatches: int | None, target: Target,
+                       options: IntraOpOptions | None) -> StageCostOptions:
+    """How stage variants are priced: the user's schedule, stage and microbatch counts and budget; at least two
+    stages when the count is searched (one stage is the SPMD plan, planned beside)."""
+    return StageCostOptions(
+        schedule=schedule, num_stages=num_stages, num_microbatches=num_microbatches,
+        memory_budget_bytes=target.memory_budget_bytes, min_stages=2 if num_stages is None else 1,
+        time_limit_s=min(STAGE_TIME_LIMIT_S, (options or IntraOpOptions()).time_limit_s))
+
+
+def spmd_or_stages(graph: OpGraph, priced: PricedStages, target: Target, options: IntraOpOptions | None,
+                   timings: dict[str, float], *, name: str, num_stages: int | None, keep_both: bool,
+                   progress: Progress | None) -> tuple[PlannedStep | None, StagePlan | None]:
+    """The SPMD plan (planned beside when the stage count is searched; None when none fits) and the stage DP's
+    choice. The stage plan is None when the SPMD plan is the answer: no stages fit, or SPMD is at least as fast
+    and ``keep_both`` is not asked."""
+    say = progress or (lambda _line: None)
+    spmd: PlannedStep | None = None
+    if num_stages is None:
+        t0 = time.perf_counter()
+        try:
+            spmd = plan_on(graph, target, options, timings=dict(timings), name=name, progress=progress)
+        except InfeasibleMemoryError as err:
+            log.info("no SPMD plan fits (%s); pipelines only", err)
+        timings["spmd"] = time.perf_counter() - t0
+    say("choosing pipeline stages")
+    t0 = time.perf_counter()
+    try:
+        stage_plan = solve_stages(priced.problem)
+    except StageInfeasibleError:
+        if spmd is not None:
+            return spmd, None
+        raise
+    timings["stage-dp"] = time.perf_counter() - t0
+    if spmd is not None and spmd.plan.step_s <= stage_plan.step_time_s:
+        log.info("SPMD %.4gs beats the best pipeline %s", spmd.plan.step_s, stage_plan)
+        if not keep_both:
+            return spmd, None
+    return spmd, stage_plan

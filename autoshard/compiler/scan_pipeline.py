@@ -28,18 +28,17 @@ from typing import Any
 
 import jax
 
-from autoshard.compiler.driver import PlannedStep, Progress, plan_on
-from autoshard.compiler.pipeline_pricing import STAGE_TIME_LIMIT_S, PipelinePlanned, finish_pipeline, price_pipeline
+from autoshard.compiler.driver import Progress
+from autoshard.compiler.pipeline_pricing import (PipelinePlanned, finish_pipeline, price_pipeline, spmd_or_stages,
+                                                 stage_cost_options)
 from autoshard.compiler.target import Target
-from autoshard.errors import InfeasibleMemoryError, PlanningError
+from autoshard.errors import PlanningError
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.scan_stack import ScanStack
 from autoshard.ir.split import StepParts, batch_inputs
 from autoshard.ir.trace import trace
 from autoshard.passes.intra_op import IntraOpOptions
 from autoshard.passes.layers import cluster_layers
-from autoshard.passes.stage_costs import StageCostOptions
-from autoshard.passes.stages import StageInfeasibleError, solve_stages
 from autoshard.runtime.pipeline import PipelineStep
 from autoshard.runtime.scan_stages import per_layer, scanned_step, stacked_args, stacked_function, stage_bounds
 
@@ -62,31 +61,13 @@ def plan_scanned(fn: Callable[..., Any], args: Sequence[Any], graph: OpGraph, pa
     timings["layers"] = time.perf_counter() - t0
     say(f"pricing pipeline stages ({len(layers)} layers, {stack.length} of them scanned)")
     t0 = time.perf_counter()
-    cost_options = StageCostOptions(
-        schedule=schedule, num_stages=num_stages, num_microbatches=num_microbatches,
-        memory_budget_bytes=target.memory_budget_bytes, min_stages=2 if num_stages is None else 1,
-        time_limit_s=min(STAGE_TIME_LIMIT_S, (options or IntraOpOptions()).time_limit_s))
+    cost_options = stage_cost_options(schedule, num_stages, num_microbatches, target, options)
     priced, programs = price_pipeline(fn, args, graph, pricing.parts, layers, cost_options, target.cluster,
                                       target.num_devices, progress=say, prepare=lambda p: per_layer(p).parts)
     timings["pricing"] = time.perf_counter() - t0
-    spmd: PlannedStep | None = None
-    if num_stages is None:
-        t0 = time.perf_counter()
-        try:
-            spmd = plan_on(graph, target, options, timings=dict(timings), name=name, progress=progress)
-        except InfeasibleMemoryError:
-            spmd = None
-        timings["spmd"] = time.perf_counter() - t0
-    say("choosing pipeline stages")
-    t0 = time.perf_counter()
-    try:
-        stage_plan = solve_stages(priced.problem)
-    except StageInfeasibleError:
-        if spmd is not None:
-            return spmd
-        raise
-    timings["stage-dp"] = time.perf_counter() - t0
-    if spmd is not None and spmd.plan.step_s <= stage_plan.step_time_s and not keep_both:
+    spmd, stage_plan = spmd_or_stages(graph, priced, target, options, timings, name=name, num_stages=num_stages,
+                                      keep_both=keep_both, progress=progress)
+    if stage_plan is None:
         return spmd
     in_leaves = jax.tree_util.tree_leaves(tuple(args))
     vfn = stacked_function(fn, graph.in_tree, graph.out_tree, pricing)
