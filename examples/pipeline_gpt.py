@@ -29,9 +29,13 @@ def marked_step(loss_fn: Any, optimizer: optax.GradientTransformation) -> Any:
     return step
 
 
-def workload(config: str | gpt.Config = "small", *, abstract: bool = False, seed: int = 0,
-             batch_size: int | None = None) -> Any:
-    work = gpt.workload(config, abstract=abstract, seed=seed, batch_size=batch_size)
+def marked(work: Any) -> Any:
+    """A GPT-family workload (adamw from its config) with its step's loss marked for pipelining."""
     cfg = work.config
     optimizer = optax.adamw(cfg.learning_rate, weight_decay=cfg.weight_decay)
     return dataclasses.replace(work, step=marked_step(work.loss_fn, optimizer))
+
+
+def workload(config: str | gpt.Config = "small", *, abstract: bool = False, seed: int = 0,
+             batch_size: int | None = None) -> Any:
+    return marked(gpt.workload(config, abstract=abstract, seed=seed, batch_size=batch_size))

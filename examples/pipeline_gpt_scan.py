@@ -8,20 +8,14 @@ cuts the scanned stack into stages by layer range (each stage scans its own iter
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-import optax
-
 from examples import gpt_scan
-from examples.pipeline_gpt import marked_step
+from examples.pipeline_gpt import marked
 
 CONFIGS = gpt_scan.CONFIGS
 
 
 def workload(config: str | gpt_scan.Config = "small", *, abstract: bool = False, seed: int = 0,
              batch_size: int | None = None) -> Any:
-    work = gpt_scan.workload(config, abstract=abstract, seed=seed, batch_size=batch_size)
-    cfg = work.config
-    optimizer = optax.adamw(cfg.learning_rate, weight_decay=cfg.weight_decay)
-    return dataclasses.replace(work, step=marked_step(work.loss_fn, optimizer))
+    return marked(gpt_scan.workload(config, abstract=abstract, seed=seed, batch_size=batch_size))

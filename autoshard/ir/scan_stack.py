@@ -34,7 +34,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from autoshard.errors import PlanningError
-from autoshard.ir.split import FlatEqn, Forward, StepParts, VarId
+from autoshard.ir.split import FlatEqn, Forward, StepParts, VarId, free_mask
 
 # primitives applied chunk by chunk along the leading (layer) axis when an operand is chunked
 ROWWISE = frozenset({
@@ -226,14 +226,8 @@ def _split_forward(forward: Forward, stack: ScanStack, bounds: Sequence[int], ma
                                 mark_cuts and not last))
             origin.append(None)
             carry = list(carry_out)
-    diff_vars = {v for v, d in zip(invars, diff) if d}
-    free = []
-    for e in eqns:
-        hit = any(not isinstance(a, jcore.Literal) and a in diff_vars for a in e.ins)
-        if hit:
-            diff_vars.update(e.outs)
-        free.append(not hit)
-    fwd = Forward(tuple(eqns), tuple(invars), forward.outvar, avals, forward.consts, tuple(diff), tuple(free),
+    free = free_mask(eqns, {v for v, d in zip(invars, diff) if d})
+    fwd = Forward(tuple(eqns), tuple(invars), forward.outvar, avals, forward.consts, tuple(diff), free,
                   forward.aux)
     return fwd, tuple(leaf_of), tuple(origin), tuple(chunk_eqns)
 

@@ -327,11 +327,12 @@ def _flatten_forward(inner: Any, diff: tuple[bool, ...], num_values: int = 1) ->
         return [read(a) for a in jx.outvars]
 
     out, *aux = walk(dced, consts, [env[v] for v in dced.invars], False)
-    free = _free_mask(eqns, {v for v, d in zip(invars, diff) if d})
+    free = free_mask(eqns, {v for v, d in zip(invars, diff) if d})
     return Forward(tuple(eqns), invars, out, avals, const_env, diff, free, tuple(aux))
 
 
-def _free_mask(eqns: Sequence[FlatEqn], diff_vars: set[VarId]) -> tuple[bool, ...]:
+def free_mask(eqns: Sequence[FlatEqn], diff_vars: set[VarId]) -> tuple[bool, ...]:
+    """Per equation: True when none of its inputs depends on ``diff_vars`` (it needs no backward)."""
     tainted = set(diff_vars)
     free = []
     for e in eqns:
