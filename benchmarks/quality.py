@@ -180,13 +180,24 @@ class CellResult:
         return min((b for b in self.baselines if b.fits), key=lambda b: b.step_s, default=None)
 
     @property
+    def answer(self) -> StrategyRow | None:
+        """What autoshard returns for the cell: its SPMD plan, or the pipeline where the cell searched stages and
+        the pipeline fits and is faster (``plan_pipeline`` with stages searched keeps the faster of the two)."""
+        piped = self.pipeline
+        if piped is not None and piped.fits and piped.step_s > 0 and (
+                self.autoshard is None or not self.autoshard.fits or piped.step_s < self.autoshard.step_s):
+            return piped
+        return self.autoshard
+
+    @property
     def speedup(self) -> float | None:
-        """autoshard over the fastest classic strategy that fits; None when either is missing or autoshard's
-        plan is over the memory budget (it could not run)."""
-        best = self.fallback
-        if self.autoshard is None or not self.autoshard.fits or best is None or self.autoshard.step_s <= 0:
+        """autoshard's answer (``answer``) over the fastest classic strategy that fits (uniform GPipe included
+        where planned); None when either is missing or autoshard's plan is over the memory budget (it could not
+        run)."""
+        best, mine = self.fallback, self.answer
+        if mine is None or not mine.fits or best is None or mine.step_s <= 0:
             return None
-        return best.step_s / self.autoshard.step_s
+        return best.step_s / mine.step_s
 
     @property
     def over_budget(self) -> bool:

@@ -143,6 +143,11 @@ def test_pipeline_columns_rate_the_pipeline_against_every_other_row():
     piped = replace(cell, pipeline=_row("pipeline", 0.6), pipeline_stages="2 stages [L0-7@2x4 | L8-15@2x4] B=8 1f1b",
                     pipeline_s=12.0)
     assert piped.pipeline_speedup == pytest.approx(0.9 / 0.6)  # the fastest fitting other row: uniform GPipe
+    # autoshard's answer with stages searched is the faster of its SPMD plan and the pipeline: the cell is
+    # rated by it, so an SPMD plan slower than uniform GPipe does not rate the cell below 1.0x
+    assert piped.answer is piped.pipeline and piped.speedup == pytest.approx(piped.fallback.step_s / 0.6)
+    slow = replace(piped, pipeline=_row("pipeline", 5.0))
+    assert slow.answer is slow.autoshard and slow.speedup == pytest.approx(cell.speedup)
     row = render_markdown(quality_table([piped])).splitlines()[-1]
     assert "1.50x" in row and "2 stages [L0-7@2x4 \\| L8-15@2x4]" in row  # markdown escapes the bar
     over = replace(piped, pipeline=_row("pipeline", 0.1, fits=False))
