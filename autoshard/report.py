@@ -318,8 +318,9 @@ def fidelity_lines(report: Any) -> list[FidelityLine]:
     """Rows of a verify report, flagged when off by more than their tolerance, relative and absolute
     (``compiler/verify.py``: collectives 10%, peak memory 15%, FLOPs 5%, HBM bytes 20%, each or a few
     immaterial bytes)."""
-    return [FidelityLine(r.what, r.predicted, r.compiled, r.rel_error, not r.ok,
-                         f"{r.tolerance:.0%}" + (f" or {fmt_bytes(r.immaterial_bytes)}" if r.immaterial_bytes else ""))
+    return [FidelityLine(r.what, r.predicted, r.compiled, r.rel_error, r.flagged,
+                         (f"{r.tolerance:.0%}" + (f" or {fmt_bytes(r.immaterial_bytes)}" if r.immaterial_bytes else ""))
+                         if getattr(r, "checked", True) else "not checked")
             for r in report.rows]
 
 
@@ -336,5 +337,6 @@ def fidelity_table(report: Any, title: str, note: str = "") -> Table:
         err = "inf" if math.isinf(line.rel_error) else f"{line.rel_error:.1%}"
         table.add_row(line.what.replace(" bytes", "") if "hbm" not in line.what else line.what,
                       _figure(line.what, line.predicted), _figure(line.what, line.compiled), err,
-                      line.tolerance, Text("OFF", style="bold red") if line.flagged else Text("ok", style="green"))
+                      line.tolerance, Text("OFF", style="bold red") if line.flagged else
+                      Text("estimate", style="yellow") if line.tolerance == "not checked" else Text("ok", style="green"))
     return table
