@@ -112,9 +112,12 @@ def test_planned_stage_collectives_match_compiled_hlo(devices8):
     assert len(plan.stages) == 2 and not any(st.recompute for st in plan.stages)
     assert any(not s.is_replicated for st in plan.stages for s in [*st.param_specs.values(), *st.grad_specs.values()])
     report = verify_pipeline(plan, lower_pipeline(piped.runtime()).compile())
-    assert not report.notes, report.notes  # every stage's collectives are predicted
+    # every stage's collectives are predicted; the backward's are shown as estimates, not checked
+    assert not [n for n in report.notes if "not predicted" in n], report.notes
     for st in plan.stages:
-        assert f"stage {st.index} backward all collective bytes" in [r.what for r in report.rows]
+        backward = [r for r in report.rows if r.what.startswith(f"stage {st.index} backward ")]
+        assert any(r.what.endswith("all collective bytes") for r in backward)
+        assert all(not r.checked and not r.flagged for r in backward)
     # the forward and apply executables run what the layer plans (and the reshards between them) predict
     compared = [r for r in report.rows if " forward " in r.what or " apply " in r.what]
     assert sum(r.predicted for r in compared if r.what.endswith("all collective bytes")) > 0
