@@ -10,6 +10,7 @@ cost model or the emitter is wrong.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,17 +90,24 @@ class FidelityReport(FidelityRows):
         return "\n".join(self.text_lines(28))
 
 
-def compare(plan: Plan, summary: CompiledSummary) -> FidelityReport:
-    predicted = plan.ledger.collective_bytes
-    total_p = float(sum(predicted.values()))
-    total_c = float(sum(summary.bytes_by_kind.values()))
+def collective_rows(predicted: Mapping[str, float], compiled: Mapping[str, float], prefix: str = "",
+                    checked: bool = True) -> list[FidelityRow]:
+    """Per collective kind either side moves, predicted vs compiled per-device bytes, and their totals; a kind's
+    difference under 1% of all compiled collective bytes (or 1 KiB) is immaterial."""
+    total_c = float(sum(compiled.values()))
     immaterial = max(1024.0, 0.01 * total_c)
     rows = []
     for kind in KINDS:
-        p, c = float(predicted.get(kind, 0.0)), float(summary.bytes_by_kind.get(kind, 0.0))
+        p, c = float(predicted.get(kind, 0.0)), float(compiled.get(kind, 0.0))
         if p or c:
-            rows.append(FidelityRow(f"{kind} bytes", p, c, COLLECTIVE_TOLERANCE, immaterial))
-    rows.append(FidelityRow("all collective bytes", total_p, total_c, COLLECTIVE_TOLERANCE))
+            rows.append(FidelityRow(f"{prefix}{kind} bytes", p, c, COLLECTIVE_TOLERANCE, immaterial, checked))
+    rows.append(FidelityRow(f"{prefix}all collective bytes", float(sum(predicted.values())), total_c,
+                            COLLECTIVE_TOLERANCE, checked=checked))
+    return rows
+
+
+def compare(plan: Plan, summary: CompiledSummary) -> FidelityReport:
+    rows = collective_rows(plan.ledger.collective_bytes, summary.bytes_by_kind)
     rows.append(FidelityRow("peak memory bytes", plan.ledger.peak_memory_bytes, float(summary.peak_bytes),
                             MEMORY_TOLERANCE, MEMORY_IMMATERIAL_BYTES))
     flops, nbytes = getattr(summary, "flops", None), getattr(summary, "bytes_accessed", None)

@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 
 from autoshard.compiler.hlo import CompiledSummary, summarize_compiled
-from autoshard.compiler.verify import (COLLECTIVE_TOLERANCE, KINDS, MEMORY_IMMATERIAL_BYTES, MEMORY_TOLERANCE,
-                                       FidelityRow, FidelityRows)
+from autoshard.compiler.verify import (MEMORY_IMMATERIAL_BYTES, MEMORY_TOLERANCE, FidelityRow, FidelityRows,
+                                       collective_rows)
 from autoshard.plans.plan import Plan
 from autoshard.runtime.pipeline_lower import PipelineCompiled
 
@@ -87,20 +87,6 @@ def predicted_collectives(plan: Plan, stage: Any) -> dict[str, dict[str, float]]
     return {"forward": {}, "backward": {"all-reduce": grads} if grads else {}, "apply": {}}
 
 
-def _collective_rows(name: str, predicted: Mapping[str, float], summary: CompiledSummary,
-                     checked: bool = True) -> list[FidelityRow]:
-    total_c = float(sum(summary.bytes_by_kind.values()))
-    immaterial = max(1024.0, 0.01 * total_c)
-    rows = []
-    for kind in KINDS:
-        p, c = float(predicted.get(kind, 0.0)), float(summary.bytes_by_kind.get(kind, 0.0))
-        if p or c:
-            rows.append(FidelityRow(f"{name} {kind} bytes", p, c, COLLECTIVE_TOLERANCE, immaterial, checked))
-    rows.append(FidelityRow(f"{name} all collective bytes", float(sum(predicted.values())), total_c,
-                            COLLECTIVE_TOLERANCE, checked=checked))
-    return rows
-
-
 def _activation_input_bytes(compiled: Any) -> float:
     """Per-device bytes of the activation arguments of a last-stage backward ``(params, data, acts, acc, loss)``."""
     infos, shardings = compiled.args_info[0][2], compiled.input_shardings[0][2]
@@ -132,8 +118,8 @@ def verify_pipeline(plan: Plan, compiled: PipelineCompiled) -> PipelineFidelityR
                 # an intra-op stage pins its forward equations and its update's outputs; its backward is jax.vjp
                 # of the pinned forward, whose collectives XLA places itself: the plan's figure is an estimate
                 estimate = action == "backward" and bool(getattr(stage, "intra_op", ""))
-                rows += _collective_rows(f"stage {stage.index} {action}", predicted[action], got[action][1],
-                                         checked=not estimate)
+                rows += collective_rows(predicted[action], got[action][1].bytes_by_kind,
+                                        f"stage {stage.index} {action} ", checked=not estimate)
                 if estimate:
                     notes.append(f"stage {stage.index} backward: its collectives are an estimate, not checked (the "
                                  "stage pins its forward equations only; XLA places the backward's collectives)")
