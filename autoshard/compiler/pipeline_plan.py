@@ -62,13 +62,15 @@ def stage_layout(graph: OpGraph, parts: StepParts, programs: Sequence[StageProgr
             leading = [s for s in cost.input_specs[na + npar:na + npar + nd + nact] if s.rank]
             if leading:
                 batch_axes = tuple(leading[0].dims[0])
+    pins = {layer: priced.layer_cost(layer, k).train_pins for layer in range(choice.first_layer, choice.last_layer + 1)}
     inputs = state_specs(graph, parts, params, grads)
     edges = edge_pins(parts, programs, priced, choice.first_layer, choice.last_layer, k)
     return StageLayout(choice.first_layer, choice.last_layer, tuple(devices), mesh_shape=tuple(mesh.shape),
                        axis_names=tuple(mesh.axis_names), param_specs=params, grad_specs=grads,
                        input_specs=inputs, batch_axes=batch_axes if batch_axes is not None else (),
                        recompute=variant.recompute, op_out_specs=op_out, op_in_reshards=op_in,
-                       output_specs=output_specs(graph.carried, inputs), edge_pins=edges)
+                       output_specs=output_specs(graph.carried, inputs), edge_pins=edges,
+                       train_pins=pins if all(p is not None for p in pins.values()) else {})
 
 
 def _act_specs(priced: PricedStages, layer: int, k: int

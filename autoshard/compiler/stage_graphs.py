@@ -2,7 +2,8 @@
 
 For a layer (its forward equations, ``passes/layers.py``) the graph is one
 microbatch's forward and backward with the gradient accumulated, as the
-pipeline runtime runs it (``runtime/pipeline.py``)::
+pipeline runtime runs it (``runtime/stage_train.py``, cut into a forward and a
+backward half there)::
 
     layer_step(acc, params, data, acts_in, cts_out) -> (acc + dparams, acts_out, dacts_in)
 
@@ -15,51 +16,30 @@ share one graph (:func:`layer_graphs`).
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 
-from autoshard.ir.graph import OpGraph, Role
+from autoshard.ir.graph import OpGraph
 from autoshard.ir.split import Forward, StepParts
-from autoshard.ir.trace import trace, trace_jaxpr
+from autoshard.ir.trace import trace_jaxpr
 from autoshard.passes.layers import Layer
 from autoshard.passes.stage_costs import LayerTrainGraph
-from autoshard.runtime.pipeline import StageProgram, stage_programs
-
-
-def _aval(parts: StepParts, var: Any) -> jax.ShapeDtypeStruct:
-    aval = parts.forward.avals[var]
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+from autoshard.runtime.pipeline import StageProgram
+from autoshard.runtime.stage_train import one_layer_programs, split_phases, struct_of, train_graph
 
 
 def layer_graph(parts: StepParts, program: StageProgram, key: str) -> LayerTrainGraph:
-    """The train graph of one layer (module docstring)."""
+    """The train graph of one layer (``runtime/stage_train.train_graph``) and its forward / backward cut."""
     fwd = parts.forward
+    graph, groups = train_graph(fwd, program)
     run = program.function(fwd)
-    params = [_aval(parts, fwd.invars[k]) for k in program.param_leaves]
-    data = [_aval(parts, fwd.invars[k]) for k in program.data_leaves]
-    acts = [_aval(parts, v) for v in program.in_acts]
-    cts = [_aval(parts, v) for v in program.out_acts]
-
-    def layer_step(acc: list[Any], pr: list[Any], d: list[Any], ac: list[Any], ct: list[Any]) -> Any:
-        out, pullback = jax.vjp(lambda p_, a_: run(p_, d, a_), pr, ac)
-        dparams, dacts = pullback(ct)
-        return [a + g for a, g in zip(acc, dparams)], out, dacts
-
-    graph = trace(layer_step, params, params, data, acts, cts)
-    groups = (len(params), len(params), len(data), len(acts), len(cts))
-    roles = ([Role.OPT_STATE] * groups[0] + [Role.PARAM] * groups[1] + [Role.BATCH] * groups[2]
-             + [Role.ACTIVATION] * (groups[3] + groups[4]))
-    values = dict(graph.values)
-    for vid, role in zip(graph.inputs, roles):
-        values[vid] = dataclasses.replace(values[vid], role=role)
-    carried = tuple(k if k < groups[0] else None for k in range(len(graph.outputs)))
-    graph = dataclasses.replace(graph, values=values, carried=carried)
+    params = [struct_of(fwd, fwd.invars[k]) for k in program.param_leaves]
+    data = [struct_of(fwd, fwd.invars[k]) for k in program.data_leaves]
+    acts = [struct_of(fwd, v) for v in program.in_acts]
     forward_ops = len(trace_jaxpr(jax.make_jaxpr(lambda p_, d_, a_: run(p_, d_, a_))(params, data, acts)).ops)
     return LayerTrainGraph(graph, min(forward_ops, len(graph.ops)), groups, key,
-                           eqn_ops=align_equations(fwd, program.eqns, graph))
+                           eqn_ops=align_equations(fwd, program.eqns, graph), phases=split_phases(graph, groups))
 
 
 def align_equations(fwd: Forward, eqns: Sequence[int], graph: OpGraph) -> tuple[int | None, ...]:
@@ -90,7 +70,7 @@ def align_equations(fwd: Forward, eqns: Sequence[int], graph: OpGraph) -> tuple[
 def layer_graphs(parts: StepParts, layers: Sequence[Layer]) -> tuple[list[LayerTrainGraph], list[StageProgram]]:
     """Per layer, its class's train graph (traced once per distinct ``Layer.structure``) and its own
     one-layer program (the leaves its graph's parameter inputs stand for)."""
-    programs = stage_programs(parts.forward, [layer.eqns for layer in layers], [(i, i) for i in range(len(layers))])
+    programs = one_layer_programs(parts.forward, [layer.eqns for layer in layers])
     cache: dict[str, LayerTrainGraph] = {}
     out = []
     for layer, program in zip(layers, programs):

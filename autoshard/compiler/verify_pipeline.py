@@ -12,9 +12,11 @@ intra-op plan carries per-executable figures (``collective_bytes``: {action:
 {kind: bytes}}, ``compiler/pipeline_plan.stage_collectives``: its layer plans'
 forward and backward collectives per microbatch summed over its layers, the
 reshards between those plans and at its boundaries, the apply's once per
-step), taken at their word (the backward's as an estimate shown but not checked: the stage pins
-its forward equations and the update's outputs, and XLA places the collectives of the forward's
-transpose itself); a stage without an intra-op plan is data
+step), taken at their word. A stage that runs its layers' train graphs
+(``runtime/stage_train.py``) pins every op of its forward and its backward, so
+both are checked; one on the ``jax.vjp`` path (a plan file without train-graph
+pins) pins its forward only, and its backward's figure is shown as an estimate,
+not checked; a stage without an intra-op plan is data
 parallel, and its backward all-reduces the gradient of every parameter it
 holds whole when the stage's batch is split over more than one device. A
 stage with an intra-op plan but no figures (a plan file written before they
@@ -23,7 +25,8 @@ were recorded) is not compared, and the report says so in ``notes``.
 The compiled stage peak is composed from ``memory_analysis()`` of the stage's
 executables, as the runtime holds their buffers: the apply executable's
 arguments (parameters, accumulated gradients, optimizer state), plus the
-per-microbatch activations in flight (the forward's outputs, or for the last
+per-microbatch activations in flight (what the runtime keeps from the forward: its residuals, or on the
+``jax.vjp`` path all its outputs; for the last
 stage, whose forward runs inside its backward, the backward's activation
 inputs) times the stage's in-flight count, plus the largest temporary buffer of
 the forward and backward. Tolerances are verify.py's.
@@ -101,7 +104,7 @@ def verify_pipeline(plan: Plan, compiled: PipelineCompiled) -> PipelineFidelityR
     for exe, comp in compiled:
         summary = summarize_compiled(comp)
         summaries[exe.name] = summary
-        by_stage.setdefault(exe.stage, {})[exe.action] = (comp, summary)
+        by_stage.setdefault(exe.stage, {})[exe.action] = (comp, summary, exe)
     rows: list[FidelityRow] = []
     notes: list[str] = []
     last = len(plan.stages) - 1
@@ -115,19 +118,22 @@ def verify_pipeline(plan: Plan, compiled: PipelineCompiled) -> PipelineFidelityR
                          f"compiled: {compiled_bytes:,.0f} bytes per device over its executables")
         for action in ACTIONS:
             if action in got and predicted is not None:
-                # an intra-op stage pins its forward equations and its update's outputs; its backward is jax.vjp
-                # of the pinned forward, whose collectives XLA places itself: the plan's figure is an estimate
-                estimate = action == "backward" and bool(getattr(stage, "intra_op", ""))
+                # a stage running its train graphs pins every op, its backward's too; one on the jax.vjp path
+                # pins its forward equations only and XLA places the backward's collectives: an estimate there
+                estimate = action == "backward" and bool(getattr(stage, "intra_op", "")) \
+                    and not got[action][2].pinned_per_op
                 rows += collective_rows(predicted[action], got[action][1].bytes_by_kind,
                                         f"stage {stage.index} {action} ", checked=not estimate)
                 if estimate:
                     notes.append(f"stage {stage.index} backward: its collectives are an estimate, not checked (the "
-                                 "stage pins its forward equations only; XLA places the backward's collectives)")
+                                 "stage runs jax.vjp of its pinned forward, its plan carries no train-graph pins: "
+                                 "re-plan to record them)")
         held = float(got["apply"][1].argument_bytes) if "apply" in got else 0.0
         if stage.index == last:
             per_mb = _activation_input_bytes(got["backward"][0])
         else:
-            per_mb = float(got["forward"][1].output_bytes)
+            exe = got["forward"][2]
+            per_mb = exe.kept_bytes if exe.kept_bytes > 0 else float(got["forward"][1].output_bytes)
         temp = max(float(got[a][1].temp_bytes) for a in ("forward", "backward") if a in got)
         compiled_peak = held + stage.memory.in_flight * per_mb + temp
         rows.append(FidelityRow(f"stage {stage.index} peak memory bytes", float(stage.memory.peak_bytes),

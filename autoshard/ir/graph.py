@@ -231,6 +231,15 @@ class OpGraph:
         self._run(0, len(self.ops), env, before_op, after_op)
         return [env[v] for v in self.outputs]
 
+    def run_ops(self, env: dict[ValueId, Any], ranges: Sequence[tuple[int, int]], *,
+                before_op: Callable[[Op, list[Any]], list[Any]] | None = None,
+                after_op: Callable[[Op, list[Any]], list[Any]] | None = None) -> None:
+        """Run the ops of each ``[start, stop)`` in ``ranges`` (in order) into ``env`` (value id -> value),
+        hooks as in ``evaluate``: part of the graph, when its inputs are in ``env`` (a pipeline stage runs a
+        train graph's forward and backward as two programs). A range must not cut a loop region."""
+        for start, stop in ranges:
+            self._run(start, stop, env, before_op, after_op)
+
     def _run(self, start: int, stop: int, env: dict[ValueId, Any], before_op: Any, after_op: Any) -> None:
         """Run ops ``[start, stop)`` into ``env``; a loop region there runs as one ``lax.scan``."""
         regions = {r.start: r for r in self.loops}

@@ -16,7 +16,7 @@ import collections
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -151,9 +151,13 @@ class IntraOpResult:
         (an all-reduce and a slice: ``compiler/hlo.py``), so it is reported as one, bytes unchanged."""
         return [c for _, c in self.collectives_by_op()]
 
-    def collectives_by_op(self) -> list[tuple[int, Collective]]:
+    def collectives_by_op(self, part_of: Callable[[int], int] | None = None) -> list[tuple[int, Collective]]:
         """``collectives()`` with the op each belongs to: the op whose strategy runs it or whose input it
-        reshards; -1 for the inputs' own and for carried state written back to its storage layout."""
+        reshards; -1 for the inputs' own and for carried state written back to its storage layout.
+
+        A value resharded alike for several readers is priced once (one reshard feeds them all); with
+        ``part_of`` (op index -> the program part running it: a pipeline stage's forward and backward are
+        two executables) once per part that reads it, as each part must run it itself."""
         sliced = _sliced_after_all_reduce(self)
         ops = self.graph.ops
         found = [(t, _runs(dataclasses.replace(c, kind="reduce-scatter") if (t, k) in sliced else c,
@@ -163,7 +167,7 @@ class IntraOpResult:
         found += [(-1, c) for s in self.node_strategies[:len(self.graph.inputs)] for c in s.collectives]
         seen: set[tuple] = set()
         for site in self.reshards:
-            key = (site.value, site.src, site.chain)
+            key = (site.value, site.src, site.chain, part_of(site.op_index) if part_of is not None else 0)
             if key not in seen:
                 seen.add(key)
                 found += [(site.op_index, _runs(c, site.runs)) for c in site.collectives]

@@ -32,15 +32,23 @@ Per layer l on a variant, with the ILP's plan (storage specs, value specs):
     opt_l      = r_opt x accumulator bytes (the optimizer state kept in the accumulator's layout)
     u_l        = once per step: the optimizer's per-op rooflines on the accumulator's shard, plus
                  resharding each updated parameter from the accumulator's layout to its own
-    act_l      = residuals per microbatch: forward values the backward reads, and the layer input
+    act_l      = residuals per microbatch, as the runtime keeps them between its forward and backward
+                 executables (``runtime/stage_train.split_phases``): the forward's values the backward
+                 reads, and the layer input
     extra_l    = the plan's peak - state_l - act_l (temporaries of one backward)
+    fact_l, fextra_l = the same when forward and backward run as one program (the forward's values read
+                 by any later op: XLA holds them inside that one program)
 
-and a stage i..j (recompute: the backward re-runs the stage forward from its input)::
+and a stage i..j (recompute: the backward re-runs the stage forward from its input; the last stage fuses
+its forward into its backward, so it keeps what a recomputing stage keeps)::
 
     time       = sum t_l [+ sum f_l]  +  sum u_l / B
     param      = sum (state_l + opt_l)
-    act        = sum act_l            [recompute: the stage input only]
-    work       = max extra_l          [recompute: + sum act_l, one microbatch recomputed]
+    act        = sum act_l            [recompute, last stage: the stage input only]
+    work       = max extra_l          [recompute, last stage: max fextra_l + sum fact_l - the stage input]
+
+Collectives are split between the forward and backward executables by the same cut; a value resharded
+alike in both halves is counted in each (each executable runs its own reshard).
 
 Transfers after layer j from variant k1 to k2: the activation forward and its
 gradient back, each ``cross_mesh_send_s`` over the link the two sub-meshes
@@ -52,6 +60,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -68,6 +77,7 @@ from autoshard.passes.resharding import reshard
 from autoshard.passes.inter_op import cross_mesh_send_s
 from autoshard.passes.stage_problem import StageProblem, SubmeshShape, microbatch_choices
 from autoshard.runtime.schedules import PipelineSchedule
+from autoshard.runtime.stage_train import Phases, TrainPins
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +94,7 @@ class LayerTrainGraph:
     key: str  # the layer structure hash: equal keys, one solve
     # per forward equation of the layer's program (in its order): the graph op computing it (None: unmatched)
     eqn_ops: tuple[int | None, ...] = ()
+    phases: Phases | None = None  # its forward / backward cut, as the runtime runs it (``runtime/stage_train``)
 
 
 @dataclass(frozen=True)
@@ -126,6 +137,12 @@ class LayerCost:
     forward_collectives: Mapping[str, float] = field(default_factory=dict)
     backward_collectives: Mapping[str, float] = field(default_factory=dict)
     apply_collectives: Mapping[str, float] = field(default_factory=dict)
+    # the whole plan, op by op, for a stage that runs the train graph itself (``runtime/stage_train.py``)
+    train_pins: TrainPins | None = None
+    # residuals and temporaries when the forward and the backward run as one program (the last stage, a
+    # recomputing stage): the forward's values the backward reads, by program order
+    fused_act_bytes: float = 0.0
+    fused_extra_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -226,10 +243,15 @@ def layer_cost(train: LayerTrainGraph, result: IntraOpResult, leaf_update_s: Seq
     acc_b, param_b = sum(local[:na]), sum(local[na:na + npar])
     in_b = sum(local[na + npar + nd:na + npar + nd + nact])
     nf = train.num_forward_ops
+
+    def held(vids: Any) -> float:
+        return sum(_local_bytes(graph, v, result.value_specs[v], sizes) for v in vids if v in result.value_specs)
+
     fwd_values = {v for op in graph.ops[:nf] for v in op.outputs}
     read_later = {v for op in graph.ops[nf:] for v in op.inputs}
-    residual = sum(_local_bytes(graph, v, result.value_specs[v], sizes) for v in fwd_values & read_later
-                   if v in result.value_specs)
+    fused_residual = held(fwd_values & read_later)
+    phases = train.phases
+    residual = held(phases.residuals) if phases is not None else fused_residual
     forward_s = float(sum(result.op_compute_s[:nf]) + sum(result.op_comm_s[:nf]))
     update_s = 0.0
     apply_c: dict[str, float] = {}
@@ -245,12 +267,21 @@ def layer_cost(train: LayerTrainGraph, result: IntraOpResult, leaf_update_s: Seq
             for c in moved.collectives:
                 apply_c[c.kind] = apply_c.get(c.kind, 0.0) + c.nbytes
     ann = annotations_from(result)
-    matched = [t for t in train.eqn_ops if t is not None]
-    forward_end = max(matched) if matched else nf - 1  # ops up to here are the forward (JVP factors included)
+    if phases is not None:  # as the runtime runs it: forward and backward two programs
+        in_forward = phases.forward_ops()
+
+        def part_of(t: int) -> int:
+            return 0 if t in in_forward else 1
+    else:
+        matched = [t for t in train.eqn_ops if t is not None]
+        forward_end = max(matched) if matched else nf - 1  # ops up to here are the forward (JVP factors included)
+
+        def part_of(t: int) -> int:
+            return 0 if 0 <= t <= forward_end else 1
     fwd_c: dict[str, float] = {}
     bwd_c: dict[str, float] = {}
-    for t, c in result.collectives_by_op():
-        side = fwd_c if 0 <= t <= forward_end else bwd_c
+    for t, c in result.collectives_by_op(part_of):
+        side = fwd_c if t >= 0 and part_of(t) == 0 else bwd_c
         side[c.kind] = side.get(c.kind, 0.0) + c.nbytes
     act = residual + in_b
     acts_in = specs[na + npar + nd:na + npar + nd + nact]
@@ -264,7 +295,10 @@ def layer_cost(train: LayerTrainGraph, result: IntraOpResult, leaf_update_s: Seq
         summary=_describe(train.groups, specs, mesh),
         eqn_out_specs=tuple(None if t is None else tuple(ann.op_out_specs[t]) for t in train.eqn_ops),
         eqn_in_reshards=tuple({} if t is None else dict(ann.op_in_reshards.get(t, {})) for t in train.eqn_ops),
-        forward_collectives=fwd_c, backward_collectives=bwd_c, apply_collectives=apply_c)
+        forward_collectives=fwd_c, backward_collectives=bwd_c, apply_collectives=apply_c,
+        train_pins=TrainPins(train.key, len(graph.ops), ann),
+        fused_act_bytes=fused_residual + in_b,
+        fused_extra_bytes=max(0.0, float(result.peak_bytes) - acc_b - param_b - fused_residual - in_b))
 
 
 def lerp_microbatch(big: float, small: float, ratio: int, num_microbatches: int) -> float:
@@ -375,6 +409,7 @@ def price_stage_variants(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrai
     # per layer, variant, B: t, f, act, extra; per layer, variant: state, opt, update
     t = np.zeros((num_layers, num_k, num_b))
     f, act, extra, inb = np.zeros_like(t), np.zeros_like(t), np.zeros_like(t), np.zeros_like(t)
+    fact, fextra = np.zeros_like(t), np.zeros_like(t)  # run as one program (the last stage, recompute)
     state, grad, opt, upd = (np.zeros((num_layers, num_k)) for _ in range(4))
     in_rep = np.zeros((num_layers, num_k), dtype=bool)
     for layer in range(num_layers):
@@ -389,22 +424,28 @@ def price_stage_variants(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrai
                 act[layer, k, b] = lerp_microbatch(big.act_bytes, small.act_bytes, ratio, big_b)
                 extra[layer, k, b] = lerp_microbatch(big.extra_bytes, small.extra_bytes, ratio, big_b)
                 inb[layer, k, b] = lerp_microbatch(big.in_bytes, small.in_bytes, ratio, big_b)
+                fact[layer, k, b] = lerp_microbatch(big.fused_act_bytes, small.fused_act_bytes, ratio, big_b)
+                fextra[layer, k, b] = lerp_microbatch(big.fused_extra_bytes, small.fused_extra_bytes, ratio, big_b)
     cum = {name: np.concatenate([np.zeros((1,) + a.shape[1:]), np.cumsum(a, axis=0)])
-           for name, a in (("t", t), ("f", f), ("act", act), ("state", state), ("grad", grad), ("opt", opt), ("upd", upd))}
+           for name, a in (("t", t), ("f", f), ("act", act), ("state", state), ("grad", grad), ("opt", opt), ("upd", upd), ("fact", fact))}
     shape4 = (num_layers, num_layers, num_k, num_b)
     comp, acts, work = np.full(shape4, np.inf), np.zeros(shape4), np.zeros(shape4)
     sbytes, gbytes, obytes, usec = (np.zeros(shape4[:3]) for _ in range(4))
     recompute = np.array([v.recompute for v in variants])
     for i in range(num_layers):
-        run_max = np.zeros((num_k, num_b))
+        run_max, run_max_fused = np.zeros((num_k, num_b)), np.zeros((num_k, num_b))
         for j in range(i, num_layers):
             run_max = np.maximum(run_max, extra[j])
+            run_max_fused = np.maximum(run_max_fused, fextra[j])
             seg = {name: a[j + 1] - a[i] for name, a in cum.items()}
             sbytes[i, j], obytes[i, j], usec[i, j] = seg["state"], seg["opt"], seg["upd"]
             gbytes[i, j] = seg["grad"]
             comp[i, j] = seg["t"] + np.where(recompute[:, None], seg["f"], 0.0)
-            acts[i, j] = np.where(recompute[:, None], inb[i], seg["act"])
-            work[i, j] = run_max + np.where(recompute[:, None], seg["act"], 0.0)
+            # one program (recomputing, or the last stage fusing its forward into its backward): only the input
+            # is held per microbatch in flight, every layer's residuals live during one backward
+            fused = recompute[:, None] | (j == num_layers - 1)
+            acts[i, j] = np.where(fused, inb[i], seg["act"])
+            work[i, j] = np.where(fused, run_max_fused + seg["fact"] - inb[i], run_max)  # the input counted in acts
     time = comp + usec[..., None] / np.array(bs, dtype=float)
     if options.min_stages > 1:
         time[0, num_layers - 1, [k for k, v in enumerate(variants) if v.submesh[0] * v.submesh[1] == num_devices]] = \

@@ -79,6 +79,7 @@ from autoshard.runtime.loss_io import Prologue, aux_per_example, combine_aux
 from autoshard.runtime.schedules import PipelineSchedule, schedule_actions
 from autoshard.runtime.stage_layout import StageLayout, deliver, planned_sharding, replicated, split_leading
 from autoshard.runtime.stage_pins import stage_hooks
+from autoshard.runtime.stage_train import StageRunner, one_layer_programs, stage_runner
 
 __all__ = ["PipelineError", "PipelineStep", "StageLayout", "StageProgram", "assign_outputs", "stage_programs"]
 
@@ -127,10 +128,10 @@ class PipelineStep:
         self._build_executables()
 
     # ---- construction --------------------------------------------------
-    def _act_sharding(self, s: int, var: VarId) -> NamedSharding:
+    def act_sharding(self, s: int, var: VarId) -> NamedSharding:
         return split_leading(self.meshes[s], self.parts.forward.avals[var].shape, self.layouts[s].batch_axes)
 
-    def _data_sharding(self, s: int, k: int) -> NamedSharding:
+    def data_sharding(self, s: int, k: int) -> NamedSharding:
         return split_leading(self.meshes[s], self.parts.forward.avals[self.parts.forward.invars[k]].shape,
                               self.layouts[s].batch_axes)
 
@@ -147,60 +148,119 @@ class PipelineStep:
         src = self.parts.operand_inputs[k]
         return src is not None and self.split_inputs[src]
 
+    def _runner(self, p: StageProgram, graphs: dict[str, Any]) -> StageRunner | None:
+        """The stage's train-graph runner (``runtime/stage_train.py``), or None (the jax.vjp path, logged why)."""
+        layout = self.layouts[p.index]
+        if not layout.train_pins:
+            return None
+        if self._layer_programs is None:
+            self._layer_programs = one_layer_programs(self.parts.forward, self.layers)
+        runner, why = stage_runner(self.parts.forward, p, self._layer_programs, layout.train_pins,
+                                   layout.first_layer, layout.last_layer, self.meshes[p.index], graphs)
+        if runner is None:
+            log.warning("pipeline stage %d runs jax.vjp of its pinned forward, not its planned backward: %s",
+                        p.index, why)
+        return runner
+
     def _build_executables(self) -> None:
-        fwd = self.parts.forward
         num_stages = len(self.programs)
-        scale = 1.0 / self.num_microbatches
         self.fwd_fns, self.bwd_fns = [], []
+        self._layer_programs: list[StageProgram] | None = None
+        graphs: dict[str, Any] = {}
+        self.runners = [self._runner(p, graphs) for p in self.programs]
         for p in self.programs:
-            mesh = self.meshes[p.index]
-            rep = replicated(mesh)
-            run = p.function(fwd, *stage_hooks(fwd, self.layouts[p.index], mesh))
-            ps = [self.param_sharding(p.index, k) for k in p.param_leaves]
-            gs = [self.grad_sharding(p.index, k) for k in p.param_leaves]
-            ds = [self._data_sharding(p.index, k) for k in p.data_leaves]
-            ins = [self._act_sharding(p.index, v) for v in p.in_acts]
             last = p.index == num_stages - 1
-            outs = [rep] if last else [self._act_sharding(p.index, v) for v in p.out_acts]
-            if self.recompute[p.index] or last:
-                self.fwd_fns.append(jax.jit(run, in_shardings=(ps, ds, ins), out_shardings=outs, **self._jit_options))
+            if self.runners[p.index] is not None:
+                self._build_train_stage(p, self.runners[p.index], last)
             else:
-                def fwd_keep(params, data, acts, run=run):
-                    out, pullback = jax.vjp(lambda pr, ac: run(pr, data, ac), params, acts)
-                    return out, pullback
-
-                self.fwd_fns.append(jax.jit(fwd_keep, in_shardings=(ps, ds, ins), **self._jit_options))
-
-            if last:
-                def bwd(params, data, acts, acc, loss_acc, run=run):
-                    def loss_and_aux(pr, ac):
-                        loss, *aux = run(pr, data, ac)
-                        return [loss], aux
-
-                    (loss,), vjp, aux = jax.vjp(loss_and_aux, params, acts, has_aux=True)
-                    dparams, dacts = vjp([jnp.asarray(scale, loss.dtype)])
-                    acc = [a + g for a, g in zip(acc, dparams)]
-                    return acc, dacts, loss_acc + loss * scale, aux
-
-                self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, gs, rep),
-                                            out_shardings=(gs, ins, rep, [rep] * len(fwd.aux)),
-                                            donate_argnums=(3, 4), **self._jit_options))
-            elif self.recompute[p.index]:
-                def bwd(params, data, acts, cts, acc, run=run):
-                    _, vjp = jax.vjp(lambda pr, ac: run(pr, data, ac), params, acts)
-                    dparams, dacts = vjp(cts)
-                    return [a + g for a, g in zip(acc, dparams)], dacts
-
-                self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, outs, gs),
-                                            out_shardings=(gs, ins), donate_argnums=(4,),
-                                            **self._jit_options))
-            else:
-                def bwd_keep(pullback, cts, acc):
-                    dparams, dacts = pullback(cts)
-                    return [a + g for a, g in zip(acc, dparams)], dacts
-
-                self.bwd_fns.append(jax.jit(bwd_keep, out_shardings=(gs, ins), donate_argnums=(2,), **self._jit_options))
+                self._build_vjp_stage(p, last)
         self._build_apply()
+
+    def _stage_shardings(self, p: StageProgram) -> tuple[list[NamedSharding], ...]:
+        """(params, grads, data, entering activations, leaving activations) of stage p."""
+        s = p.index
+        last = s == len(self.programs) - 1
+        return ([self.param_sharding(s, k) for k in p.param_leaves], [self.grad_sharding(s, k) for k in p.param_leaves],
+                [self.data_sharding(s, k) for k in p.data_leaves], [self.act_sharding(s, v) for v in p.in_acts],
+                [replicated(self.meshes[s])] * len(p.out_acts) if last else [self.act_sharding(s, v) for v in p.out_acts])
+
+    def _build_train_stage(self, p: StageProgram, runner: StageRunner, last: bool) -> None:
+        """Stage p running its layers' train graphs (``runtime/stage_train.py``): the forward returns the
+        residuals its backward reads; a recomputing stage and the last stage run both halves in one program."""
+        rep = replicated(self.meshes[p.index])
+        ps, gs, ds, ins, outs = self._stage_shardings(p)
+        scale = 1.0 / self.num_microbatches
+        opts = self._jit_options
+        if last:
+            def bwd(params, data, acts, acc, loss_acc):
+                out, stash = runner.forward(params, data, acts)
+                acc, dacts = runner.backward(params, data, stash, runner.loss_cotangents(out, scale), acc)
+                return acc, dacts, loss_acc + out[0] * scale, out[1:]
+
+            self.fwd_fns.append(jax.jit(lambda params, data, acts: runner.forward(params, data, acts)[0],
+                                        in_shardings=(ps, ds, ins), out_shardings=outs, **opts))
+            self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, gs, rep),
+                                        out_shardings=(gs, ins, rep, [rep] * len(self.parts.forward.aux)),
+                                        donate_argnums=(3, 4), **opts))
+        elif self.recompute[p.index]:
+            def bwd(params, data, acts, cts, acc):
+                _, stash = runner.forward(params, data, acts)
+                return runner.backward(params, data, stash, cts, acc)
+
+            self.fwd_fns.append(jax.jit(lambda params, data, acts: runner.forward(params, data, acts)[0],
+                                        in_shardings=(ps, ds, ins), out_shardings=outs, **opts))
+            self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, outs, gs), out_shardings=(gs, ins),
+                                        donate_argnums=(4,), **opts))
+        else:  # keep: the residuals of every microbatch in flight, in the layouts the forward leaves them
+            self.fwd_fns.append(jax.jit(runner.forward, in_shardings=(ps, ds, ins), **opts))
+            self.bwd_fns.append(jax.jit(runner.backward, out_shardings=(gs, ins), donate_argnums=(4,), **opts))
+
+    def _build_vjp_stage(self, p: StageProgram, last: bool) -> None:
+        """Stage p as ``jax.vjp`` of its pinned forward equations (no train-graph plan: module docstring)."""
+        fwd = self.parts.forward
+        scale = 1.0 / self.num_microbatches
+        mesh = self.meshes[p.index]
+        rep = replicated(mesh)
+        run = p.function(fwd, *stage_hooks(fwd, self.layouts[p.index], mesh))
+        ps, gs, ds, ins, outs = self._stage_shardings(p)
+        if self.recompute[p.index] or last:
+            self.fwd_fns.append(jax.jit(run, in_shardings=(ps, ds, ins), out_shardings=outs, **self._jit_options))
+        else:
+            def fwd_keep(params, data, acts):
+                out, pullback = jax.vjp(lambda pr, ac: run(pr, data, ac), params, acts)
+                return out, pullback
+
+            self.fwd_fns.append(jax.jit(fwd_keep, in_shardings=(ps, ds, ins), **self._jit_options))
+
+        if last:
+            def bwd(params, data, acts, acc, loss_acc):
+                def loss_and_aux(pr, ac):
+                    loss, *aux = run(pr, data, ac)
+                    return [loss], aux
+
+                (loss,), vjp, aux = jax.vjp(loss_and_aux, params, acts, has_aux=True)
+                dparams, dacts = vjp([jnp.asarray(scale, loss.dtype)])
+                acc = [a + g for a, g in zip(acc, dparams)]
+                return acc, dacts, loss_acc + loss * scale, aux
+
+            self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, gs, rep),
+                                        out_shardings=(gs, ins, rep, [rep] * len(fwd.aux)),
+                                        donate_argnums=(3, 4), **self._jit_options))
+        elif self.recompute[p.index]:
+            def bwd(params, data, acts, cts, acc):
+                _, vjp = jax.vjp(lambda pr, ac: run(pr, data, ac), params, acts)
+                dparams, dacts = vjp(cts)
+                return [a + g for a, g in zip(acc, dparams)], dacts
+
+            self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, outs, gs),
+                                        out_shardings=(gs, ins), donate_argnums=(4,),
+                                        **self._jit_options))
+        else:
+            def bwd_keep(pullback, cts, acc):
+                dparams, dacts = pullback(cts)
+                return [a + g for a, g in zip(acc, dparams)], dacts
+
+            self.bwd_fns.append(jax.jit(bwd_keep, out_shardings=(gs, ins), donate_argnums=(2,), **self._jit_options))
 
     def _build_apply(self) -> None:
         parts = self.parts
@@ -279,7 +339,7 @@ class PipelineStep:
                     if self._is_split(k):
                         size = x.shape[0] // num_mb
                         x = x[m * size:(m + 1) * size]
-                    leaves.append(jax.device_put(x, self._data_sharding(p.index, k)))
+                    leaves.append(jax.device_put(x, self.data_sharding(p.index, k)))
                 per_mb.append(leaves)
             data.append(per_mb)
         acc = [[jnp.zeros(fwd.avals[fwd.invars[k]].shape, fwd.avals[fwd.invars[k]].dtype,
@@ -311,6 +371,8 @@ class PipelineStep:
                 aux.append(aux_m)
             elif self.recompute[s]:
                 acc[s], dacts = self.bwd_fns[s](params[s], data[s][m], inbox.pop((s, m)), ctbox.pop((s, m)), acc[s])
+            elif self.runners[s] is not None:
+                acc[s], dacts = self.bwd_fns[s](params[s], data[s][m], stash.pop((s, m)), ctbox.pop((s, m)), acc[s])
             else:
                 acc[s], dacts = self.bwd_fns[s](stash.pop((s, m)), ctbox.pop((s, m)), acc[s])
             if s > 0:
@@ -324,7 +386,7 @@ class PipelineStep:
         if not (holds(src_mesh) or holds(dst_mesh)):
             return None
         avals = [self.parts.forward.avals[v] for v in var_ids]
-        shardings = [self._act_sharding(dst, v) for v in var_ids]
+        shardings = [self.act_sharding(dst, v) for v in var_ids]
         if single_process(src_mesh, dst_mesh):
             return [deliver(x, sh) for x, sh in zip(values, shardings)]
         values = values if values is not None else [None] * len(var_ids)

@@ -18,11 +18,13 @@ inputs on the stage's mesh as the runtime puts them.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import numpy as np
 
 from autoshard.runtime.pipeline import PipelineStep
 
@@ -36,6 +38,12 @@ class StageExecutable:
     device_ids: tuple[int, ...]  # the jax device ids of the stage's sub-mesh
     lowered: Any  # jax.stages.Lowered
     compiled: list[Any] = field(default_factory=list)  # filled once by compile() (or by lowering a backward)
+    # the stage runs its layers' train graphs pinned op by op (``runtime/stage_train.py``): its backward's
+    # collectives are the plan's, not XLA's choice for a transpose
+    pinned_per_op: bool = False
+    # per microbatch in flight, per-device bytes the runtime keeps between this stage's forward and backward
+    # (forward executables only): the residuals, or (jax.vjp path) every output
+    kept_bytes: float = 0.0
 
     @property
     def name(self) -> str:
@@ -106,6 +114,12 @@ def _with_shardings(tree: Any, shardings: Any) -> Any:
                                                   for x, s in zip(leaves, jax.tree_util.tree_leaves(shardings))])
 
 
+def _shard_bytes(tree: Any) -> float:
+    """Per-device bytes of a pytree of ShapeDtypeStructs with shardings."""
+    return float(sum(np.prod(x.sharding.shard_shape(tuple(x.shape)), dtype=np.int64) * np.dtype(x.dtype).itemsize
+                     for x in jax.tree_util.tree_leaves(tree)))
+
+
 def lower_pipeline(step: PipelineStep) -> PipelineLowered:
     """Lower every stage executable of ``step`` at one microbatch (module docstring)."""
     fwd = step.parts.forward
@@ -118,8 +132,9 @@ def lower_pipeline(step: PipelineStep) -> PipelineLowered:
         data = [_sds(fwd.avals[fwd.invars[k]]) for k in p.data_leaves]
         acts = [_sds(fwd.avals[v]) for v in p.in_acts]
         last = s == num_stages - 1
+        pinned = step.runners[s] is not None
         if not last:
-            forward = StageExecutable(s, "forward", ids, step.fwd_fns[s].lower(params, data, acts))
+            forward = StageExecutable(s, "forward", ids, step.fwd_fns[s].lower(params, data, acts), pinned_per_op=pinned)
             out.append(forward)
         loss_acc = jax.ShapeDtypeStruct((), fwd.avals[fwd.outvar].dtype)
         if last:
@@ -129,12 +144,20 @@ def lower_pipeline(step: PipelineStep) -> PipelineLowered:
             lowered = step.bwd_fns[s].lower(params, data, acts, cts, params)
         else:
             compiled = forward.compile()
-            outs, pullback = _with_shardings(jax.eval_shape(step.fwd_fns[s], params, data, acts),
-                                             compiled.output_shardings)
+            outs, kept = _with_shardings(jax.eval_shape(step.fwd_fns[s], params, data, acts),
+                                         compiled.output_shardings)
+            held = kept if pinned else (outs, kept)  # the runtime keeps the residuals (vjp: the pullback too)
+            out[-1] = dataclasses.replace(forward, kept_bytes=_shard_bytes(held))
             acc = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=step.grad_sharding(s, k))
                    for x, k in zip(params, p.param_leaves)]
-            lowered = step.bwd_fns[s].lower(pullback, outs, acc)
-        out.append(StageExecutable(s, "backward", ids, lowered))
+            if pinned:
+                placed = [[_sds(fwd.avals[fwd.invars[k]], step.param_sharding(s, k)) for k in p.param_leaves],
+                          [_sds(fwd.avals[fwd.invars[k]], step.data_sharding(s, k)) for k in p.data_leaves]]
+                cts = [_sds(fwd.avals[v], step.act_sharding(s, v)) for v in p.out_acts]
+                lowered = step.bwd_fns[s].lower(*placed, kept, cts, acc)
+            else:
+                lowered = step.bwd_fns[s].lower(kept, outs, acc)
+        out.append(StageExecutable(s, "backward", ids, lowered, pinned_per_op=pinned))
         entry = step.apply_fns[s]
         if entry is not None:
             fn, used, _outs = entry

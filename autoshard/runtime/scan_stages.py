@@ -152,7 +152,7 @@ def _runtime_layout(layout: StageLayout, s: int, pricing: StackSplit, run: Stack
     # and outputs, which the chunk scans do not keep: inside a chunk the stage's layouts come from its stored
     # parameters, accumulators and inputs (XLA propagates), and the update's outputs are left to XLA.
     return dataclasses.replace(layout, first_layer=s, last_layer=s, param_specs=params, grad_specs=grads,
-                               input_specs=inputs, op_out_specs={}, op_in_reshards={}, edge_pins={},
+                               input_specs=inputs, op_out_specs={}, op_in_reshards={}, edge_pins={}, train_pins={},
                                output_specs={})
 
 

@@ -37,6 +37,9 @@ class StageLayout:
     # activations crossing between layer plans: (forward equation, 0: an input / 1: an output, position) ->
     # (the spec the value is pinned to going forward, the spec its cotangent is pinned to coming back)
     edge_pins: Mapping[tuple[int, int, int], tuple[Spec, Spec]] = field(default_factory=dict)
+    # layer -> its train-graph plan (``runtime/stage_train.TrainPins``): with one for every layer the stage runs
+    # its layers' train graphs pinned op by op, the backward as planned; without, jax.vjp of the pinned forward
+    train_pins: Mapping[int, Any] = field(default_factory=dict)
 
     @property
     def shape(self) -> tuple[int, ...]:
