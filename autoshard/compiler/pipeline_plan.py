@@ -295,6 +295,7 @@ def build_pipeline_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer
             grad_specs=gspecs, state_specs={paths[f]: spec for f, spec in sorted(layout.input_specs.items())},
             op_out_specs=dict(layout.op_out_specs), op_in_reshards={i: dict(m) for i, m in layout.op_in_reshards.items()},
             edge_pins=dict(layout.edge_pins),
+            train_pins=dict(layout.train_pins),
             collective_bytes=stage_collectives(
                 priced, choice, sp.num_microbatches, s == len(sp.stages) - 1,
                 boundary_collectives(parts, programs, priced, layout, k, sp.num_microbatches,

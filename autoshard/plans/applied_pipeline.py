@@ -64,6 +64,7 @@ def stage_layouts(plan: PlanLike, graph: OpGraph | None = None, parts: StepParts
                                op_out_specs=dict(getattr(st, "op_out_specs", {})),
                                op_in_reshards=dict(getattr(st, "op_in_reshards", {})),
                                edge_pins=dict(getattr(st, "edge_pins", {})),
+                               train_pins=dict(getattr(st, "train_pins", {})),
                                output_specs=output_specs(graph.carried, inputs) if graph is not None else {}))
     return tuple(out)
 

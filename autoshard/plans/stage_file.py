@@ -1,6 +1,6 @@
 """Pipeline stages in plan files (``plans/planfile.py``): a ``PipelineStage`` as JSON and back, its specs checked
 against the stage's mesh axes; fields older files lack (grad, state and per-equation specs, predicted
-collectives) load empty."""
+collectives, train-graph pins) load empty."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,9 +8,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from autoshard.ir.spec import Spec
 from autoshard.plans import json_fields as jf
 from autoshard.plans.json_fields import PlanFileError
 from autoshard.plans.stage_plan import PipelineStage, StageMemory
+from autoshard.runtime.spmd import Annotations
+from autoshard.runtime.stage_train import TrainPins
 
 
 def stage_json(stage: Any, index: int) -> dict[str, Any]:
@@ -22,10 +25,11 @@ def stage_json(stage: Any, index: int) -> dict[str, Any]:
             if f.name in ("param_specs", "batch_specs", "grad_specs", "state_specs"):
                 value = {k: s.to_json() for k, s in value.items()}
             elif f.name == "op_out_specs":
-                value = {str(k): [s.to_json() if s is not None else None for s in v] for k, v in value.items()}
+                value = _out_specs_json(value)
             elif f.name == "op_in_reshards":
-                value = {str(k): {str(pos): [s.to_json() for s in chain] for pos, chain in v.items()}
-                         for k, v in value.items()}
+                value = _reshards_json(value)
+            elif f.name == "train_pins":
+                value = _train_pins_json(value)
             elif f.name == "edge_pins":
                 value = {":".join(map(str, k)): [a.to_json(), b.to_json()] for k, (a, b) in value.items()}
             elif f.name == "collective_bytes":
@@ -67,18 +71,12 @@ def stage_from_json(data: Any, where: str) -> Any:
 def _stage_op_specs(body: Mapping[str, Any], names: Sequence[str], where: str) -> dict[str, Any]:
     """A stage's per-equation specs and predicted collectives (fields older files lack: they load empty)."""
     out: dict[str, Any] = {}
-    op_out = jf.optional_dict(body, "op_out_specs", where)
-    out["op_out_specs"] = {
-        jf.index(k, None, f"{where}.op_out_specs"): tuple(
-            None if s is None else jf.spec(s, names, f"{where}.op_out_specs[{k}]")
-            for s in jf.field(op_out, k, list, f"{where}.op_out_specs"))
-        for k in op_out}
-    op_in = jf.optional_dict(body, "op_in_reshards", where)
-    out["op_in_reshards"] = {
-        jf.index(k, None, f"{where}.op_in_reshards"): {
-            jf.index(pos, None, f"{where}.op_in_reshards[{k}]"): jf.specs(chain, names, f"{where}.op_in_reshards[{k}]")
-            for pos, chain in jf.mapping(v, f"{where}.op_in_reshards[{k}]").items()}
-        for k, v in op_in.items()}
+    out["op_out_specs"] = _out_specs_from_json(jf.optional_dict(body, "op_out_specs", where), names,
+                                               f"{where}.op_out_specs")
+    out["op_in_reshards"] = _reshards_from_json(jf.optional_dict(body, "op_in_reshards", where), names,
+                                                f"{where}.op_in_reshards")
+    out["train_pins"] = _train_pins_from_json(jf.optional_dict(body, "train_pins", where), names,
+                                              f"{where}.train_pins")
     edges = jf.optional_dict(body, "edge_pins", where)
     out["edge_pins"] = {}
     for key, pair in edges.items():
@@ -92,4 +90,67 @@ def _stage_op_specs(body: Mapping[str, Any], names: Sequence[str], where: str) -
     out["collective_bytes"] = {str(a): jf.numbers(jf.mapping(kinds, f"{where}.collective_bytes[{a}]"),
                                                   f"{where}.collective_bytes[{a}]")
                                for a, kinds in collectives.items()}
+    return out
+
+
+def _out_specs_json(specs: Mapping[int, Sequence[Spec | None]]) -> dict[str, Any]:
+    return {str(k): [s.to_json() if s is not None else None for s in v] for k, v in specs.items()}
+
+
+def _reshards_json(reshards: Mapping[int, Mapping[int, Sequence[Spec]]]) -> dict[str, Any]:
+    return {str(k): {str(pos): [s.to_json() for s in chain] for pos, chain in v.items()} for k, v in reshards.items()}
+
+
+def _out_specs_from_json(data: Mapping[str, Any], names: Sequence[str], where: str) -> dict[int, tuple[Spec | None, ...]]:
+    return {jf.index(k, None, where): tuple(None if s is None else jf.spec(s, names, f"{where}[{k}]")
+                                            for s in jf.field(data, k, list, where))
+            for k in data}
+
+
+def _reshards_from_json(data: Mapping[str, Any], names: Sequence[str], where: str
+                        ) -> dict[int, dict[int, tuple[Spec, ...]]]:
+    return {jf.index(k, None, where): {jf.index(pos, None, f"{where}[{k}]"): jf.specs(chain, names, f"{where}[{k}]")
+                                       for pos, chain in jf.mapping(v, f"{where}[{k}]").items()}
+            for k, v in data.items()}
+
+
+def _train_pins_json(pins: Mapping[int, TrainPins]) -> dict[str, Any]:
+    """``{"layers": {layer: class key}, "plans": {class key: its annotations}}``: each layer class's plan once."""
+    plans: dict[str, Any] = {}
+    for p in pins.values():
+        ann = p.annotations
+        plans.setdefault(p.key, {
+            "num_ops": p.num_ops,
+            "input_specs": [s.to_json() for s in ann.input_specs],
+            "output_specs": [s.to_json() for s in ann.output_specs],
+            "op_out_specs": _out_specs_json(ann.op_out_specs),
+            "op_in_reshards": _reshards_json(ann.op_in_reshards),
+            "output_reshards": {str(k): [s.to_json() for s in chain] for k, chain in ann.output_reshards.items()}})
+    return {"layers": {str(layer): p.key for layer, p in pins.items()}, "plans": plans} if pins else {}
+
+
+def _train_pins_from_json(data: Mapping[str, Any], names: Sequence[str], where: str) -> dict[int, TrainPins]:
+    if not data:
+        return {}
+    layers = jf.mapping(jf.field(data, "layers", dict, where), f"{where}.layers")
+    plans = jf.mapping(jf.field(data, "plans", dict, where), f"{where}.plans")
+    loaded: dict[str, TrainPins] = {}
+    for key, body in plans.items():
+        at = f"{where}.plans[{key}]"
+        body = jf.mapping(body, at)
+        num_ops = jf.field(body, "num_ops", int, at)
+        ann = Annotations(
+            input_specs=jf.specs(jf.field(body, "input_specs", list, at), names, f"{at}.input_specs"),
+            output_specs=jf.specs(jf.field(body, "output_specs", list, at), names, f"{at}.output_specs"),
+            op_out_specs=_out_specs_from_json(jf.field(body, "op_out_specs", dict, at), names, f"{at}.op_out_specs"),
+            op_in_reshards=_reshards_from_json(jf.field(body, "op_in_reshards", dict, at), names,
+                                               f"{at}.op_in_reshards"),
+            output_reshards={jf.index(k, None, f"{at}.output_reshards"): jf.specs(c, names, f"{at}.output_reshards[{k}]")
+                             for k, c in jf.field(body, "output_reshards", dict, at).items()})
+        loaded[key] = TrainPins(key, jf.count(num_ops, f"{at}.num_ops"), ann)
+    out = {}
+    for layer, key in layers.items():
+        if key not in loaded:
+            raise PlanFileError(f"{where}.layers[{layer}]: names the layer plan {key!r}, which {where}.plans lacks")
+        out[jf.index(layer, None, f"{where}.layers")] = loaded[key]
     return out

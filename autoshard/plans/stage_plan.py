@@ -8,6 +8,7 @@ All plain frozen data with readable ``__str__`` and ``to_dict``.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -70,6 +71,9 @@ class PipelineStage:
     # predicted per-device bytes by collective kind per call of each executable: {forward|backward|apply: {kind:
     # bytes}} (forward, backward per microbatch; apply once per step); empty: not predicted
     collective_bytes: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    # layer -> its train-graph plan (``runtime/stage_train.TrainPins``): the stage runs its layers' train graphs
+    # pinned op by op, its backward as planned (empty, older files: jax.vjp of the pinned forward)
+    train_pins: Mapping[int, Any] = field(default_factory=dict)
 
     def __str__(self) -> str:
         devices = self.device_indices
@@ -83,7 +87,8 @@ class PipelineStage:
                 f"{fmt_s(self.sync_s)}/step), send {fmt_s(self.transfer_out_s)}; {self.memory}")
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = asdict(dataclasses.replace(self, train_pins={}))
+        data["train_pins"] = {layer: pins.key for layer, pins in self.train_pins.items()}  # the plans: plan files
         data["param_specs"] = {k: str(v) for k, v in self.param_specs.items()}
         data["batch_specs"] = {k: str(v) for k, v in self.batch_specs.items()}
         data["state_specs"] = {k: str(v) for k, v in self.state_specs.items()}

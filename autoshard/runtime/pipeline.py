@@ -8,14 +8,18 @@ devices). Per stage s, each ``jax.jit``-ed on its own
 - ``forward``: the stage's equations (its layers, plus the batch-only *free*
   equations it reads, recomputed) from its parameters, its microbatch slice of
   the batch and the activations entering it, to the activations leaving it;
-- ``backward``: the pullback of ``jax.vjp`` of the same function, adding the
-  parameter gradients into an accumulator (donated) and returning the
-  gradient of the entering activations. By default the forward returns its
-  ``jax.vjp`` pullback (a ``jax.tree_util.Partial`` whose leaves are the
-  residuals) and the backward applies it: the residuals of every microbatch
-  in flight are kept. With ``recompute=True`` only the stage's input
-  activations are kept and the backward re-runs the forward. The last stage
-  fuses its forward into its backward and also accumulates the loss;
+- ``backward``: the gradients of the same function, added into an accumulator
+  (donated), and the gradient of the entering activations. A stage whose
+  layers carry their train-graph plans (``StageLayout.train_pins``) runs its
+  layers' train graphs, cut into a forward and a backward half, every op pinned
+  to its plan (``runtime/stage_train.py``): the forward returns the residuals
+  its backward reads, kept per microbatch in flight. Otherwise (a plan file
+  without them, a scanned stack) the backward is the pullback of ``jax.vjp``
+  of the pinned forward: the forward returns the pullback (a
+  ``jax.tree_util.Partial`` whose leaves are the residuals) and the backward
+  applies it. With ``recompute=True`` only the stage's input activations are
+  kept and the backward re-runs the forward. The last stage fuses its forward
+  into its backward and also accumulates the loss;
 - ``apply``: the optimizer update restricted to the step outputs this stage
   owns (the update jaxpr cut down by DCE), fed with the stage's accumulated
   gradients.
@@ -27,8 +31,9 @@ chose), the step inputs the optimizer reads (its state in the accumulator's
 layout), and the mesh axes that split the batch and the activations along
 their leading dimension (when they divide it). Inside the forward every
 planned equation output is pinned to its layer plan's spec and planned
-reshards run as pinned chains (``stage_pins.py``, the SPMD runtime's pins);
-the backward inherits them through ``jax.vjp``. Gradients accumulate in the
+reshards run as pinned chains: on the train graphs (``stage_train.py``), every op
+of the backward too; on the ``jax.vjp`` path the forward equations
+(``stage_pins.py``), the backward inheriting them. Gradients accumulate in the
 accumulator's layout; the update runs on the stage's mesh with its inputs in
 their planned layouts and, when the layout plans them (``output_specs``),
 leaves the updated parameters and optimizer state in them. A layout without

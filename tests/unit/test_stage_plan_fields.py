@@ -1,5 +1,5 @@
 """The per-stage intra-op fields of a pipeline plan file: optimizer-state layouts, per-equation specs and
-predicted collectives round-trip; a file written before them still loads (the fields come back empty, and
+predicted collectives and train-graph pins round-trip; a file written before them still loads (the fields come back empty, and
 ``plans/applied_pipeline.stage_layouts`` then rebuilds the state layouts by rule); a bad spec in them fails
 naming the field."""
 from __future__ import annotations
@@ -16,7 +16,15 @@ from autoshard.ir.trace import trace
 from autoshard.plans.plan import load_plan
 from autoshard.plans.planfile import PlanFileError
 from autoshard.plans.stage_plan import PipelineStage, PipelineSummary, StageMemory
+from autoshard.runtime.spmd import Annotations
+from autoshard.runtime.stage_train import TrainPins
 from examples import gpt
+
+
+TRAIN_PINS = TrainPins("layer-class", 5, Annotations(
+    input_specs=(Spec((("x",), ())), Spec.replicated(1)), output_specs=(Spec((("x", "y"), ())),),
+    op_out_specs={0: (Spec((("y",), ())),), 4: (Spec.replicated(2), Spec(((), ("x",))))},
+    op_in_reshards={4: {0: (Spec.replicated(2), Spec((("y",), ())))}}, output_reshards={0: (Spec((("x",), ())),)}))
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +43,8 @@ def staged_plan():
         op_out_specs={3: (split, None), 7: (Spec(((), ("y",))),)},
         op_in_reshards={7: {1: (Spec.replicated(2), Spec((("y",), ())))}},
         edge_pins={(3, 0, 1): (split, Spec.replicated(2)), (7, 1, 0): (Spec.replicated(2), split)},
-        collective_bytes={"forward": {"all-gather": 1024.0}, "backward": {"reduce-scatter": 2048.0}, "apply": {}})
+        collective_bytes={"forward": {"all-gather": 1024.0}, "backward": {"reduce-scatter": 2048.0}, "apply": {}},
+        train_pins={s: TRAIN_PINS, s + 2: TRAIN_PINS})  # two layers of one class: its plan is stored once
         for s in range(2))
     summary = PipelineSummary(num_microbatches=2, schedule="1f1b", step_s=0.02, first_microbatch_latency_s=6e-3,
                               bottleneck_s=3e-3, bubble_fraction=0.2, layers=2, cost_model="intra-op",
@@ -50,19 +59,32 @@ def test_stage_intra_op_fields_round_trip(staged_plan, tmp_path):
     assert loaded.stages[0].op_out_specs[3] == (Spec((("x",), ())), None)
     assert loaded.stages[1].collective_bytes["backward"] == {"reduce-scatter": 2048.0}
     assert loaded.stages[0].edge_pins[(3, 0, 1)] == (Spec((("x",), ())), Spec.replicated(2))
+    assert loaded.stages[1].train_pins == {1: TRAIN_PINS, 3: TRAIN_PINS}
+
+
+def test_train_pins_are_stored_once_per_layer_class(staged_plan, tmp_path):
+    staged_plan.save(tmp_path / "plan.json")
+    pins = json.loads((tmp_path / "plan.json").read_text())["stages"][0]["train_pins"]
+    assert pins["layers"] == {"0": "layer-class", "2": "layer-class"} and list(pins["plans"]) == ["layer-class"]
+    del pins["plans"]["layer-class"]
+    data = json.loads((tmp_path / "plan.json").read_text())
+    data["stages"][0]["train_pins"] = pins
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    with pytest.raises(PlanFileError, match=r"stages\[0\]\.train_pins\.layers\[0\].*'layer-class'"):
+        load_plan(tmp_path / "plan.json")
 
 
 def test_files_without_the_fields_still_load(staged_plan, tmp_path):
     staged_plan.save(tmp_path / "plan.json")
     data = json.loads((tmp_path / "plan.json").read_text())
     for stage in data["stages"]:
-        for key in ("state_specs", "op_out_specs", "op_in_reshards", "edge_pins", "collective_bytes"):
+        for key in ("state_specs", "op_out_specs", "op_in_reshards", "edge_pins", "collective_bytes", "train_pins"):
             del stage[key]
     (tmp_path / "plan.json").write_text(json.dumps(data))
     loaded = load_plan(tmp_path / "plan.json")
     for stage in loaded.stages:
         assert stage.state_specs == {} and stage.op_out_specs == {} and stage.collective_bytes == {}
-        assert stage.edge_pins == {}
+        assert stage.edge_pins == {} and stage.train_pins == {}
         assert stage.param_specs == staged_plan.stages[stage.index].param_specs
 
 
