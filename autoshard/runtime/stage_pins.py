@@ -1,4 +1,8 @@
-"""A stage's intra-op plan inside its executables: the per-op sharding constraints of ``runtime/pipeline.py``.
+"""A stage's intra-op plan on its forward equations: the ``jax.vjp`` path of ``runtime/pipeline.py``.
+
+A stage whose layers carry their train-graph plans runs those graphs pinned op by op instead
+(``runtime/stage_train.py``); this path serves stages without them (a plan file from before they were
+stored, a scanned stack's chunks) and pins what the forward equations' plans say.
 
 The SPMD runtime pins every op output to the spec its plan chose and every
 resharded input through its planned chain (``runtime/spmd.py``: ``pin_op_inputs``,

@@ -319,26 +319,40 @@ class StageRunner:
         return [jnp.asarray(scale, loss.dtype), *(jnp.zeros_like(a) for a in aux)]
 
 
+def _signature(forward: Forward, program: StageProgram) -> tuple[Any, ...]:
+    """What a program's train graph takes: the shapes and dtypes of its inputs, group by group."""
+    def avals(vs: Sequence[Any]) -> tuple[Any, ...]:
+        return tuple((tuple(forward.avals[v].shape), str(forward.avals[v].dtype)) if not isinstance(v, jcore.Literal)
+                     else ("literal",) for v in vs)
+
+    return (avals([forward.invars[k] for k in program.param_leaves]),
+            avals([forward.invars[k] for k in program.data_leaves]), avals(program.in_acts), avals(program.out_acts))
+
+
 def stage_runner(forward: Forward, program: StageProgram, layer_programs: Sequence[StageProgram],
                  pins: Mapping[int, TrainPins], first: int, last: int, mesh: Mesh,
-                 graphs: dict[str, tuple[OpGraph, tuple[int, int, int, int, int]]] | None = None
+                 graphs: dict[Any, tuple[OpGraph, tuple[int, int, int, int, int]]] | None = None
                  ) -> tuple[StageRunner | None, str]:
     """The runner of the stage over layers ``first..last``, or (None, why not). ``graphs`` caches the traced
-    train graph per layer class (tied and repeated layers trace once)."""
+    train graph per layer class and input signature (tied and repeated layers trace once; a layer of the
+    class that reads other inputs, the first block reading the batch, say, is traced on its own and then
+    must have its plan's op count)."""
     graphs = {} if graphs is None else graphs
     layers = []
     for layer in range(first, last + 1):
         own = pins.get(layer)
         if own is None:
             return None, f"layer {layer} has no train-graph plan (a plan file from before they were stored?)"
-        try:
-            if own.key not in graphs:
-                graphs[own.key] = train_graph(forward, layer_programs[layer])
-            graph, groups = graphs[own.key]
+        own_program = layer_programs[layer]
+        signature = _signature(forward, own_program)
+        try:  # layers of one class whose programs take the same inputs share one trace
+            if (own.key, signature) not in graphs:
+                graphs[own.key, signature] = train_graph(forward, own_program)
+            graph, groups = graphs[own.key, signature]
         except Exception as err:  # noqa: BLE001 — the vjp path runs instead; the reason is logged
             return None, f"layer {layer}: its train graph could not be traced again ({type(err).__name__}: {err})"
         if len(graph.ops) != own.num_ops or len(graph.inputs) != len(own.annotations.input_specs):
             return None, (f"layer {layer}: its train graph has {len(graph.ops)} ops at the runtime microbatch, "
                           f"the plan {own.num_ops}")
-        layers.append((layer_programs[layer], LayerRunner(graph, groups, own, mesh)))
+        layers.append((own_program, LayerRunner(graph, groups, own, mesh)))
     return StageRunner(program, layers), ""
