@@ -38,8 +38,8 @@ def layer_graph(parts: StepParts, program: StageProgram, key: str) -> LayerTrain
     data = [struct_of(fwd, fwd.invars[k]) for k in program.data_leaves]
     acts = [struct_of(fwd, v) for v in program.in_acts]
     forward_ops = len(trace_jaxpr(jax.make_jaxpr(lambda p_, d_, a_: run(p_, d_, a_))(params, data, acts)).ops)
-    return LayerTrainGraph(graph, min(forward_ops, len(graph.ops)), groups, key,
-                           eqn_ops=align_equations(fwd, program.eqns, graph), phases=split_phases(graph, groups))
+    return LayerTrainGraph(graph, min(forward_ops, len(graph.ops)), groups, key, split_phases(graph, groups),
+                           eqn_ops=align_equations(fwd, program.eqns, graph))
 
 
 def align_equations(fwd: Forward, eqns: Sequence[int], graph: OpGraph) -> tuple[int | None, ...]:

@@ -92,9 +92,9 @@ class LayerTrainGraph:
     num_forward_ops: int  # its first ops are the forward
     groups: tuple[int, int, int, int, int]  # input counts: accumulators, params, data, activations, cotangents
     key: str  # the layer structure hash: equal keys, one solve
+    phases: Phases  # its forward / backward cut, as the runtime runs it (``runtime/stage_train.split_phases``)
     # per forward equation of the layer's program (in its order): the graph op computing it (None: unmatched)
     eqn_ops: tuple[int | None, ...] = ()
-    phases: Phases | None = None  # its forward / backward cut, as the runtime runs it (``runtime/stage_train``)
 
 
 @dataclass(frozen=True)
@@ -250,8 +250,7 @@ def layer_cost(train: LayerTrainGraph, result: IntraOpResult, leaf_update_s: Seq
     fwd_values = {v for op in graph.ops[:nf] for v in op.outputs}
     read_later = {v for op in graph.ops[nf:] for v in op.inputs}
     fused_residual = held(fwd_values & read_later)
-    phases = train.phases
-    residual = held(phases.residuals) if phases is not None else fused_residual
+    residual = held(train.phases.residuals)
     forward_s = float(sum(result.op_compute_s[:nf]) + sum(result.op_comm_s[:nf]))
     update_s = 0.0
     apply_c: dict[str, float] = {}
@@ -267,17 +266,10 @@ def layer_cost(train: LayerTrainGraph, result: IntraOpResult, leaf_update_s: Seq
             for c in moved.collectives:
                 apply_c[c.kind] = apply_c.get(c.kind, 0.0) + c.nbytes
     ann = annotations_from(result)
-    if phases is not None:  # as the runtime runs it: forward and backward two programs
-        in_forward = phases.forward_ops()
+    in_forward = train.phases.forward_ops()  # as the runtime runs it: forward and backward two programs
 
-        def part_of(t: int) -> int:
-            return 0 if t in in_forward else 1
-    else:
-        matched = [t for t in train.eqn_ops if t is not None]
-        forward_end = max(matched) if matched else nf - 1  # ops up to here are the forward (JVP factors included)
-
-        def part_of(t: int) -> int:
-            return 0 if 0 <= t <= forward_end else 1
+    def part_of(t: int) -> int:
+        return 0 if t in in_forward else 1
     fwd_c: dict[str, float] = {}
     bwd_c: dict[str, float] = {}
     for t, c in result.collectives_by_op(part_of):

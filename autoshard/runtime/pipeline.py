@@ -153,7 +153,7 @@ class PipelineStep:
         src = self.parts.operand_inputs[k]
         return src is not None and self.split_inputs[src]
 
-    def _runner(self, p: StageProgram, graphs: dict[str, Any]) -> StageRunner | None:
+    def _runner(self, p: StageProgram, graphs: dict[Any, Any]) -> StageRunner | None:
         """The stage's train-graph runner (``runtime/stage_train.py``), or None (the jax.vjp path, logged why)."""
         layout = self.layouts[p.index]
         if not layout.train_pins:
@@ -171,7 +171,7 @@ class PipelineStep:
         num_stages = len(self.programs)
         self.fwd_fns, self.bwd_fns = [], []
         self._layer_programs: list[StageProgram] | None = None
-        graphs: dict[str, Any] = {}
+        graphs: dict[Any, Any] = {}  # traced train graphs, shared by the stages (stage_train.stage_runner)
         self.runners = [self._runner(p, graphs) for p in self.programs]
         for p in self.programs:
             last = p.index == num_stages - 1
@@ -196,14 +196,17 @@ class PipelineStep:
         ps, gs, ds, ins, outs = self._stage_shardings(p)
         scale = 1.0 / self.num_microbatches
         opts = self._jit_options
+        if last or self.recompute[p.index]:  # the forward's residuals are not kept: its outputs only
+            self.fwd_fns.append(jax.jit(lambda params, data, acts: runner.forward(params, data, acts)[0],
+                                        in_shardings=(ps, ds, ins), out_shardings=outs, **opts))
+        else:  # keep: the residuals of every microbatch in flight, in the layouts the forward leaves them
+            self.fwd_fns.append(jax.jit(runner.forward, in_shardings=(ps, ds, ins), **opts))
         if last:
             def bwd(params, data, acts, acc, loss_acc):
                 out, stash = runner.forward(params, data, acts)
                 acc, dacts = runner.backward(params, data, stash, runner.loss_cotangents(out, scale), acc)
                 return acc, dacts, loss_acc + out[0] * scale, out[1:]
 
-            self.fwd_fns.append(jax.jit(lambda params, data, acts: runner.forward(params, data, acts)[0],
-                                        in_shardings=(ps, ds, ins), out_shardings=outs, **opts))
             self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, gs, rep),
                                         out_shardings=(gs, ins, rep, [rep] * len(self.parts.forward.aux)),
                                         donate_argnums=(3, 4), **opts))
@@ -212,12 +215,9 @@ class PipelineStep:
                 _, stash = runner.forward(params, data, acts)
                 return runner.backward(params, data, stash, cts, acc)
 
-            self.fwd_fns.append(jax.jit(lambda params, data, acts: runner.forward(params, data, acts)[0],
-                                        in_shardings=(ps, ds, ins), out_shardings=outs, **opts))
             self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, outs, gs), out_shardings=(gs, ins),
                                         donate_argnums=(4,), **opts))
-        else:  # keep: the residuals of every microbatch in flight, in the layouts the forward leaves them
-            self.fwd_fns.append(jax.jit(runner.forward, in_shardings=(ps, ds, ins), **opts))
+        else:
             self.bwd_fns.append(jax.jit(runner.backward, out_shardings=(gs, ins), donate_argnums=(4,), **opts))
 
     def _build_vjp_stage(self, p: StageProgram, last: bool) -> None:
