@@ -5,6 +5,7 @@ Public API (everything else is internal and may change)::
     autoshard.autoshard        decorator: trace, plan, compile, cache
     autoshard.plan             plan a step from arrays or shapes -> Plan
     autoshard.load_plan        read a plan file
+    autoshard.apply            run a Plan: apply(plan, fn, mesh) -> a callable like fn
     autoshard.Plan, autoshard.ClusterSpec
     autoshard.grad, autoshard.value_and_grad, autoshard.layer_boundary
 
@@ -21,6 +22,7 @@ _EXPORTS = {
     "autoshard": "autoshard.api",
     "plan": "autoshard.api",
     "load_plan": "autoshard.api",
+    "apply": "autoshard.api",
     "Plan": "autoshard.plans.plan",
     "ClusterSpec": "autoshard.meshes.cluster",
     "PRESETS": "autoshard.meshes.cluster",

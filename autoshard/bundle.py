@@ -29,7 +29,7 @@ A bundle is a folder with the plan, ``run.sh`` and a README::
 The step is ``step(*state, batch) -> (*state, loss)`` (the examples' shape:
 the batch is the last argument). Step ``i`` feeds the batch of seed ``seed + i`` (the target's own synthetic
 data), so a run exercises the plan end to end; feeding real data is the
-training script's job (README "Multi-host": ``local_indices`` /
+training script's job (docs/MULTIHOST.md: ``local_indices`` /
 ``global_batch``). Pipeline plans are refused (there is no multi-process
 pipeline runtime).
 """
@@ -97,8 +97,8 @@ Every process joins the job through `jax.distributed` (the launcher's, jax's or 
 rebuilds the step and checks it against the plan's signature before running, builds the mesh from the physical
 device order (`jax.experimental.mesh_utils`; each process a granule, the leading axes across processes) and
 creates the state and each step's batch in the plan's layouts, so a process holds only its shards. The batches
-are the target's own (seed + step); train on real data by feeding `local_indices` / `global_batch` as README
-"Multi-host" of autoshard shows.
+are the target's own (seed + step); train on real data by feeding `local_indices` / `global_batch` as autoshard's
+docs/MULTIHOST.md shows.
 
 What the plan does not know:
 
@@ -116,7 +116,7 @@ def write_bundle(plan: Any, out: str | Path) -> list[Path]:
         raise MultiProcessError(
             f"plan '{plan.name}' is a pipeline plan ({len(plan.stages)} stages): launch bundles hold SPMD plans, and "
             "pipeline plans do not run across processes from a bundle yet; run one with plan_multiprocess(..., "
-            "num_stages=N) and apply_plan in your script (README 'Multi-host'), or plan with num_stages=1")
+            "num_stages=N) and apply_plan in your script (autoshard's docs/MULTIHOST.md), or plan with num_stages=1")
     check_runs_multiprocess(plan)
     if "target" not in plan.origin:
         raise PlanningError(f"plan '{plan.name}' does not record the step it was made from (no origin target): "
@@ -141,7 +141,8 @@ def write_bundle(plan: Any, out: str | Path) -> list[Path]:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m autoshard.bundle", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m autoshard.bundle", description=__doc__.split("\n\n")[0],
+                                     allow_abbrev=False)
     parser.add_argument("bundle", help="the bundle folder (with plan.json)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0, help="step i feeds the batch of seed + i")

@@ -4,20 +4,25 @@
     autoshard plan     TARGET --mesh 2x4 --cluster 1x8-a100 [--out plan.json]
     autoshard plan     TARGET --stages 2 [--microbatches 4] [--out pipe.json]   a pipeline (a marked loss)
     autoshard explain  plan.json [--op N] [--html report.html | --png report.png]
-    autoshard compare  TARGET --mesh 2x4 --cluster 1x8-a100 [--out plan.json]
-    autoshard validate plan.json --cluster 2x8-a100 [--mesh 2x8] [--memory-budget-gib 40]
+    autoshard explain  --legend                                      the notation and terms of the reports
+    autoshard compare  TARGET --mesh 2x4 --cluster 1x8-a100 [--check none] [--out plan.json]
+    autoshard validate plan.json --cluster 2x8-a100 [--mesh 2x8] [--memory-budget 40GiB]
     autoshard export   plan.json --format flax-rules [--python] [--out rules.json]
     autoshard verify   plan.json | TARGET [--mesh 2x4 | --stages 2]     a pipeline: per stage executable
     autoshard advise   TARGET --cluster 2x8-a100 --out DIR           Accelerate / DeepSpeed / FSDP2 files
     autoshard check-config FILE [--world-size N]                     static check of such a file
     autoshard export   plan.json --format launch --out DIR           plan + run.sh for a cluster or here
-    autoshard profile  [--out cluster.json]                          time these devices: a ClusterSpec
+    autoshard profile  [--out cluster.json] [--links PRESET]         time these devices: a ClusterSpec
 
 A TARGET is a Python file or module exposing ``workload(config, abstract=...)``
 (as the bundled examples do), or ``MODULE:FUNCTION`` where the function takes
-no arguments and returns an object with ``step`` and ``args``. Plans record
-their target, so ``verify plan.json`` rebuilds the step. Exit status: 0 when
-all is well, 1 when ``validate``, ``verify`` or ``check-config`` finds a problem, 2 on an error.
+no arguments and returns a Workload: an object with ``step`` (the train step)
+and ``args`` (its arguments, arrays or ``jax.ShapeDtypeStruct``s). Plans record
+their target, so ``verify plan.json`` rebuilds the step. Flags are checked
+before any work (``autoshard/arguments.py``) and are never abbreviated;
+``--memory-budget`` takes a size with a unit (``40GiB``, ``512MiB``). Exit
+status: 0 when all is well, 1 when ``validate``, ``verify`` or ``check-config``
+finds a problem, 2 on an error.
 """
 from __future__ import annotations
 
@@ -32,9 +37,9 @@ from rich.console import Console
 from rich.markup import escape
 
 from autoshard.cli_cluster import cmd_advise, cmd_check_config, cmd_profile
-from autoshard.cli_io import (CliError, check_writable, console, devices_needed, ensure_devices, intra_op_options,
-                              memory_budget, origin, parse_mesh, positive, positive_int, print_all, progress,
-                              write_or_fail)
+from autoshard.cli_io import (CliError, StrictParser, check_flags, check_writable, console, devices_needed,
+                              ensure_devices, intra_op_options, memory_budget, origin, parse_mesh, positive,
+                              positive_int, print_all, progress, write_or_fail)
 from autoshard.targets import load_workload
 
 
@@ -113,8 +118,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from autoshard.plans.plan import load_plan
     from autoshard.figures import write_png
     from autoshard.html_report import write_html
-    from autoshard.report import explain_renderables
+    from autoshard.report import explain_renderables, legend_table
 
+    if args.legend:
+        print_all(legend_table())
+        if not args.plan:
+            return 0
+    if not args.plan:
+        raise CliError("explain needs a plan file (or --legend alone for the notation and terms)")
     check_writable(args.html, "--html")
     check_writable(args.png, "--png")
     plan = load_plan(args.plan)
@@ -150,10 +161,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
         result = compare(step, step_args, parse_mesh(args.mesh), args.cluster,
                          memory_budget=memory_budget(args), options=intra_op_options(args), baselines=kinds,
-                         progress=lambda line: say(f"{name}: {line}"))
+                         progress=lambda line: say(f"{name}: {line}"),
+                         check=None if args.check == "none" else args.check)
     from autoshard.report import comparison_table
 
     print_all(comparison_table(result))
+    if result.arbitration is not None:
+        from autoshard.report import arbitration_table
+
+        print_all(arbitration_table(result.autoshard.plan))
     console.print(f"compared in {result.seconds:.1f}s")
     if args.out:
         plan = replace(result.autoshard.plan, origin=origin(args),
@@ -236,19 +252,26 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
             from autoshard.compiler.verify_pipeline import verify_pipeline
 
-            report: Any = verify_pipeline(plan, plan.apply(step, jax.devices()).lower(*step_args).compile())
+            from autoshard.runtime.run import run
+
+            report: Any = verify_pipeline(plan, run(plan, step, jax.devices()).lower(*step_args).compile())
         else:
             from autoshard.compiler.verify import verify_compiled
+            from autoshard.runtime.run import run
             from autoshard.runtime.spmd import make_jax_mesh
 
             mesh = make_jax_mesh(tuple(plan.mesh_shape), plan.axis_names)
-            report = verify_compiled(plan, plan.apply(step, mesh).lower(*step_args).compile())
+            report = verify_compiled(plan, run(plan, step, mesh).lower(*step_args).compile())
         compile_s = time.perf_counter() - start
     from autoshard.report import fidelity_lines, fidelity_table
 
     print_all(fidelity_table(report, f"plan '{plan.name}' predicted vs compiled",
                           f"mesh {'x'.join(map(str, plan.mesh_shape))} of {plan.cluster.name}, XLA:CPU on simulated "
                           f"devices, compiled in {compile_s:.1f}s"))
+    if plan.stages:
+        from autoshard.report import stage_cut
+
+        console.print(escape(stage_cut(plan)), highlight=False)
     for note in getattr(report, "notes", ()):
         console.print(note)
     flagged = [line.what for line in fidelity_lines(report) if line.flagged]
@@ -266,11 +289,19 @@ def _planning_flags(p: argparse.ArgumentParser, *, mesh_help: str = "logical mes
     p.add_argument("--config", default="small", help="workload config (default: small)")
     p.add_argument("--mesh", help=mesh_help)
     p.add_argument("--cluster", default=None, help="preset name or .json/.toml ClusterSpec file")
-    p.add_argument("--memory-budget-gib", type=positive, default=None,
-                   help="per-device budget (default: device memory)")
-    p.add_argument("--time-limit", type=positive, default=None, help="ILP time limit in seconds per solve")
+    _budget_flag(p, "per-device budget with a unit, e.g. 40GiB or 512MiB (default: device memory)")
+    p.add_argument("--time-limit", type=positive, default=None,
+                   help="ILP time limit in seconds per solve (default 10; the solve returns when it is proven)")
     p.add_argument("--while-trip-count", type=positive_int, default=None,
                    help="iterations to price a while loop at when its trip count cannot be derived (default: a guess)")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print the details of long phases (each layer class priced, each solve)")
+
+
+def _budget_flag(p: argparse.ArgumentParser, text: str) -> None:
+    p.add_argument("--memory-budget", default=None, metavar="SIZE", help=text)
+    # the flag it replaces, refused with what to type instead (cli_io.check_flags)
+    p.add_argument("--memory-budget-gib", default=None, help=argparse.SUPPRESS)
 
 
 def _pipeline_flags(p: argparse.ArgumentParser) -> None:
@@ -280,8 +311,8 @@ def _pipeline_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="autoshard", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = StrictParser(prog="autoshard", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=StrictParser)
     p = sub.add_parser("trace", help="trace a workload's train step and print the graph summary")
     p.add_argument("target")
     p.add_argument("--config", default="small")
@@ -296,7 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("explain", help="a plan's specs, ledger and, for --op N, why that op's strategy")
-    p.add_argument("plan", help="plan file")
+    p.add_argument("plan", nargs="?", help="plan file")
+    p.add_argument("--legend", action="store_true", help="print the notation and terms of the reports (R, S(x,y), "
+                   "partial sum, layout copy, gap, ...)")
     p.add_argument("--op", type=int, default=None, help="op index: its strategy against the alternatives")
     p.add_argument("--html", help="write an HTML report (tables and pictures)")
     p.add_argument("--png", help="write the pictures (memory per device, pipeline schedule) as PNG")
@@ -306,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target")
     _planning_flags(p)
     p.add_argument("--baselines", help="comma list (default: all): dp,fsdp,zero2,hsdp,megatron-tp,dp-tp")
+    p.add_argument("--check", choices=("compiled", "none"), default="compiled",
+                   help="compiled (default): compile autoshard's plan, its next-best plans and every classic plan and "
+                        "keep the fastest compiled program; none: the cost model alone decides")
     p.add_argument("--out", help="write autoshard's plan, with the comparison, here")
     p.set_defaults(func=cmd_compare)
 
@@ -313,8 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan", help="plan file")
     p.add_argument("--cluster", default=None, help="the cluster it will run on (preset or file)")
     p.add_argument("--mesh", help="the mesh shape it will run on: must be the plan's (default: the plan's)")
-    p.add_argument("--memory-budget-gib", type=positive, default=None,
-                   help="per-device budget (default: the cluster's)")
+    _budget_flag(p, "per-device budget with a unit, e.g. 40GiB (default: the cluster's)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("export", help="a plan's parameter layouts as Flax rules / PartitionSpecs, or a launch "
@@ -335,6 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="time the devices present and write the ClusterSpec they make")
     p.add_argument("--out", help="write the ClusterSpec here (JSON; --cluster FILE reads it)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (the median is kept)")
+    p.add_argument("--links", metavar="PRESET", help="take the links from this preset (e.g. 1x8-h100) instead of "
+                   "timing collectives; on one device, without it, the links are written as not measured")
     p.set_defaults(func=cmd_profile)
     p = sub.add_parser("advise", help="the nearest classic strategy that fits, as Accelerate / DeepSpeed / FSDP2 "
                                       "files, with autoshard's margin over it")
@@ -366,13 +403,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "advise" and not args.cluster:
             raise CliError("advise needs --cluster (a preset such as 2x8-a100, or a ClusterSpec file)")
+        check_flags(args)  # every flag, before any module is loaded or traced
+        if getattr(args, "verbose", False):  # the details the library logs (library code never prints)
+            import logging
+
+            logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
         ensure_devices(devices_needed(args))
         from autoshard.ir.trips import trip_count_option
 
         with trip_count_option(getattr(args, "while_trip_count", None)):
             return int(args.func(args) or 0)
     except (CliError, PlanningError, ClusterSpecError) as err:
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/bold red] {escape(str(err))}", highlight=False)
+        from autoshard.errors import InfeasibleMemoryError
+
+        text = err.naming("--memory-budget") if isinstance(err, InfeasibleMemoryError) else str(err)
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/bold red] {escape(text)}", highlight=False)
         return 2
 
 

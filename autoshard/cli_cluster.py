@@ -7,6 +7,7 @@ from pathlib import Path
 
 from autoshard.cli_io import (CliError, check_writable, console, intra_op_options, memory_budget, origin,
                               parse_mesh, print_all, progress)
+from autoshard.meshes.cluster import LinkLevel
 from autoshard.targets import load_workload
 
 
@@ -20,7 +21,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     check_writable(args.out, "--out")
     if args.repeats < 1:
         raise CliError(f"--repeats must be at least 1, got {args.repeats}")
-    options = ProfileOptions(repeats=args.repeats)
+    options = ProfileOptions(repeats=args.repeats, links=args.links)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as bar:
         task = bar.add_task("profiling", total=1.0)
@@ -29,9 +30,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     for line in profiled.lines():
         console.print(line, highlight=False)
     spec = profiled.spec
+
+    def link(level: LinkLevel) -> str:
+        if level.unmeasured:
+            return "not measured"
+        return f"{level.bandwidth_bytes_per_s / 1e9:.3g} GB/s, {level.latency_s * 1e6:.3g} us"
+
     console.print(f"profiled {spec.num_devices} device(s) in {profiled.seconds:.1f} s: intra-node "
-                  f"{spec.intra_node.bandwidth_bytes_per_s / 1e9:.3g} GB/s, {spec.intra_node.latency_s * 1e6:.3g} us; "
-                  f"inter-node {spec.inter_node.bandwidth_bytes_per_s / 1e9:.3g} GB/s", highlight=False)
+                  f"{link(spec.intra_node)}; inter-node {link(spec.inter_node)}", highlight=False)
     if out is not None:
         spec.save(out)
         console.print(f"wrote {out} (use it with --cluster {out})", highlight=False)
@@ -53,7 +59,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
     with progress(f"comparing {name} on {cluster.name}") as say:
         result = compare(step, step_args, mesh, args.cluster, memory_budget=memory_budget(args),
                          options=intra_op_options(args),
-                         progress=say, num_devices=cluster.num_devices)
+                         progress=say, num_devices=cluster.num_devices, check=None)
     advice = advise(result, global_batch=args.global_batch, fsdp_version=args.fsdp_version, source=name)
     plan = replace(result.autoshard.plan, origin=origin(args), baselines=result.summary_dict())
     out = Path(args.out)

@@ -22,6 +22,15 @@ class CliError(Exception):
     """Bad input to a command; ``main`` prints the message (what to change) and exits with status 2."""
 
 
+class StrictParser(argparse.ArgumentParser):
+    """An ArgumentParser that never takes a prefix of a flag for the flag (``allow_abbrev=False``): one meaning
+    per flag (``--memory-budget 1000`` is not ``--memory-budget-gib 1000``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def parse_mesh(text: str | None) -> tuple[int, ...] | None:
     if not text:
         return None
@@ -35,7 +44,7 @@ def parse_mesh(text: str | None) -> tuple[int, ...] | None:
 
 
 def positive(text: str) -> float:
-    """argparse type of --memory-budget-gib and --time-limit: a positive number (0 is not 'the default')."""
+    """argparse type of --time-limit: a positive number (0 is not 'the default')."""
     try:
         value = float(text)
     except ValueError:
@@ -101,9 +110,30 @@ def prod(shape: Any) -> int:
     return n
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """Every planning flag checked at once, before any target is loaded or traced (``autoshard/arguments.py``,
+    errors naming the flags); ``--memory-budget`` is kept in bytes as ``args.memory_budget_bytes``."""
+    from autoshard.arguments import CLI_NAMES, check_arguments
+
+    if getattr(args, "memory_budget_gib", None) is not None:
+        raise CliError(f"--memory-budget-gib is gone: the budget flag takes a unit, --memory-budget "
+                       f"{args.memory_budget_gib}GiB")
+    if getattr(args, "command", None) == "validate":  # the mesh and cluster a plan will run on: validate's checks
+        names = ("memory_budget",)
+    else:
+        names = ("mesh", "cluster", "memory_budget", "stages", "microbatches", "while_trip_count", "devices")
+    given = {k: getattr(args, k, None) for k in names}
+    checked = check_arguments(mesh=parse_mesh(given.get("mesh")), cluster=given.get("cluster"),
+                              memory_budget=given["memory_budget"], num_stages=given.get("stages"),
+                              num_microbatches=given.get("microbatches"),
+                              while_trip_count=given.get("while_trip_count"), num_devices=given.get("devices"),
+                              names=CLI_NAMES)
+    args.memory_budget_bytes = checked.memory_budget
+
+
 def memory_budget(args: argparse.Namespace) -> float | None:
-    gib = getattr(args, "memory_budget_gib", None)
-    return gib * 2**30 if gib is not None else None
+    """The per-device budget in bytes (``check_flags`` parsed ``--memory-budget``), None for the default."""
+    return getattr(args, "memory_budget_bytes", None)
 
 
 def intra_op_options(args: argparse.Namespace) -> Any:

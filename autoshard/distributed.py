@@ -2,7 +2,7 @@
 
 Gathers ``runtime/distributed.py`` (jax.distributed start-up, meshes ordered by
 process, sharded state and batches) and ``compiler/multiprocess.py`` (plan on
-process 0, ship the plan to every process, apply it). See README "Multi-host".
+process 0, ship the plan to every process, apply it). See docs/MULTIHOST.md.
 """
 from autoshard.compiler.multiprocess import (
     PLAN_KEY_PREFIX, apply_plan, check_runs_multiprocess, plan_digest, plan_multiprocess,

@@ -1,9 +1,16 @@
 """Typed errors; each message says what to change."""
 from __future__ import annotations
 
+import re
+
 
 class PlanningError(Exception):
     """autoshard could not produce a plan; the message says why and what to change."""
+
+
+class ArgumentError(PlanningError, ValueError):
+    """An argument of ``autoshard.autoshard`` / ``autoshard.plan`` or a command's flag is wrong; raised before
+    any tracing or planning, naming the argument as the caller wrote it and what to give instead."""
 
 
 class InfeasibleMemoryError(PlanningError):
@@ -26,6 +33,21 @@ class InfeasibleMemoryError(PlanningError):
         self.budget_bytes = budget_bytes
         self.liveness_point = liveness_point
 
+    def naming(self, budget_name: str) -> str:
+        """The message with the budget named as the caller typed it: the API's ``memory_budget`` becomes,
+        for one, the command line's ``--memory-budget``."""
+        return re.sub(r"\bmemory_budget\b", budget_name, str(self))
+
+
+class SolverTimeoutError(PlanningError):
+    """The solver reached its time limit without any plan (with a memory budget, no plan it found fits);
+    the message names ``time_limit_s`` to raise. The memory budget search reads it as "no plan at this
+    budget", as it reads an infeasible one."""
+
+
+class PipelineError(PlanningError):
+    """The step cannot run as a pipeline; the message says why and what to change."""
+
 
 class PlanMismatchError(PlanningError):
     """A plan does not match the function, arguments or mesh it is applied to."""
@@ -41,3 +63,13 @@ class UnusedDevicesWarning(UserWarning):
 
 class TripCountGuessWarning(UserWarning):
     """A while loop's trip count could not be derived: it is priced at a guess (the message says how to set it)."""
+
+
+class ReplanWarning(UserWarning):
+    """A decorated step was called with arguments of new shapes: it is planned and compiled again for them (the
+    message names the arguments that changed)."""
+
+
+class ObjectiveMismatchWarning(UserWarning):
+    """A plan's cost recomputed on the whole graph differs from the ILP's objective or the ledger: a bug in
+    the planner (the message gives the three figures). The test suite turns it into an error."""

@@ -15,9 +15,13 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
+from autoshard.ir.spec import Spec
 from autoshard.plans.breakdown import dotted, layer_key
 from autoshard.plans.ledger import Choice, fmt_bytes, fmt_s, solver_summary
+from autoshard.plans.legend import LEGEND
 from autoshard.plans.plan import Plan, state_note
+from autoshard.plans.stage_plan import PipelineStage
+from autoshard.plans.why import why_lines
 
 KIND_COLORS = {"param": "#4c72b0", "grad": "#8172b3", "opt_state": "#dd8452", "batch": "#55a868",
                "activation": "#c44e52", "resharded": "#937860"}
@@ -39,14 +43,18 @@ def ledger_table(plan: Plan) -> Table:
     table.add_row("  collectives", fmt_s(led.comm_s))
     table.add_row("  resharding", fmt_s(led.reshard_s))
     table.add_row("  pipeline bubble", fmt_s(led.bubble_s))
+    if led.compiled_step_s > 0:
+        error = led.prediction_error or 0.0
+        table.add_row("compiled step (XLA)", f"{fmt_s(led.compiled_step_s)} (compute {fmt_s(led.compiled_compute_s)} + "
+                                             f"collectives {fmt_s(led.compiled_collectives_s)}); the model is "
+                                             f"{abs(error):.1%} {'over' if error >= 0 else 'under'} it")
     table.add_row("compute lower bound", fmt_s(led.compute_lower_bound_s))
     fits = "fits" if plan.fits else "[red]OVER BUDGET[/red]"
     table.add_row("peak memory / device", f"{fmt_bytes(led.peak_memory_bytes)} of {fmt_bytes(plan.memory_budget_bytes)}"
                                           f" ({fits})")
     for kind, nbytes in led.memory_by_kind.items():
         table.add_row(f"  {kind}", fmt_bytes(nbytes))
-    table.add_row("collectives / device",
-                  ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(led.collective_bytes.items())) or "none")
+    table.add_row("collectives / device", plan.collectives_summary())
     table.add_row("solver", solver_summary(plan.solver))
     table.add_row("planning", ", ".join(f"{k} {v:.2f}s" for k, v in plan.planning_s.items()))
     if plan.stages:
@@ -55,6 +63,8 @@ def ledger_table(plan: Plan) -> Table:
         table.add_row("meshes tried", ", ".join(f"{k}: {fmt_s(v)}" for k, v in plan.alternatives.items()))
     if plan.origin:
         table.add_row("made from", ", ".join(f"{k}={v}" for k, v in plan.origin.items()))
+    for i, line in enumerate(why_lines(plan)):
+        table.add_row("why this plan" if i == 0 else "", line)
     return table
 
 
@@ -84,32 +94,97 @@ def _ranges(numbers: Sequence[int]) -> str:
     return ",".join(parts)
 
 
+def _pipeline_stages(plan: Plan) -> list[PipelineStage]:
+    """The plan's pipeline stages that carry their own layouts (none for an SPMD plan)."""
+    return [st for st in plan.stages if isinstance(st, PipelineStage)]
+
+
+def _parameter_rows(plan: Plan) -> list[tuple[str, Spec, str, str, dict[str, int]]]:
+    """(path, spec, optimizer-state note, stage, mesh sizes) per parameter: for a pipeline, as each stage
+    keeps it on its own mesh (the layouts it runs with), else as the SPMD plan stores it."""
+    if not _pipeline_stages(plan):
+        state, sizes = plan.state_specs(), dict(zip(plan.axis_names, plan.mesh_shape))
+        return [(path, spec, state_note(spec, state.get(path, {})), "", sizes)
+                for path, spec in plan.param_specs().items()]
+    rows = []
+    for stage in _pipeline_stages(plan):
+        state, sizes = stage.state_slots(), dict(zip(stage.axis_names, stage.mesh_shape))
+        rows += [(path, spec, state_note(spec, state.get(path, {})), str(stage.index), sizes)
+                 for path, spec in stage.param_specs.items()]
+    return rows
+
+
 def parameter_table(plan: Plan) -> Table:
-    """Per-parameter specs and their optimizer state's; repeated layers with the same specs share one row."""
-    groups: dict[tuple[str, tuple[int, ...], str, str], list[tuple[int | None, str]]] = collections.defaultdict(list)
-    state = plan.state_specs()
-    for path, spec in plan.param_specs().items():
+    """Per-parameter specs and their optimizer state's; repeated layers with the same specs share one row. A
+    pipeline's are each stage's, on the stage's mesh."""
+    groups: dict[tuple[str, str, tuple[int, ...], str, str], list[tuple[int | None, Spec, dict[str, int]]]] = \
+        collections.defaultdict(list)
+    for path, spec, note, stage, sizes in _parameter_rows(plan):
         key, layer = _layer_of(path)
-        groups[(key, plan.input_shapes[path][0], str(spec), state_note(spec, state.get(path, {})))].append((layer, path))
-    table = Table(title="parameters by path", caption="optimizer state: 'alike' when every slot of it (Adam's mu, "
-                  "nu, ...) has the parameter's spec, else each slot's spec")
-    for col in ("path", "layers", "shape", "spec", "per device", "optimizer state"):
+        shape = plan.input_shapes[path][0] if path in plan.input_shapes else ()
+        groups[(key, stage, shape, str(spec), note)].append((layer, spec, sizes))
+    staged = bool(_pipeline_stages(plan))
+    table = Table(title="parameters by path" + (" and pipeline stage" if staged else ""),
+                  caption="optimizer state: 'alike' when every slot of it (Adam's mu, nu, ...) has the parameter's "
+                  "spec, else each slot's spec")
+    columns = ("path", "layers") + (("stage",) if staged else ()) + ("shape", "spec", "per device",
+                                                                          "optimizer state")
+    for col in columns:
         table.add_column(col, overflow="fold")
-    sizes = dict(zip(plan.axis_names, plan.mesh_shape))
-    for (key, shape, spec_text, note), members in sorted(groups.items()):
-        local = plan.input_specs[members[0][1]].shard_shape(shape, sizes)
-        numbered = [n for n, _ in members if n is not None]
-        table.add_row(dotted(key), _ranges(numbered), str(list(shape)), spec_text, str(list(local)), note)
+    for (key, stage, shape, spec_text, note), members in sorted(groups.items()):
+        _, spec, sizes = members[0]
+        local = str(list(spec.shard_shape(shape, sizes))) if shape else ""
+        numbered = [n for n, _, _ in members if n is not None]
+        cells = [dotted(key), _ranges(numbered)] + ([stage] if staged else []) + [
+            str(list(shape)) if shape else "", spec_text, local, note]
+        table.add_row(*cells)
     return table
+
+
+def stage_cut(plan: Plan) -> str:
+    """The chosen stage cut of a pipeline plan in one line: each stage's layers, devices and mesh."""
+    parts = []
+    for st in _pipeline_stages(plan):
+        devices = st.device_indices
+        span = (f"{devices[0]}..{devices[-1]}" if devices == tuple(range(devices[0], devices[-1] + 1))
+                else ",".join(map(str, devices)))
+        parts.append(f"stage {st.index} layers {st.first_layer}-{st.last_layer} on devices {span} (mesh "
+                     f"{'x'.join(map(str, st.mesh_shape))})")
+    return (f"stage cut: {'; '.join(parts)}; {plan.num_microbatches} microbatches, {plan.schedule}"
+            if parts else "")
+
+
+def legend_table() -> Table:
+    """The notation and terms of the reports (``plans/legend.py``)."""
+    table = Table(title="legend: the notation and terms of this report", show_header=False)
+    table.add_column("term", style="bold", no_wrap=True)
+    table.add_column("meaning")
+    for term, meaning in LEGEND:
+        table.add_row(term, meaning)
+    return table
+
+
+def _state_leaves(plan: Plan) -> list[tuple[str, Spec, str, dict[str, int]]]:
+    """(path, spec, "param" | "opt_state", mesh sizes) of every parameter and optimizer-state leaf: for a
+    pipeline, as each stage keeps it on its own mesh."""
+    if not _pipeline_stages(plan):
+        sizes = dict(zip(plan.axis_names, plan.mesh_shape))
+        return [(path, spec, plan.input_roles[path], sizes) for path, spec in plan.input_specs.items()
+                if plan.input_roles.get(path) in ("param", "opt_state")]
+    out = []
+    for stage in _pipeline_stages(plan):
+        sizes = dict(zip(stage.axis_names, stage.mesh_shape))
+        out += [(path, spec, "param", sizes) for path, spec in stage.param_specs.items()]
+        out += [(path, spec, "opt_state", sizes) for path, spec in stage.state_specs.items()
+                if path not in stage.param_specs]
+    return out
 
 
 def layer_table(plan: Plan) -> Table:
     """Per layer: how many parameters are split, and the bytes per device of its parameters and their state."""
-    sizes = dict(zip(plan.axis_names, plan.mesh_shape))
     rows: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0, 0.0, 0.0])
-    for path, spec in plan.input_specs.items():
-        role = plan.input_roles.get(path)
-        if role not in ("param", "opt_state"):
+    for path, spec, role, sizes in _state_leaves(plan):
+        if path not in plan.input_shapes:
             continue
         layer = layer_key(path)
         shape, dtype = plan.input_shapes[path]
@@ -144,7 +219,7 @@ def _itemsize(dtype: str) -> int:
 
 
 def op_table(plan: Plan, op: int) -> Table | Text:
-    """The strategy op ``op`` got and its alternatives, each priced locally."""
+    """The strategy op ``op`` got and its alternatives, each priced as its share of the objective (``Choice``)."""
     if not 0 <= op < plan.num_ops:
         return Text(f"op {op} is out of range: the plan has ops 0..{plan.num_ops - 1}", style="red")
     ex = plan.explanations.get(op)
@@ -157,9 +232,11 @@ def op_table(plan: Plan, op: int) -> Table | Text:
     table = Table(title=f"op {op}: {ex.primitive} {ex.shapes}" + (f"  ({ex.source})" if ex.source else "")
                   + f"; {ex.num_strategies} strategies, cheapest {len(ex.alternatives)} others shown"
                   + (f"\n{ex.loop}" if ex.loop else ""),
-                  caption="local prices: the op's compute and collectives, plus resharding from its producers' and "
-                          "to its consumers' chosen layouts. A cheaper alternative loses because the op is tied to "
-                          "others (repeated layer, elementwise chain) or to stay within memory.")
+                  caption="the op's share of the modeled step, the rest of the plan fixed: its compute and "
+                          "collectives and the resharding charged to it; an alternative adds the change it makes to "
+                          "its consumers' resharding (negative: it spares them one), so 'vs chosen' is the change of "
+                          "the step. A cheaper alternative loses because the op is tied to others (repeated layer, "
+                          "elementwise chain) or to stay within memory.")
     for col in ("", "strategy", "compute", "collectives", "resharding", "total", "vs chosen"):
         table.add_column(col, justify="left" if col in ("", "strategy") else "right")
 
@@ -190,8 +267,11 @@ def explain_renderables(plan: Plan, op: int | None = None) -> list[Any]:
     items: list[Any] = [ledger_table(plan), caveats_table(plan), parameter_table(plan), layer_table(plan)]
     if plan.baselines:
         items.append(baseline_summary_table(plan))
+    if plan.arbitration:
+        items.append(arbitration_table(plan))
     if op is not None:
         items.append(op_table(plan, op))
+    items.append(legend_table())
     return items
 
 
@@ -200,12 +280,19 @@ def explain_renderables(plan: Plan, op: int | None = None) -> list[Any]:
 
 def _comparison_rows(rows: Sequence[Mapping[str, Any]], title: str, note: str) -> Table:
     table = Table(title=title, caption=note)
-    for col in ("strategy", "modeled step", "peak memory / device", "fits", "batch ceiling", "autoshard speedup"):
+    compiled = any(r.get("compiled_step_s") for r in rows)
+    cols = ("strategy", "modeled step", *(("compiled step (XLA)", "compiled speedup") if compiled else ()),
+            "peak memory / device", "fits", "batch ceiling", "autoshard speedup")
+    for col in cols:
         table.add_column(col, justify="left" if col == "strategy" else "right")
+    mine = next((r.get("compiled_step_s") for r in rows if r["name"] == "autoshard"), None)
     for r in rows:
-        ceiling = r["batch_ceiling"]
+        ceiling, theirs = r["batch_ceiling"], r.get("compiled_step_s")
+        priced = ((fmt_s(theirs) if theirs else "—",
+                   f"{theirs / mine:.2f}x" if theirs and mine and r["name"] != "autoshard" else "")
+                  if compiled else ())
         table.add_row(
-            r["name"], fmt_s(r["step_s"]), fmt_bytes(r["peak_memory_bytes"]),
+            r["name"], fmt_s(r["step_s"]), *priced, fmt_bytes(r["peak_memory_bytes"]),
             "yes" if r["fits"] else "[red]no[/red]",
             "unbounded" if ceiling is None else f"{ceiling:,}",
             "" if r["name"] == "autoshard" else f"{r['speedup']:.2f}x",
@@ -214,9 +301,23 @@ def _comparison_rows(rows: Sequence[Mapping[str, Any]], title: str, note: str) -
     return table
 
 
+def arbitration_table(plan: Plan) -> Table:
+    """The plans compiled to choose this one (``check="compiled"``): modeled against compiled step."""
+    table = Table(title="compiled arbitration: the fastest compiled program that fits is returned",
+                  caption=plan.checks.get("compiled arbitration", ""))
+    for col in ("candidate", "modeled step", "compiled step (XLA)", "model error", "fits", "returned"):
+        table.add_column(col, justify="left" if col == "candidate" else "right")
+    for name, r in plan.arbitration.items():
+        compiled = r.get("compiled_s")
+        error = f"{(r['modeled_s'] - compiled) / compiled:+.1%}" if compiled else "—"
+        table.add_row(name, fmt_s(r["modeled_s"]), fmt_s(compiled) if compiled else "did not compile", error,
+                      "yes" if r.get("fits", 1.0) else "[red]no[/red]", "yes" if r.get("chosen") else "",
+                      style="bold" if r.get("chosen") else "")
+    return table
+
+
 def comparison_table(comparison: Any) -> Table:  # comparison: autoshard.compiler.baselines.Comparison
-    rows = [{"name": c.name, "step_s": c.step_s, "peak_memory_bytes": c.peak_bytes, "fits": c.fits,
-             "batch_ceiling": c.batch_ceiling, "speedup": comparison.speedup(c)} for c in comparison.rows]
+    rows = [{"name": name, **figures} for name, figures in comparison.summary_dict().items()]
     plan = comparison.autoshard.plan
     mesh = "x".join(map(str, plan.mesh_shape))
     best, fallback = comparison.best_baseline, comparison.fallback

@@ -28,6 +28,7 @@ import optax  # noqa: E402
 
 import autoshard  # noqa: E402
 from autoshard.compiler.baselines import UNIFORM_GPIPE, compare as compare_classic, plan_uniform_gpipe  # noqa: E402
+from autoshard.compiler.pipeline_context import PipelineRequest  # noqa: E402
 from autoshard.compiler.pipeline_driver import plan_pipeline  # noqa: E402
 from autoshard.passes.intra_op import IntraOpOptions  # noqa: E402
 from examples import gpt  # noqa: E402
@@ -50,8 +51,10 @@ def compare(config: str, cluster: str, time_limit_s: float = 5.0, classic: bool 
     spec = autoshard.PRESETS[cluster]
     options = IntraOpOptions(time_limit_s=time_limit_s)
     start, cpu = time.perf_counter(), time.process_time()
-    piped, spmd = plan_pipeline(marked_step(work), work.args, cluster=cluster, num_devices=spec.num_devices,
-                                options=options, keep_both=True)
+    found = plan_pipeline(marked_step(work), work.args, PipelineRequest(cluster=cluster, num_devices=spec.num_devices,
+                                                                        options=options, keep_both=True))
+    piped, spmd = found.pipeline, found.spmd
+    assert piped is not None  # keep_both: the best pipeline is finished even when SPMD is faster
     seconds, cpu_s = time.perf_counter() - start, time.process_time() - cpu
     pipe_s = piped.plan.step_s
     spmd_s = spmd.plan.step_s if spmd is not None else float("inf")

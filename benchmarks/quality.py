@@ -2,12 +2,15 @@
 
 Each cell traces an example workload from abstract shapes, runs
 ``autoshard.compiler.baselines.compare`` (DP, FSDP/ZeRO-3, ZeRO-2, HSDP, Megatron TP,
-DP x TP, then autoshard hinted with the best one that fits) and keeps plain
-numbers: modeled step time, per-device peak memory, batch ceiling, the compute
-lower bound, planning seconds by pass and the ILP's size and gap. For cells
-on one 8-device node it can also compile autoshard's plan with XLA on 8
-simulated CPU devices and set the plan's predicted collective bytes and peak
-memory against the compiled HLO (``compiler/verify.py``).
+DP x TP, then autoshard hinted with the best one that fits, then compiled
+arbitration: autoshard's plan, its next-best plans and every classic plan
+compiled by XLA and priced from their HLO on the cell's cluster, the fastest
+returned) and keeps plain numbers: modeled and compiled step time, per-device
+peak memory, batch ceiling, the compute lower bound, planning seconds by pass,
+the ILP's size and gap, and the objective checker's result
+(``benchmarks/compiled.py``). For cells on one 8-device node it also sets the
+plan's predicted collective bytes and peak memory against the compiled HLO
+(``compiler/verify.py``).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from autoshard.compiler.baselines import Candidate, Comparison, compare
+from benchmarks.compiled import CompiledRow, ContestRow, ObjectiveRow, compiled_row, contest_rows, objective_row
 from autoshard.compiler.driver import plan_graph
 from autoshard.plans.plan import Plan, fmt_s
 from autoshard.ir.trace import trace
@@ -49,6 +53,7 @@ class Cell:
     fidelity: bool = False  # also compile autoshard's plan with XLA (needs a mesh of FIDELITY_DEVICES)
     long_solve_s: float | None = None  # also re-solve autoshard with this CP-SAT time limit: solver or space?
     pipeline: bool = False  # also plan pipelines (stages searched) and uniform GPipe, under the same model
+    compiled: bool = True  # compiled arbitration (compare's check="compiled"); False: the model alone (no compiles)
 
     @property
     def workload(self) -> str:
@@ -82,19 +87,6 @@ class StrategyRow:
     @property
     def split(self) -> str:
         return f"compute {fmt_s(self.compute_s)}, collectives {fmt_s(self.comm_s)}, resharding {fmt_s(self.reshard_s)}"
-
-
-@dataclass(frozen=True)
-class CompiledRow:
-    """One plan compiled by XLA: its own FLOPs, bytes accessed and collectives priced on the cell's cluster,
-    and the ledger's predictions against them."""
-
-    step_s: float  # max(FLOPs / peak, bytes / HBM) + HLO collectives at the link bandwidths
-    compute_s: float
-    collectives_s: float
-    flops_error: float  # |predicted - compiled| / compiled
-    bytes_error: float
-    ok: bool  # FLOPs within 5% and bytes within 20%
 
 
 @dataclass(frozen=True)
@@ -164,6 +156,31 @@ class CellResult:
     pipeline: StrategyRow | None = None  # the best pipeline of >= 2 stages (cell.pipeline); None: not planned
     pipeline_stages: str = ""  # its stages, sub-meshes, B and schedule
     pipeline_s: float = math.nan  # planning seconds of the pipeline (stages searched, its SPMD plan included)
+    contest: tuple[ContestRow, ...] = ()  # compare's compiled arbitration: every plan compiled, the one returned
+    arbitration_s: float = math.nan  # its next-best solves and compiles, wall
+    objective: ObjectiveRow | None = None  # the objective checker on autoshard's plan (None: not available)
+
+    @property
+    def compiled_fallback(self) -> StrategyRow | None:
+        """The classic strategy that fits whose compiled program is fastest (priced from its HLO)."""
+        return min((b for b in self.baselines if b.fits and b.compiled is not None),
+                   key=lambda b: b.compiled.step_s, default=None)  # type: ignore[union-attr]
+
+    def compiled_speedup_over(self, row: StrategyRow | None) -> float | None:
+        """``row``'s compiled step over autoshard's (both priced from their HLO); None when either is missing,
+        or autoshard's plan is over the budget."""
+        mine = self.autoshard.compiled if self.autoshard is not None and self.autoshard.fits else None
+        if mine is None or row is None or row.compiled is None or mine.step_s <= 0:
+            return None
+        return row.compiled.step_s / mine.step_s
+
+    @property
+    def compiled_speedup(self) -> float | None:
+        """autoshard's compiled program against the fastest compiled classic program that fits."""
+        return self.compiled_speedup_over(self.compiled_fallback)
+
+    def baseline(self, name: str) -> StrategyRow | None:
+        return next((b for b in self.baselines if b.name == name), None)
 
     @property
     def pipeline_speedup(self) -> float | None:
@@ -298,7 +315,7 @@ def run_cell(cell: Cell, cache: WorkloadCache, options: IntraOpOptions, progress
     start = time.perf_counter()
     try:
         comparison = compare(workload.step, workload.args, mesh=cell.mesh, cluster=cell.cluster, options=options,
-                             progress=say)
+                             progress=say, check="compiled" if cell.compiled else None)
     except Exception as err:  # noqa: BLE001 — one failing cell is recorded; the run carries on
         smallest = getattr(err, "smallest_budget_bytes", None)
         note = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
@@ -325,11 +342,10 @@ def run_cell(cell: Cell, cache: WorkloadCache, options: IntraOpOptions, progress
     if cell.long_solve_s:
         say(f"re-solving autoshard with a {cell.long_solve_s:g} s time limit")
         result = replace(result, long_solve=_long_solve(comparison, options, cell.long_solve_s))
+    result = _with_compiled(result, comparison)
     if cell.fidelity:
-        say("compiling autoshard's plan with XLA")
-        result = _with_fidelity(result, plan, workload)
-        say("compiling every classic plan with XLA")
-        result = _with_compiled_prices(result, comparison, workload)
+        say("autoshard's plan against what XLA compiled")
+        result = _with_fidelity(result, comparison, workload)
     return result
 
 
@@ -353,6 +369,7 @@ def _with_pipeline(result: CellResult, cell: Cell, workload: Workload, options: 
     """Add the best pipeline (stages searched, >= 2 stages) and uniform GPipe (a classic row) to a cell, priced
     by the same intra-op model as the SPMD rows; a failure is logged and leaves the cell as it was."""
     from autoshard.compiler.baselines import UNIFORM_GPIPE, plan_uniform_gpipe
+    from autoshard.compiler.pipeline_context import PipelineRequest
     from autoshard.compiler.pipeline_driver import plan_pipeline
     from autoshard.meshes.cluster import get_cluster
 
@@ -363,14 +380,17 @@ def _with_pipeline(result: CellResult, cell: Cell, workload: Workload, options: 
     start = time.perf_counter()
     try:
         say("planning pipelines (stages searched)")
-        piped, _ = plan_pipeline(step, workload.args, cluster=cell.cluster, num_devices=devices, options=options,
-                                 keep_both=True, progress=say)
+        piped = plan_pipeline(step, workload.args, PipelineRequest(
+            cluster=cell.cluster, num_devices=devices, options=options, keep_both=True, progress=say)).pipeline
         seconds = time.perf_counter() - start
         say("planning uniform GPipe")
         gpipe = plan_uniform_gpipe(step, workload.args, cluster=cell.cluster, num_devices=devices, options=options,
                                    progress=say)
     except Exception:  # noqa: BLE001 — one failing pipeline is recorded in the log; the cell keeps its rows
         log.exception("%s: planning the pipeline failed", cell)
+        return result
+    if piped is None:  # keep_both: only when no pipeline fits
+        log.warning("%s: no pipeline of two or more stages fits", cell)
         return result
     plan = piped.plan
     stages = " | ".join(f"L{s.first_layer}-{s.last_layer}@{'x'.join(map(str, s.mesh_shape))}" for s in plan.stages)
@@ -398,12 +418,35 @@ def _long_solve(comparison: Comparison, options: IntraOpOptions, time_limit_s: f
     return LongSolve(time_limit_s, again.plan.step_s, s.status, s.gap, float(again.plan.planning_s["intra-op"]))
 
 
-def _with_fidelity(result: CellResult, plan: Plan, workload: Workload) -> CellResult:
+def _with_compiled(result: CellResult, comparison: Comparison) -> CellResult:
+    """Every plan's compiled price from the comparison's arbitration, the contest, and the objective check."""
+    arbitration = comparison.arbitration
+    checked = objective_row(comparison.autoshard.planned)
+    if arbitration is None or result.autoshard is None:
+        return replace(result, objective=checked)
+    by_name = {c.name: c for c in arbitration.contenders}
+    auto = replace(result.autoshard, compiled=compiled_row(arbitration.winner))
+    rows = tuple(replace(row, compiled=compiled_row(by_name[row.name])) if row.name in by_name else row
+                 for row in result.baselines)
+    return replace(result, autoshard=auto, baselines=rows, contest=contest_rows(arbitration),
+                   arbitration_s=arbitration.seconds, objective=checked)
+
+
+def _with_fidelity(result: CellResult, comparison: Comparison, workload: Workload) -> CellResult:
+    """autoshard's plan against XLA's program of it: the arbitration's compile when it ran here (on this
+    process's devices, donation included), else a compile of its own."""
     import jax
 
-    from autoshard.compiler.verify import verify_compiled
+    from autoshard.compiler.verify import compare as fidelity_compare, verify_compiled
+    from autoshard.runtime.run import run
     from autoshard.runtime.spmd import make_jax_mesh
 
+    plan = comparison.autoshard.plan
+    won = comparison.arbitration.winner.compiled if comparison.arbitration is not None else None
+    if won is not None and won.summary is not None and won.where == "here":
+        rows = tuple(FidelityRow(r.what, r.predicted, r.compiled, r.rel_error, r.ok)
+                     for r in fidelity_compare(plan, won.summary).rows)
+        return replace(result, fidelity=Fidelity(rows, won.compile_s))
     if math.prod(plan.mesh_shape) > len(jax.devices()):
         note = (f"needs {math.prod(plan.mesh_shape)} devices, jax has {len(jax.devices())}: set XLA_FLAGS="
                 f"--xla_force_host_platform_device_count={FIDELITY_DEVICES} before jax is imported")
@@ -411,7 +454,7 @@ def _with_fidelity(result: CellResult, plan: Plan, workload: Workload) -> CellRe
     start = time.perf_counter()
     try:
         mesh = make_jax_mesh(tuple(plan.mesh_shape), plan.axis_names)
-        compiled = plan.apply(workload.step, mesh).lower(*workload.args).compile()
+        compiled = run(plan, workload.step, mesh).lower(*workload.args).compile()
         report = verify_compiled(plan, compiled)
     except Exception as err:  # noqa: BLE001 — a benchmark records a failed compile and carries on
         log.warning("%s: compiling the plan failed: %s", result.cell, err)
@@ -419,37 +462,6 @@ def _with_fidelity(result: CellResult, plan: Plan, workload: Workload) -> CellRe
                                                  error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"))
     rows = tuple(FidelityRow(r.what, r.predicted, r.compiled, r.rel_error, r.ok) for r in report.rows)
     return replace(result, fidelity=Fidelity(rows, time.perf_counter() - start))
-
-
-def _compiled_row(plan: Plan, workload: Workload) -> CompiledRow | None:
-    import jax
-
-    from autoshard.compiler.verify import compiled_price, verify_compiled
-    from autoshard.runtime.spmd import make_jax_mesh
-
-    if math.prod(plan.mesh_shape) > len(jax.devices()):
-        return None
-    try:
-        compiled = plan.apply(workload.step, make_jax_mesh(tuple(plan.mesh_shape), plan.axis_names)
-                              ).lower(*workload.args).compile()
-    except Exception as err:  # noqa: BLE001 — a benchmark records a failed compile and carries on
-        log.warning("compiling %s failed: %s", plan.name, err)
-        return None
-    report = verify_compiled(plan, compiled)
-    price = compiled_price(plan, report.summary)
-    rows = {r.what: r for r in report.rows}
-    flops, hbm = rows.get("flops per device"), rows.get("hbm bytes per device")
-    return CompiledRow(price.step_s, price.compute_s, price.collectives_s,
-                       flops.rel_error if flops else math.nan, hbm.rel_error if hbm else math.nan,
-                       bool(flops and hbm and flops.ok and hbm.ok))
-
-
-def _with_compiled_prices(result: CellResult, comparison: Comparison, workload: Workload) -> CellResult:
-    """Every plan of the cell (autoshard's and each classic one) compiled and priced from its HLO."""
-    auto = replace(result.autoshard, compiled=_compiled_row(comparison.autoshard.plan, workload))
-    rows = tuple(replace(row, compiled=_compiled_row(c.plan, workload))
-                 for row, c in zip(result.baselines, comparison.baselines))
-    return replace(result, autoshard=auto, baselines=rows)
 
 
 # Relative planning cost of a workload's cells, to start the longest first when cells run in parallel.

@@ -4,12 +4,15 @@
 
 Default set: GPT small / medium / large / xl, the MoE transformer (large) and
 the wide ResNet (convnet large) on one 8-GPU node (1x8-a100, mesh 2x4), two
-nodes with a slow link (2x8-a100, 2x8) and four H100 nodes (4x8-h100, 4x8);
-autoshard's one-node plans (all but gpt-xl) are also compiled with XLA on 8
-simulated CPU devices to check the model; then the planning-time
-scaling study (``benchmarks/planning_scaling.py``). ``--quick`` runs the
-small configs only, skips the scaling study, and writes a file only when
-``--out`` is given.
+nodes with a slow link (2x8-a100, 2x8) and four H100 nodes (4x8-h100, 4x8).
+Every cell runs ``compare`` with compiled arbitration: autoshard's plan, its
+next-best plans and every classic plan are compiled by XLA:CPU (8 simulated
+devices in this process; 16 or 32 in a child process per cell) and priced
+from their HLO on the cell's cluster; the targets are rated on those compiled
+prices. autoshard's one-node plans are also set against the compiled HLO
+figure by figure (fidelity); then the planning-time scaling study
+(``benchmarks/planning_scaling.py``). ``--quick`` runs the small configs
+only, skips the scaling study, and writes a file only when ``--out`` is given.
 
 Everything but planning time is modeled (cost model, compiled HLO): the
 sharded steps are never timed on this CPU.
@@ -23,6 +26,10 @@ _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_DEVICE_FLAG}=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# LLVM at -O0 for XLA:CPU's kernels: compiles faster; the optimized HLO, cost_analysis() and
+# memory_analysis() the prices are read from do not change (tests/conftest.py checks the same flag).
+if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import argparse  # noqa: E402
 import logging  # noqa: E402
@@ -40,9 +47,9 @@ from benchmarks import planning_scaling  # noqa: E402
 from benchmarks.machine import LoadSampler, Machine, describe  # noqa: E402
 from benchmarks.quality import Cell, CellResult, run_cells  # noqa: E402
 from benchmarks.sections import carry_over  # noqa: E402
-from benchmarks.tables import (baselines_table, fidelity_table, hot_ops_table, hotspot_table,  # noqa: E402
-                               long_solve_table, quality_table, render_markdown, render_rich, scaling_fit_table,
-                               scaling_table)
+from benchmarks.tables import (baselines_table, contest_table, fidelity_table, hot_ops_table,  # noqa: E402
+                               hotspot_table, long_solve_table, quality_table, render_markdown, render_rich,
+                               scaling_fit_table, scaling_table)
 from benchmarks.targets import Target, evaluate  # noqa: E402
 
 CLUSTERS = ("1x8-a100", "2x8-a100", "4x8-h100")
@@ -108,7 +115,8 @@ def _machine_lines(machine: Machine, run: RunSettings) -> list[str]:
         f"1-minute load during the run: {run.load}. Planning-time tables also give CPU seconds, which the "
         "load disturbs much less.",
         f"- versions: {versions}",
-        f"- ILP time limit: {run.time_limit_s:g} s per solve in the comparison (7 solves per cell), "
+        f"- ILP time limit: {run.time_limit_s:g} s per solve in the comparison (7 solves per cell, then up to 3 "
+        f"next-best re-solves for compiled arbitration), "
         f"{run.scaling_time_limit_s:g} s (the planner's default) in the scaling study",
         f"- the comparison cells ran in {run.jobs} process{'es' if run.jobs > 1 else ''} (one workload at a time "
         "each), the scaling study alone after them",
@@ -133,8 +141,11 @@ def markdown(machine: Machine, run: RunSettings, results: Sequence[CellResult],
         "",
         "Written by `python -m benchmarks.run` (benchmarks/run.py); regenerate rather than edit. "
         "Step times, memory and collective bytes are **modeled** (autoshard's alpha-beta + roofline cost model "
-        "of the named ClusterSpec; XLA's compiled HLO for the fidelity rows); only planning seconds are measured "
-        "on this machine.",
+        "of the named ClusterSpec) and **compiled**: each plan compiled by XLA:CPU (8 simulated devices, or 16 "
+        "and 32 in a child process) and priced from its HLO on the same ClusterSpec (FLOPs at peak, bytes "
+        "accessed at HBM bandwidth, each collective at its replica groups' links and node crossings, "
+        "`autoshard/compiler/verify.py`); the targets are rated on the compiled prices. Only planning seconds are "
+        "measured on this machine.",
         "",
         "## Run",
         "",
@@ -161,6 +172,14 @@ def markdown(machine: Machine, run: RunSettings, results: Sequence[CellResult],
         "modeled step.",
         "",
         render_markdown(quality_table(results)),
+        "",
+        "*autoshard compiled* is the program compiled arbitration returned (the fastest compiled program among "
+        "autoshard's plan, its next-best distinct plans and every classic plan that fits); *compiled speedup* is "
+        "the fastest compiled classic program that fits over it. *objective* is the objective checker on "
+        "autoshard's plan: the ILP's objective, the objective recomputed on the unsimplified graph and the "
+        "ledger's step, which must agree.",
+        "",
+        render_markdown(contest_table(results)),
         "",
         render_markdown(hot_ops_table(results)),
         "",
@@ -218,7 +237,7 @@ def _cpu_seconds() -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small configs only, no scaling study (< 3 min)")
+    parser.add_argument("--quick", action="store_true", help="small configs only, no scaling study (~8 CPU min)")
     parser.add_argument("--out", type=Path, default=None,
                         help="markdown file to write (default benchmarks/RESULTS.md; with --quick: none)")
     parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S,
@@ -244,6 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with LoadSampler() as load:
         results = run_cells(cells, options, jobs=args.jobs, progress=lambda cell, msg: say(f"{cell}: {msg}"))
         console.print(render_rich(quality_table(results)))
+        console.print(render_rich(contest_table(results)))
         if any(r.long_solve for r in results):
             console.print(render_rich(long_solve_table(results)))
         if any(r.fidelity for r in results):

@@ -71,17 +71,36 @@ def _mesh(mesh: Sequence[int]) -> str:
 # ----------------------------------------------------------------------------- plan quality
 
 
+def _objective(r: CellResult) -> str:
+    o = r.objective
+    if o is None:
+        return "not available"
+    return (f"{'agree' if o.agrees else 'DISAGREE'}: {fmt_s(o.ilp_s)} / {fmt_s(o.recomputed_s)} / "
+            f"{fmt_s(o.ledger_s)}")
+
+
+def _compiled_cells(r: CellResult) -> tuple[str, str, str]:
+    """autoshard's compiled step, the fastest compiled classic that fits, and the speedup between them."""
+    mine = r.autoshard.compiled if r.autoshard is not None else None
+    best = r.compiled_fallback
+    return (fmt_s(mine.step_s) if mine else "—",
+            f"{best.name} {fmt_s(best.compiled.step_s)}" if best and best.compiled else "—",
+            _num(r.compiled_speedup, "{:.2f}x"))
+
+
 def quality_table(results: Sequence[CellResult]) -> TextTable:
     headers = ("workload", "cluster (mesh)", "autoshard step", "memory / device", "batch ceiling",
-               "best classic that fits", "speedup", "of compute bound", "planning s (trace / intra-op)",
-               "ILP (nodes->classes, vars, cons)", "gap / status", "pipeline step (stages)", "pipeline speedup")
+               "best classic that fits", "speedup", "autoshard compiled", "best classic compiled (fits)",
+               "compiled speedup", "of compute bound", "planning s (trace / intra-op)",
+               "ILP (nodes->classes, vars, cons)", "gap / status", "objective: ILP / recomputed / ledger",
+               "pipeline step (stages)", "pipeline speedup")
     rows = []
     for r in results:
         name = f"{r.cell.workload} ({_params(r.num_params)}, batch {r.batch_size})"
         where = f"{r.cell.cluster} ({_mesh(r.cell.mesh)})"
         if r.autoshard is None:
-            rows.append((name, where, "no plan fits", "—", "—", "—", "—", "—", f"{r.trace_s:.1f} / —",
-                         "—", r.error or "", *_pipeline_cells(r)))
+            rows.append((name, where, "no plan fits", "—", "—", "—", "—", "—", "—", "—", "—",
+                         f"{r.trace_s:.1f} / —", "—", r.error or "", "—", *_pipeline_cells(r)))
             continue
         a, best = r.autoshard, r.fallback
         memory = f"{fmt_bytes(a.peak_bytes)}" + ("" if a.fits else " (over budget)")
@@ -91,10 +110,10 @@ def quality_table(results: Sequence[CellResult]) -> TextTable:
         ilp = str(r.ilp) if r.ilp else "—"
         gap = f"{r.ilp.gap:.0%} {r.ilp.status}" if r.ilp else "—"
         rows.append((name, where, fmt_s(a.step_s), memory, _ceiling(a.batch_ceiling), best_text, speedup,
-                     _num(r.bound_fraction, "{:.0%}"), f"{r.trace_s:.1f} / {r.intra_op_s:.1f}", ilp, gap,
-                     *_pipeline_cells(r)))
-    return TextTable("autoshard against the best classic strategy that fits (modeled)", headers, tuple(rows),
-                     frozenset({2, 3, 4, 6, 7, 12}))
+                     *_compiled_cells(r), _num(r.bound_fraction, "{:.0%}"), f"{r.trace_s:.1f} / {r.intra_op_s:.1f}",
+                     ilp, gap, _objective(r), *_pipeline_cells(r)))
+    return TextTable("autoshard against the best classic strategy that fits (modeled, and compiled by XLA)", headers,
+                     tuple(rows), frozenset({2, 3, 4, 6, 7, 9, 10, 16}))
 
 
 def _pipeline_cells(r: CellResult) -> tuple[str, str]:
@@ -111,11 +130,11 @@ def baselines_table(results: Sequence[CellResult]) -> TextTable:
     """Every strategy of every cell: step, memory, fit, batch ceiling, autoshard's speedup over it."""
     headers = ("cell", "strategy", "modeled step", "compute", "collectives", "resharding", "memory / device", "fits",
                "batch ceiling", "autoshard speedup", "compiled, XLA-priced (compute + collectives)",
-               "FLOPs / bytes vs XLA")
+               "collectives crossing nodes", "FLOPs / bytes vs XLA")
     rows = []
     for r in results:
         if r.autoshard is None:
-            rows.append((str(r.cell), "—", "—", "—", "—", "—", "—", "—", "—", r.error or "", "—", "—"))
+            rows.append((str(r.cell), "—", "—", "—", "—", "—", "—", "—", "—", r.error or "", "—", "—", "—"))
             continue
         for s in (r.autoshard, *r.baselines):
             speedup = s.step_s / r.autoshard.step_s if r.autoshard.step_s > 0 else math.nan
@@ -124,9 +143,24 @@ def baselines_table(results: Sequence[CellResult]) -> TextTable:
             errors = (f"{c.flops_error:.1%} / {c.bytes_error:.1%}" + ("" if c.ok else " OFF")) if c else "—"
             rows.append((str(r.cell), s.name, fmt_s(s.step_s), fmt_s(s.compute_s), fmt_s(s.comm_s),
                          fmt_s(s.reshard_s), fmt_bytes(s.peak_bytes), "yes" if s.fits else "NO",
-                         _ceiling(s.batch_ceiling), "" if s is r.autoshard else f"{speedup:.2f}x", priced, errors))
-    return TextTable("every strategy, every cell (compiled columns: one-node cells, 8 simulated CPU devices)",
-                     headers, tuple(rows), frozenset({2, 3, 4, 5, 6, 8, 9, 10, 11}))
+                         _ceiling(s.batch_ceiling), "" if s is r.autoshard else f"{speedup:.2f}x", priced,
+                         str(c.cross_node) if c else "—", errors))
+    return TextTable("every strategy, every cell (compiled: XLA:CPU, 8 simulated devices here, 16 or 32 in a child "
+                     "process)", headers, tuple(rows), frozenset({2, 3, 4, 5, 6, 8, 9, 10, 11, 12}))
+
+
+def contest_table(results: Sequence[CellResult]) -> TextTable:
+    """Each cell's compiled arbitration: every plan compiled, modeled against compiled, which one was returned."""
+    headers = ("cell", "candidate", "modeled step", "compiled step", "model error", "fits", "returned", "arbitration s")
+    rows = []
+    for r in results:
+        for c in r.contest:
+            error = (f"{(c.modeled_s - c.compiled_s) / c.compiled_s:+.1%}" if c.compiled_s else "—")
+            rows.append((str(r.cell), c.name, fmt_s(c.modeled_s),
+                         fmt_s(c.compiled_s) if c.compiled_s is not None else f"did not compile: {c.error}", error,
+                         "yes" if c.fits else "NO", "yes" if c.chosen else "", f"{r.arbitration_s:.0f}"))
+    return TextTable("compiled arbitration: the fastest compiled program that fits is autoshard's answer", headers,
+                     tuple(rows), frozenset({2, 3, 4, 7}))
 
 
 def hot_ops_table(results: Sequence[CellResult]) -> TextTable:

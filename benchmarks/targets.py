@@ -1,8 +1,14 @@
-"""The issue's targets, judged from the results, with where and why when missed.
+"""The issues' targets, judged from the results, with where and why when missed.
+
+Every speed target is rated on **compiled** prices: each plan compiled by XLA and priced from its HLO
+on the cell's cluster (``CellResult.compiled_speedup``: autoshard's returned program against the fastest
+compiled classic program that fits). A cell whose programs did not compile is not rated and says why.
 
 - autoshard >= 1.0x the fastest classic strategy that fits, in every cell;
-- >= 1.5x geometric mean on the MoE cells and on the two-node (2x8-a100) cells;
-- a 24-layer GPT planned in <= 30 s and a 96-layer one in <= 60 s on (2, 4);
+- >= 1.10x geometric mean over the one- and two-node cells (1x8-a100, 2x8-a100);
+- GPT-medium on two nodes >= 1.10x data parallel;
+- >= 1.5x geometric mean on the MoE cells and on the two-node cells (the earlier issue's targets);
+- a 24-layer GPT planned in <= 20 s (arbitration off) and a 96-layer one in <= 60 s on (2, 4);
 - planning time growing at most linearly with depth (fitted exponent <= 1).
 """
 from __future__ import annotations
@@ -22,8 +28,12 @@ def _num(x: float | None) -> str:
 TIE = 1e-9  # relative: a kept baseline is exactly 1.0x
 MIN_SPEEDUP = 1.0
 GEOMEAN_SPEEDUP = 1.5
-PLANNING_LIMITS_S = {24: 30.0, 96: 60.0}
+NODES_GEOMEAN = 1.10
+OVER_DP = 1.10
+DP_CELL = ("gpt", "medium", "2x8-a100")  # (model, config, cluster) rated against data parallelism
+PLANNING_LIMITS_S = {24: 20.0, 96: 60.0}
 PLANNING_MESH = "1x8-a100"  # the (2, 4) mesh
+ONE_NODE_CLUSTER = "1x8-a100"
 TWO_NODE_CLUSTER = "2x8-a100"
 TOY_PARAMS = 10_000_000  # below this a step is latency, not compute: geomeans are also given without these
 SUPERLINEAR = 1.1  # a pass whose seconds grow faster than layers^this is named in the linear-growth target
@@ -44,96 +54,103 @@ class Target:
         return ("met, with a caveat" if self.caveat else "met") if self.met else "MISSED"
 
 
+def _split(row: object) -> str:
+    c = getattr(row, "compiled", None)
+    return f"{fmt_s(c.step_s)} = compute {fmt_s(c.compute_s)} + collectives {fmt_s(c.collectives_s)}" if c else "—"
+
+
 def _why_slow(r: CellResult, wanted: float) -> str:
-    """Where a cell's speedup stops: the model's own ceiling, or the communication autoshard kept."""
-    kept = f"; the solver did not beat its hint and kept {r.kept}'s plan" if r.kept else ""
-    text = f"{r.cell}: {r.speedup:.2f}x{kept}"
+    """Where a cell's compiled speedup stops: the programs' split, the model's own ceiling, the solver."""
+    best = r.compiled_fallback
+    kept = f"; autoshard returned {r.kept}'s plan" if r.kept else ""
+    text = (f"{r.cell}: {_num(r.compiled_speedup)}x compiled ({_num(r.speedup)}x modeled){kept}; autoshard "
+            f"{_split(r.autoshard)}, {best.name if best else 'best classic'} {_split(best)}")
     if r.comm_headroom is not None and r.comm_headroom < wanted:
-        return text + (f"; the best classic plan is {r.comm_headroom:.2f}x the least compute time of any plan "
-                       f"(roofline), so even a plan with no communication at all could not reach {wanted:.1f}x")
-    top = r.hot_ops[0] if r.hot_ops else "none"
-    gap = f"; ILP gap {r.ilp.gap:.0%} at the time limit" if r.ilp else ""
+        return text + (f"; the best classic plan is {r.comm_headroom:.2f}x the least modeled compute of any plan, "
+                       f"so even a plan with no communication at all could not reach {wanted:.1f}x")
+    gap = f"; ILP gap {r.ilp.gap:.0%}" if r.ilp else ""
     if r.long_solve is not None and r.long_solve.status == "optimal":
-        gap = (f"; re-solved for {r.long_solve.time_limit_s:g} s, CP-SAT proves {fmt_s(r.long_solve.step_s)} "
-               "optimal: nothing faster exists in autoshard's search space under this model")
-    return (text + f"; a plan with no communication could gain up to {_num(r.comm_headroom)}x; autoshard's step: "
-            f"{r.autoshard.split}{gap}; costliest op: {top}")
+        gap = (f"; re-solved for {r.long_solve.time_limit_s:g} s, the solver proves {fmt_s(r.long_solve.step_s)} "
+               "optimal under the model")
+    top = r.hot_ops[0] if r.hot_ops else "none"
+    return text + f"{gap}; costliest op (modeled): {top}"
+
+
+def _unrated(r: CellResult) -> str:
+    if r.error:
+        return r.error
+    if r.over_budget:
+        return "autoshard's plan over budget"
+    if r.autoshard is not None and r.autoshard.compiled is None:
+        return "autoshard's plan was not compiled" + (f" ({r.contest[0].error})" if r.contest else "")
+    return "no classic strategy that fits compiled"
 
 
 def _min_speedup(results: Sequence[CellResult]) -> Target:
-    name = f"autoshard >= {MIN_SPEEDUP:.1f}x the best classic strategy that fits, every cell"
-    rated = [r for r in results if r.speedup is not None]
-    no_plan = [r for r in results if r.autoshard is None]
+    name = f"autoshard >= {MIN_SPEEDUP:.1f}x the best classic strategy that fits, every cell (compiled prices)"
+    rated = [r for r in results if r.compiled_speedup is not None]
+    unrated = [r for r in results if r.compiled_speedup is None]
     over = [r for r in results if r.over_budget]
-    only_auto = [r for r in results if r.autoshard is not None and r.fallback is None and r.autoshard.fits]
-    if not rated and not only_auto:
-        return Target(name, None, "no cell had both an autoshard plan and a classic plan that fits")
-    below = [r for r in rated if r.speedup < MIN_SPEEDUP * (1 - TIE)]
-    parts = []
-    if rated:
-        worst = min(rated, key=lambda r: r.speedup)
-        ties = [r for r in rated if abs(r.speedup - 1.0) <= 1e-6]
-        parts.append(f"{len(rated)} cells rated; lowest {worst.speedup:.2f}x ({worst.cell}); "
-                     f"{len(ties)} exactly 1.00x (no better plan found than the hint)")
-    if only_auto:
-        parts.append("no classic strategy fits but autoshard does in " + ", ".join(str(r.cell) for r in only_auto))
-    if no_plan:
-        parts.append("no plan at all (nothing fits the budget) in " + ", ".join(
-            f"{r.cell} ({r.error})" for r in no_plan))
+    if not rated:
+        return Target(name, None, "no cell rated: " + ", ".join(f"{r.cell} ({_unrated(r)})" for r in results))
+    below = [r for r in rated if r.compiled_speedup < MIN_SPEEDUP * (1 - TIE)]
+    worst = min(rated, key=lambda r: r.compiled_speedup)
+    ties = [r for r in rated if abs(r.compiled_speedup - 1.0) <= 1e-6]
+    parts = [f"{len(rated)} cells rated; lowest {worst.compiled_speedup:.2f}x ({worst.cell}); {len(ties)} exactly "
+             f"1.00x (the returned program is a classic one)"]
+    if unrated:
+        parts.append("not rated: " + ", ".join(f"{r.cell} ({_unrated(r)})" for r in unrated))
     if below:
         parts.append("below 1.0x: " + "; ".join(_why_slow(r, MIN_SPEEDUP) for r in below))
     if over:
         parts.append("autoshard's plan is over the memory budget, so not a plan at all, in " + "; ".join(
-            f"{r.cell} ({fmt_bytes(r.autoshard.peak_bytes)} of {fmt_bytes(r.budget_bytes)}; "
-            + (f"{r.fallback.name} fits at {fmt_s(r.fallback.step_s)}" if r.fallback else "no classic plan fits")
-            + ")" for r in over)
-            + ". Why: the ILP bounds memory at a few liveness points (IntraOpOptions.num_memory_points) and "
-              "the simulated peak of the decoded plan falls above the budget elsewhere; compare() then keeps "
-              "the over-budget plan instead of the best classic plan that fits")
+            f"{r.cell} ({fmt_bytes(r.autoshard.peak_bytes)} of {fmt_bytes(r.budget_bytes)})" for r in over))
     return Target(name, not below and not any(r.fallback for r in over), "; ".join(parts))
 
 
-def _unrated(r: CellResult) -> str:
-    return r.error or ("autoshard's plan over budget" if r.over_budget else "no classic strategy fits")
-
-
-def _geomean_target(name: str, cells: Sequence[CellResult]) -> Target:
-    rated = [r for r in cells if r.speedup is not None]
+def _geomean_target(name: str, cells: Sequence[CellResult], wanted: float) -> Target:
+    rated = [r for r in cells if r.compiled_speedup is not None]
     if not rated:
         missing = ", ".join(f"{r.cell} ({_unrated(r)})" for r in cells) or "none run"
         return Target(name, None, f"no rated cell: {missing}")
-    gm = geomean([r.speedup for r in rated])
-    per_cell = ", ".join(f"{r.cell.workload} on {r.cell.cluster} {r.speedup:.2f}x" for r in rated)
-    detail = f"geomean {gm:.2f}x over {per_cell}"
-    unrated = [r for r in cells if r.speedup is None]
+    gm = geomean([r.compiled_speedup for r in rated])
+    per_cell = ", ".join(f"{r.cell.workload} on {r.cell.cluster} {r.compiled_speedup:.2f}x" for r in rated)
+    detail = f"geomean {gm:.2f}x (compiled) over {per_cell}"
+    unrated = [r for r in cells if r.compiled_speedup is None]
     if unrated:
         detail += "; not rated: " + ", ".join(f"{r.cell} ({_unrated(r)})" for r in unrated)
-    met = gm is not None and gm >= GEOMEAN_SPEEDUP
+    met = gm is not None and gm >= wanted
     real = [r for r in rated if r.num_params >= TOY_PARAMS]
-    real_gm = geomean([r.speedup for r in real])
-    caveat = None
-    if met and len(real) < len(rated) and (real_gm is None or real_gm < GEOMEAN_SPEEDUP):
+    real_gm = geomean([r.compiled_speedup for r in real])
+    if met and len(real) < len(rated) and (real_gm is None or real_gm < wanted):
         caveat = (f"met only through the toy models (under {TOY_PARAMS / 1e6:.0f}M parameters), whose steps are "
                   f"microseconds of latency: without them the geomean is "
                   + (f"{real_gm:.2f}x" if real_gm else "undefined"))
-        detail = f"Caveat: {caveat}. " + detail
-        worst = sorted(real, key=lambda r: r.speedup)[:2]
-        detail += ". Why the real models stay low: " + "; ".join(_why_slow(r, GEOMEAN_SPEEDUP) for r in worst)
-        return Target(name, met, detail, caveat)
+        return Target(name, met, f"Caveat: {caveat}. " + detail, caveat)
     if not met:
-        bound = geomean([r.comm_headroom for r in rated if r.comm_headroom])
-        if bound is not None and bound < GEOMEAN_SPEEDUP:
-            detail += (f". Why: the best classic plans are a geomean {bound:.2f}x of the least compute time in "
-                       f"their cells, the most a plan with no communication at all could gain under this model")
-        else:
-            detail += ". Why: " + "; ".join(_why_slow(r, GEOMEAN_SPEEDUP)
-                                            for r in sorted(rated, key=lambda r: r.speedup)[:2])
+        detail += ". Why: " + "; ".join(_why_slow(r, wanted)
+                                        for r in sorted(rated, key=lambda r: r.compiled_speedup)[:2])
     return Target(name, met, detail)
+
+
+def _over_dp_target(results: Sequence[CellResult]) -> Target:
+    model, config, cluster = DP_CELL
+    name = f"{model}-{config} on two nodes ({cluster}) >= {OVER_DP:.2f}x data parallel (compiled prices)"
+    cell = next((r for r in results if (r.cell.model, r.cell.config, r.cell.cluster) == DP_CELL), None)
+    if cell is None:
+        return Target(name, None, "cell not run")
+    dp = cell.baseline("DP")
+    got = cell.compiled_speedup_over(dp)
+    if got is None:
+        return Target(name, None, f"not rated: {_unrated(cell)}" + ("" if dp and dp.compiled else "; DP not compiled"))
+    detail = (f"{got:.2f}x: autoshard {_split(cell.autoshard)}, DP {_split(dp)}; collectives crossing nodes: "
+              f"autoshard {cell.autoshard.compiled.cross_node}, DP {dp.compiled.cross_node}")
+    return Target(name, got >= OVER_DP, detail)
 
 
 def _planning_target(points: Sequence[ScalingPoint], layers: int, limit_s: float,
                      spots: Sequence[Hotspot]) -> Target:
-    name = f"{layers}-layer GPT planned in <= {limit_s:.0f} s on (2, 4)"
+    name = f"{layers}-layer GPT planned in <= {limit_s:.0f} s on (2, 4), arbitration off"
     point = next((p for p in points if p.layers == layers and p.cluster == PLANNING_MESH), None)
     if point is None:
         return Target(name, None, "scaling study not run")
@@ -197,10 +214,15 @@ def evaluate(results: Sequence[CellResult], points: Sequence[ScalingPoint],
     big = [r for r in results if r.cell.config != "small" or r.cell.model == "gpt"]
     moe = [r for r in big if r.cell.model in ("moe", "moe_topk")]
     two_node = [r for r in big if r.cell.cluster == TWO_NODE_CLUSTER]
+    nodes = [r for r in big if r.cell.cluster in (ONE_NODE_CLUSTER, TWO_NODE_CLUSTER)]
     return [
         _min_speedup(results),
-        _geomean_target(f"geomean >= {GEOMEAN_SPEEDUP}x on the MoE cells", moe),
-        _geomean_target(f"geomean >= {GEOMEAN_SPEEDUP}x on the two-node ({TWO_NODE_CLUSTER}) cells", two_node),
+        _geomean_target(f"geomean >= {NODES_GEOMEAN:.2f}x over the one- and two-node ({ONE_NODE_CLUSTER}, "
+                        f"{TWO_NODE_CLUSTER}) cells (compiled prices)", nodes, NODES_GEOMEAN),
+        _over_dp_target(results),
+        _geomean_target(f"geomean >= {GEOMEAN_SPEEDUP}x on the MoE cells (compiled prices)", moe, GEOMEAN_SPEEDUP),
+        _geomean_target(f"geomean >= {GEOMEAN_SPEEDUP}x on the two-node ({TWO_NODE_CLUSTER}) cells (compiled "
+                        "prices)", two_node, GEOMEAN_SPEEDUP),
         *(_planning_target(points, layers, limit, spots) for layers, limit in PLANNING_LIMITS_S.items()),
         _linear_target(points),
     ]

@@ -6,6 +6,8 @@ marker, which is applied automatically to everything under tests/sim).
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
@@ -17,6 +19,16 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
 if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# JAX's persistent compilation cache, in a fresh temporary directory per test run (removed at its end): many
+# tests compile the same program again from a new trace (a workload rebuilt, a plan applied again, a CLI or
+# launcher child process), and XLA then loads the executable instead of compiling it. Set through the
+# environment, before jax is imported, so that child processes share it. A JAX_COMPILATION_CACHE_DIR of your
+# own is used as it is (and kept).
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="autoshard-tests-jax-cache-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # cache every compile, however short
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")  # and however small
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 import pytest  # noqa: E402
@@ -24,10 +36,22 @@ import pytest  # noqa: E402
 jax.config.update("jax_enable_x64", False)
 
 
+def pytest_unconfigure(config):
+    if _OWN_CACHE:
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "tests/sim" in str(item.fspath).replace(os.sep, "/"):
+        path = str(item.fspath).replace(os.sep, "/")
+        if "tests/sim" in path:
             item.add_marker(pytest.mark.sim)
+        # pytest-xdist (pyproject's addopts: one worker per core, --dist loadgroup) runs each group on one
+        # worker: a module's tests stay together, so its module fixtures are computed once; tests that share
+        # a session cache across modules (compiled_examples.planned_example) name a group of their own.
+        if not any(item.iter_markers("xdist_group")):
+            item.add_marker(pytest.mark.xdist_group(path.rsplit("/tests/", 1)[-1]))
 
 
 @pytest.fixture(scope="session")

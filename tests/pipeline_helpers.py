@@ -6,6 +6,7 @@ import numpy as np
 import optax
 
 import autoshard
+from compiled_examples import FAST_COMPILE
 
 
 def marked_step(loss_fn, tx):
@@ -37,7 +38,7 @@ def assert_leaves_close(got_tree, want_tree, what: str) -> None:
 def assert_adamw_steps_match(piped, step, params, opt_state, batch, steps: int = 3) -> None:
     """``steps`` AdamW steps of ``piped`` against ``jax.jit(step)`` on one device: the loss of every step within
     1e-5 relative, and the first moment after the first step leaf by leaf."""
-    reference = jax.jit(step)
+    reference = jax.jit(step, compiler_options=FAST_COMPILE)
     ref, state = (params, opt_state), (params, opt_state)
     for k in range(steps):
         *ref, ref_loss = reference(*ref, batch)

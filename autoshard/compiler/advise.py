@@ -168,7 +168,7 @@ def advise(comparison: Comparison, *, global_batch: int | None = None, fsdp_vers
     if not ranked:
         raise PlanningError("no classic strategy fits the memory budget "
                             f"{fmt_bytes(comparison.memory_budget_bytes)} per device, even at one sample per GPU: "
-                            "raise --memory-budget-gib, use more devices, or run autoshard's plan")
+                            "raise --memory-budget, use more devices, or run autoshard's plan")
     ranked.sort(key=lambda r: (r[0], r[1]))
     chosen = ranked[0][2]
     kind = kinds[chosen.name]

@@ -53,9 +53,10 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 
+from autoshard.compiler.arbiter import Arbitration, arbitrate_steps
 from autoshard.compiler.ceiling import BatchProbe, batch_ceiling
 from autoshard.compiler.driver import PlannedStep, Progress, plan_graph, plan_on
 from autoshard.compiler.explain import op_explanations
@@ -169,6 +170,13 @@ class Comparison:
     memory_budget_bytes: float
     megatron: MegatronRoles
     seconds: float
+    arbitration: Arbitration | None = None  # check="compiled": every plan compiled, the fastest returned
+
+    def compiled_speedup(self, baseline: Candidate) -> float | None:
+        """How many times faster autoshard's compiled program is than ``baseline``'s, both priced from their
+        HLO (``Ledger.compiled_step_s``); None when either was not compiled."""
+        mine, theirs = self.autoshard.plan.ledger.compiled_step_s, baseline.plan.ledger.compiled_step_s
+        return theirs / mine if mine > 0 and theirs > 0 else None
 
     def speedup(self, baseline: Candidate) -> float:
         """How many times faster autoshard's modeled step is than ``baseline``'s."""
@@ -189,9 +197,12 @@ class Comparison:
         return (self.autoshard, *self.baselines)
 
     def summary_dict(self) -> dict[str, dict[str, Any]]:
-        """Per strategy: modeled step, peak, fits, ceiling, speedup (what ``Plan.baselines`` records)."""
+        """Per strategy: modeled step, peak, fits, ceiling, speedup, and the compiled step where compiled (what
+        ``Plan.baselines`` records)."""
         return {c.name: {"step_s": c.step_s, "peak_memory_bytes": c.peak_bytes, "fits": c.fits,
-                         "batch_ceiling": c.batch_ceiling, "speedup": self.speedup(c)} for c in self.rows}
+                         "batch_ceiling": c.batch_ceiling, "speedup": self.speedup(c),
+                         **({"compiled_step_s": c.plan.ledger.compiled_step_s}
+                            if c.plan.ledger.compiled_step_s > 0 else {})} for c in self.rows}
 
 
 def _hint_options(options: IntraOpOptions, best: PlannedStep | None) -> IntraOpOptions:
@@ -204,7 +215,8 @@ def compare(fn: Callable[..., Any], args: Sequence[Any], mesh: MeshLike = None,
             cluster: ClusterLike = None,
             *, memory_budget: float | None = None, options: IntraOpOptions | None = None,
             baselines: Sequence[Baseline] = ALL_BASELINES, progress: Progress | None = None,
-            num_devices: int | None = None) -> Comparison:
+            num_devices: int | None = None, check: str | None = "compiled", batch_ceilings: bool = True,
+            contest: Literal["all", "best"] = "all") -> Comparison:
     """autoshard and every classic baseline on ``mesh``: modeled time, memory, fit, batch ceiling.
 
     With no mesh, autoshard's own mesh search picks it, over ``num_devices`` (default: the devices
@@ -256,18 +268,26 @@ def compare(fn: Callable[..., Any], args: Sequence[Any], mesh: MeshLike = None,
                        solver=replace(auto.plan.solver, status=f"{auto.plan.solver.status}; kept {best.plan.name}"))
         auto = replace(best, plan=kept)
 
-    if not auto.plan.explanations:  # a kept baseline was planned without them
+    arbitration = None
+    if check == "compiled":
+        say("compiled arbitration: next-best plans, then compiling every candidate")
+        classics = ([(k.label, planned[k]) for k in baselines] if contest == "all"
+                    else [(best.plan.name, best)] if best is not None else [])
+        auto, priced, arbitration = arbitrate_steps(auto, classics, replace(options, memory_budget_bytes=budget))
+        planned = {kind: priced.get(kind.label, planned[kind]) for kind in baselines}
+    if not auto.plan.explanations:  # a kept baseline or a next-best plan was planned without them
         auto = replace(auto, plan=replace(auto.plan, explanations=op_explanations(auto.result)))
 
     def candidate(name: str, step: PlannedStep) -> Candidate:
-        return Candidate(name, step.plan, batch_ceiling(step.result, probe, budget), step)
+        ceiling = batch_ceiling(step.result, probe, budget) if batch_ceilings else None
+        return Candidate(name, step.plan, ceiling, step)
 
     say("batch ceilings")
     result = Comparison(
         autoshard=candidate("autoshard", auto),
         baselines=tuple(candidate(kind.label, planned[kind]) for kind in baselines),
         batch_size=probe.batch, memory_budget_bytes=budget, megatron=roles,
-        seconds=time.perf_counter() - start,
+        seconds=time.perf_counter() - start, arbitration=arbitration,
     )
     return result
 
@@ -285,9 +305,9 @@ def plan_uniform_gpipe(fn: Callable[..., Any], args: Sequence[Any], *, cluster: 
     (``passes/stage_costs.py`` in its ``"dp"`` mode); needs the loss marked with ``autoshard.value_and_grad``."""
     import numpy as np
 
-    from autoshard.compiler.pipeline_driver import STAGE_TIME_LIMIT_S, finish_pipeline, price_pipeline
+    from autoshard.compiler.pipeline_context import PipelineRequest, pipeline_context
+    from autoshard.compiler.pipeline_pricing import STAGE_TIME_LIMIT_S, finish_pipeline, price_pipeline
     from autoshard.ir.split import split_step
-    from autoshard.passes.layers import cluster_layers
     from autoshard.passes.stage_costs import StageCostOptions
     from autoshard.passes.stages import evaluate_stages
 
@@ -305,24 +325,26 @@ def plan_uniform_gpipe(fn: Callable[..., Any], args: Sequence[Any], *, cluster: 
     num_stages = nodes if nodes > 1 else 2
     width = n // num_stages
     submesh = (1, width) if width <= per_node else (width // per_node, per_node)
-    layers = cluster_layers(parts.forward, num_layers)
+    request = PipelineRequest(cluster=cluster, memory_budget=memory_budget, num_devices=num_devices,
+                              num_stages=num_stages, schedule="gpipe", num_layers=num_layers, options=options,
+                              progress=progress)
+    timings["trace"] = time.perf_counter() - start
+    ctx = pipeline_context(fn, args, request, graph, parts, target, timings)
+    layers = ctx.layers
     if len(layers) < num_stages:
         raise PlanningError(f"uniform GPipe needs at least {num_stages} layers; the step has {len(layers)}")
-    timings["trace"] = time.perf_counter() - start
     cost_options = StageCostOptions(
         schedule="gpipe", num_stages=num_stages, memory_budget_bytes=target.memory_budget_bytes,
         min_stages=num_stages, recompute=(False,), modes=("dp",), submeshes=(submesh,),
         time_limit_s=min(STAGE_TIME_LIMIT_S, (options or IntraOpOptions()).time_limit_s))
     say(f"pricing uniform GPipe: {num_stages} stages of {len(layers) // num_stages}+ layers on {submesh}")
     t0 = time.perf_counter()
-    priced, programs = price_pipeline(fn, args, graph, parts, layers, cost_options, spec, n, progress=say)
+    priced = price_pipeline(ctx, cost_options)
     timings["pricing"] = time.perf_counter() - t0
     bounds = np.linspace(0, len(layers), num_stages + 1).round().astype(int)
-    problem = priced.problem
+    problem = priced.stages.problem
     plans = [evaluate_stages(problem, [(int(bounds[s]), int(bounds[s + 1]) - 1, k) for s in range(num_stages)], b)
-             for k in range(len(priced.variants)) for b in problem.microbatch_options]
+             for k in range(len(priced.stages.variants)) for b in problem.microbatch_options]
     fitting = [p for p in plans if p.peak_bytes <= problem.memory_budget_bytes]
     best = min(fitting, key=lambda p: p.step_time_s) if fitting else min(plans, key=lambda p: p.peak_bytes)
-    piped = finish_pipeline(fn, args, graph, parts, layers, best, priced, programs, target, timings, UNIFORM_GPIPE,
-                            None)
-    return piped.plan
+    return finish_pipeline(ctx, priced, best, None, UNIFORM_GPIPE).plan

@@ -133,7 +133,8 @@ class BatchProbe:
 def _profile(result: IntraOpResult, graph: OpGraph) -> np.ndarray:
     sizes = dict(zip(result.mesh.axis_names, result.mesh.shape))
     profile, _ = memory_profile(graph, result.value_specs, sizes, result.reshards,
-                                op_strategies=result.node_strategies[len(graph.inputs):])
+                                op_strategies=result.node_strategies[len(graph.inputs):],
+                                f32_compute_dtypes=result.mesh.cluster.f32_compute_dtypes)
     return profile
 
 

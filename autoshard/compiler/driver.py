@@ -15,7 +15,7 @@ from typing import Any, TypeAlias
 
 from autoshard.compiler.explain import op_explanations
 from autoshard.compiler.layer_times import layer_times
-from autoshard.compiler.target import ClusterLike, MeshLike, Target, resolve_target
+from autoshard.compiler.target import ClusterLike, MeshLike, Target, check_budget_floor, resolve_target
 from autoshard.errors import InfeasibleMemoryError, OverBudgetWarning, PlanningError
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.trace import trace
@@ -55,6 +55,7 @@ def build_plan(graph: OpGraph, result: IntraOpResult, budget: float, timings: di
         collective_bytes=result.collective_bytes_by_kind(), compute_lower_bound_s=bound,
         flops_per_device=result.flops_per_device, hbm_bytes_per_device=result.hbm_bytes_per_device,
         compute_bound_s=compute_bound, memory_bound_s=memory_bound, flops_by_dtype=result.flops_by_dtype(),
+        input_s=result.input_s,
     )
     s = result.ilp
     return Plan(
@@ -91,6 +92,7 @@ def plan_on(graph: OpGraph, target: Target, options: IntraOpOptions | None = Non
             timings: dict[str, float] | None = None, name: str = "autoshard", explain: bool = True,
             progress: Progress | None = None) -> PlannedStep:
     """``plan_graph`` for a resolved Target: the intra-op pass on each candidate mesh, the fastest kept."""
+    check_budget_floor(graph, target)
     budget = target.memory_budget_bytes
     options = replace(options or IntraOpOptions(), memory_budget_bytes=budget)
     timings = dict(timings or {})

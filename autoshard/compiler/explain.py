@@ -1,19 +1,24 @@
 """Why a plan is what it is: each op's strategy against its alternatives.
 
 ``op_explanations`` prices, for each op of a solved graph, every strategy the
-rule table offers *locally*: its own compute (the fused roofline of the cost
-model, ``passes/hbm_traffic.py``) and collectives, plus the
-resharding it would need from the layouts its producers were given and to
-the layouts its consumers read (the rest of the plan held fixed). The chosen
+rule table offers as the op's *contribution to the objective* with the rest of
+the plan held fixed (``passes/objective.PlanObjective``, the function the
+objective itself is summed from): its compute (the fused roofline) and its
+collectives as the ILP prices them (a late reduction's latency paid once by its
+combined group), and the resharding charged to it; for an alternative, plus the
+change it makes to every reshard it touches, its consumers' included, with the
+same runs and one-copy-per-layout rules. The chosen contributions of all ops,
+with the write-backs, combined latencies and inputs, sum to the objective; two
+strategies' totals differ as the step would. The chosen
 strategy is usually the cheapest such; when it is not, the op is tied to
 others (a repeated layer or an elementwise chain solved as one ILP variable)
 or the memory budget forbade the cheaper one. The plan file keeps the chosen
 strategy and the ``top_k`` cheapest alternatives per op, for every op with a
-choice except elementwise and view ops that neither communicate nor reshard
+choice except elementwise and shape ops that neither communicate nor reshard
 (they follow their producer; keeping them would make files of megabytes).
 
 Inside a loop (a scan's body, flattened by ``ir/trace.py``) prices count every
-iteration, and each explanation says how the loop was planned (``loop_notes``):
+run, and each explanation says how the loop was planned (``loop_notes``):
 its trip count, the layout each carry keeps across iterations, and the layout
 each stacked input is read in (leading layer axis whole, sliced per iteration).
 """
@@ -22,22 +27,13 @@ from __future__ import annotations
 import collections
 import re
 
-import numpy as np
-
-from autoshard.ir.graph import OpGraph, ValueId
-from autoshard.plans.ledger import Choice, OpExplanation
-from autoshard.ir.spec import Spec
-from autoshard.passes.liveness import FUSIBLE
-from autoshard.meshes.cost import roofline_s
-from autoshard.passes.hbm_traffic import compute_dtype, op_traffic, strategy_hbm_bytes
-from autoshard.passes.resharding import reshard
+from autoshard.ir.graph import OpGraph
+from autoshard.ir.primitives import Family, facts
+from autoshard.passes.objective import Contribution, PlanObjective
 from autoshard.passes.strategies import Strategy, strategies_for
+from autoshard.plans.ledger import Choice, OpExplanation
 
-_VIEWS = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "slice", "concatenate", "pad", "select_n"})
-
-
-def _itemsize(dtype: str) -> int:
-    return np.dtype(dtype).itemsize if dtype in np.sctypeDict else 4
+_FOLLOWS = (Family.ELEMENTWISE, Family.SHAPE)  # elementwise and shape ops: they follow their producer
 
 
 def _short(dtype: str) -> str:
@@ -53,62 +49,39 @@ def _typed(value) -> str:
 
 
 def op_explanations(result, top_k: int = 5) -> dict[int, OpExplanation]:  # result: passes.intra_op.IntraOpResult
-    """Every op with more than one strategy: the chosen one and the ``top_k`` cheapest others, priced locally."""
+    """Every op with more than one strategy: the chosen one and the ``top_k`` cheapest others, each priced as
+    the op's contribution to the objective with the rest of the plan fixed (``objective.PlanObjective``)."""
     graph: OpGraph = result.graph
-    mesh = result.mesh
-    num_inputs = len(graph.inputs)
-    readers: dict[ValueId, list[tuple[Spec, ValueId]]] = collections.defaultdict(list)
-    for j, op in enumerate(graph.ops):
-        chosen = result.node_strategies[num_inputs + j]
-        for pos, vid in enumerate(op.inputs):
-            if vid in result.value_specs:
-                readers[vid].append((chosen.in_specs[pos], vid))
-    for k, vid in enumerate(graph.outputs):
-        carried = graph.carried[k] if graph.carried else None
-        if carried is not None:
-            readers[vid].append((result.input_specs[carried], vid))
+    terms = PlanObjective(graph, result.mesh, result.node_strategies)
     cache: dict[tuple, list[Strategy]] = {}
     out: dict[int, OpExplanation] = {}
     notes = loop_notes(result)
     loop_of = graph.loop_of()
-    traffic = op_traffic(graph)
-    sizes = dict(zip(mesh.axis_names, mesh.shape))
     for j, op in enumerate(graph.ops):
         ins = [graph.values[v] for v in op.inputs]
         outs = [graph.values[v] for v in op.outputs]
         key = (op.primitive, repr(sorted(op.params.items(), key=lambda kv: kv[0]))[:400],
                tuple((v.shape, v.dtype) for v in ins), tuple((v.shape, v.dtype) for v in outs), op.trip_count)
         if key not in cache:
-            cache[key] = strategies_for(op, ins, outs, mesh)
+            cache[key] = strategies_for(op, ins, outs, result.mesh)
         options = cache[key]
-        chosen_s = result.node_strategies[num_inputs + j]
         if len(options) < 2:
             continue
-
-        def price(s: Strategy) -> Choice:
-            seconds = 0.0
-            for pos, value in enumerate(ins):
-                src = result.value_specs.get(value.id)
-                if src is not None and src != s.in_specs[pos]:
-                    seconds += reshard(value.shape, _itemsize(value.dtype), src, s.in_specs[pos], mesh).seconds
-            for k, value in enumerate(outs):
-                for dst, _vid in readers.get(value.id, ()):
-                    if dst != s.out_specs[k]:
-                        seconds += reshard(value.shape, _itemsize(value.dtype), s.out_specs[k], dst, mesh).seconds
-            hbm = op.trip_count * strategy_hbm_bytes(graph, op, traffic[j], s.in_specs, s.out_specs, sizes)
-            compute = float(roofline_s(mesh.cluster, s.flops, hbm, compute_dtype(op, graph)))
-            return Choice(str(s), compute, s.comm_s * op.trip_count, seconds * op.trip_count)
-
-        chosen = price(chosen_s)
-        if op.primitive in FUSIBLE | _VIEWS and not chosen.comm_s and not chosen.reshard_s:
+        chosen_s = terms.op_strategy(j)
+        chosen = _choice(chosen_s, terms.contribution(j))
+        if facts(op.primitive).family in _FOLLOWS and not chosen.comm_s and not chosen.reshard_s:
             continue
-        others = sorted((price(s) for s in options
+        others = sorted((_choice(s, terms.contribution(j, s)) for s in options
                          if (s.in_specs, s.out_specs) != (chosen_s.in_specs, chosen_s.out_specs)),
                         key=lambda c: c.total_s)
         shapes = " x ".join(map(_typed, ins)) + " -> " + ", ".join(map(_typed, outs))
         out[j] = OpExplanation(op.primitive, _short_source(op.source), shapes, chosen, tuple(others[:top_k]),
                                len(options), _loop_note(graph, j, loop_of, notes))
     return out
+
+
+def _choice(strategy: Strategy, part: Contribution) -> Choice:
+    return Choice(str(strategy), part.compute_s, part.comm_s, part.reshard_s)
 
 
 def _loop_note(graph: OpGraph, j: int, loop_of: list[int], notes: tuple[str, ...]) -> str:

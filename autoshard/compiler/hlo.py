@@ -1,7 +1,7 @@
 """Read what XLA compiled: the collectives it emitted, how often they run, memory and flops.
 
-This is the ground truth of the fidelity check (DESIGN.md, "How we know a plan
-is right"): a plan's ledger predicts collectives and bytes; this module reads
+This is the ground truth of the fidelity check (docs/ARCHITECTURE.md, "How a
+plan is checked"): a plan's ledger predicts collectives and bytes; this module reads
 them back from ``compiled.as_text()``, the optimized, partitioned HLO of one
 device, and from ``compiled.memory_analysis()`` / ``cost_analysis()``.
 
@@ -25,8 +25,8 @@ What the reader knows about the text (checked on jax/jaxlib 0.10.2, XLA:CPU):
   bytes here are what XLA moves, so they follow the promoted type.
 
 Parsing the text (shapes, instructions, computations, replica-group
-spellings) is in ``compiler/hlo_parse.py``; ``shape_nbytes``,
-``shape_elements`` and ``group_size_of`` are re-exported here. This module
+spellings) is in ``compiler/hlo_parse.py`` (``shape_nbytes`` and
+``shape_elements`` are re-exported here, ``group_size_of`` lives there). This module
 reads what the parsed module means: the collectives and their bytes, loop
 trip counts, reduce-scatter recognition, and ``summarize_compiled``.
 """
@@ -46,7 +46,8 @@ from typing import Any, Literal, TypeAlias
 
 from autoshard.compiler.hlo_bytes import xla_instruction_bytes
 from autoshard.compiler.hlo_parse import (Computation, Instruction, HloModule, parse_module, permute_groups,
-                                          split_top_level, group_size_of, shape_elements, shape_nbytes)
+                                          replica_groups_of, split_top_level, shape_elements,
+                                          shape_nbytes)
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,8 @@ class HloCollective:
     num_groups: int
     count: int  # times it runs: product of the trip counts of the loops around it
     text: str  # the instruction line, for reports
+    # the device (partition) ids of each replica group; a collective-permute's (source, target) pairs
+    groups: tuple[tuple[int, ...], ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -330,9 +333,12 @@ def _collective(module: HloModule, comp: Computation, inst: Instruction, result:
                 kind: str, count: int) -> HloCollective:
     operand_bytes = sum(shape_nbytes(comp.instructions[o].shape) for o in inst.operands if o in comp.instructions)
     if kind == "collective-permute":
-        group, groups = permute_groups(inst.attrs.get("source_target_pairs", ""))
+        pairs_text = inst.attrs.get("source_target_pairs", "")
+        group, groups = permute_groups(pairs_text)
+        members = tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs_text))
     else:
-        group, groups = group_size_of(inst.attrs.get("replica_groups", "{}"), module.num_devices)
+        members = replica_groups_of(inst.attrs.get("replica_groups", "{}"), module.num_devices)
+        group, groups = (max(map(len, members)), len(members)) if members else (1, 1)
     nbytes = shape_nbytes(result.shape)
     if kind == "all-reduce" and _is_reduce_scatter(module, comp, result, group):
         kind = "reduce-scatter"
@@ -342,7 +348,7 @@ def _collective(module: HloModule, comp: Computation, inst: Instruction, result:
         # no done found: the start's tuple holds operands (and contexts) beside the result
         nbytes = operand_bytes if kind == "collective-permute" else nbytes - operand_bytes
     return HloCollective(kind=kind, nbytes=nbytes, group_size=group, num_groups=groups,  # type: ignore[arg-type]
-                         count=count, text=inst.line)
+                         count=count, text=inst.line, groups=members)
 
 
 def collective_bytes_by_kind(collectives: Iterable[HloCollective]) -> dict[str, float]:

@@ -6,15 +6,15 @@ The syntax half of ``compiler/hlo.py`` (checked on jax/jaxlib 0.10.2, XLA:CPU):
   shapes may be tuples ``(f32[4,1,8]{2,1,0}, ...)``; a tuple result is the sum
   of its elements. Computations are blocks ``%name (params) -> shape {``.
 * Replica groups come in several spellings (explicit, iota, empty, mesh-style);
-  ``group_size_of`` reads them all, ``permute_groups`` reads the rings of a
+  ``replica_groups_of`` reads them all (``group_size_of`` their sizes), ``permute_groups`` reads the rings of a
   ``collective-permute``'s ``source_target_pairs``.
 
 Here: shape sizes (``shape_nbytes``, ``shape_elements``), the text scanner
 (``_scan_balanced``, ``split_top_level``, ``_parse_attrs``), the parsed
-module (``Instruction``, ``Computation``, ``HloModule``, ``parse_module``) and
-the group readers. What the instructions mean (collectives, loop trip counts,
+module (``Instruction``, ``Computation``, ``HloModule``, ``parse_module``),
+``opcode_counts`` and the group readers. What the instructions mean (collectives, loop trip counts,
 reduce-scatter recognition, the compiled summary) is in ``compiler/hlo.py``,
-which re-exports ``shape_nbytes``, ``shape_elements`` and ``group_size_of``.
+which re-exports ``shape_nbytes`` and ``shape_elements``.
 """
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ import re
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -214,50 +216,98 @@ def parse_module(hlo_text: str) -> HloModule:
     return HloModule(computations, num_devices=num_partitions * replica_count)
 
 
+def opcode_counts(hlo_text: str) -> dict[str, int]:
+    """How many instructions of each opcode the module holds, fused computations included: two programs
+    with the same counts (and the same ``memory_analysis()``) are the same program for a comparison of
+    what a wrapper adds (a convert, a copy, a constraint left in)."""
+    counts: dict[str, int] = defaultdict(int)
+    for comp in parse_module(hlo_text).computations.values():
+        for inst in comp.instructions.values():
+            counts[inst.opcode] += 1
+    return dict(counts)
+
+
 # ----------------------------------------------------------------------------- groups
 
 
 def group_size_of(replica_groups_text: str, num_devices: int | None = None) -> tuple[int, int]:
-    """(devices per group, number of groups) of an HLO ``replica_groups`` value.
+    """(devices per group, number of groups) of an HLO ``replica_groups`` value (``replica_groups_of``)."""
+    groups = replica_groups_of(replica_groups_text, num_devices)
+    sizes = sorted({len(g) for g in groups})
+    if len(sizes) > 1:
+        log.warning("replica groups of unequal sizes %s: reporting the largest", sizes)
+    return (sizes[-1], len(groups)) if groups else (1, 1)
 
-    Spellings: explicit ``{{0,4},{1,5},...}``; iota ``[2,4]<=[8]`` and
-    transposed iota ``[4,2]<=[2,4]T(1,0)`` (``[groups, size]<=...``); empty
-    ``{}`` meaning all ``num_devices``; mesh-style
-    ``mesh['x'=2,'y'=4] {'y'}`` or ``mesh[...], device_ids=(...) {'y','x':(1)2}``.
+
+def replica_groups_of(replica_groups_text: str, num_devices: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """The device groups of an HLO ``replica_groups`` value, each a tuple of device (partition) ids.
+
+    Spellings: explicit ``{{0,4},{1,5},...}``; iota ``[2,4]<=[8]`` and transposed iota
+    ``[4,2]<=[2,4]T(1,0)`` (``[groups, size]<=dims T(perm)``: ``iota(dims).transpose(perm)`` read row by row);
+    empty ``{}`` meaning all ``num_devices``; mesh-style ``mesh['x'=2,'y'=4] {'y'}`` or ``mesh[...],
+    device_ids=(...) {'y','x':(1)2}`` (a sub-axis ``'x':(m)k`` is the middle factor of x reshaped to
+    (m, k, rest)); ``maximal_mesh`` (one device: no group).
     """
     text = replica_groups_text.strip().removeprefix("replica_groups=").strip()
     if text.startswith("maximal_mesh"):
-        return 1, 1
+        return ()
     if text.startswith("mesh"):
-        return _mesh_group_size(text)
-    if m := re.fullmatch(r"\[(\d+),(\d+)\]<=\[[\d,]*\](T\([\d,]*\))?", text):
-        return int(m.group(2)), int(m.group(1))
+        return _mesh_groups(text)
+    if m := re.fullmatch(r"\[(\d+),(\d+)\]<=\[([\d,]*)\](?:T\(([\d,]*)\))?", text):
+        return _rows(_iota(m.group(3), m.group(4)).reshape(int(m.group(1)), int(m.group(2))))
     groups = re.findall(r"\{([^{}]*)\}", text[1:-1]) if text.startswith("{{") else []
     if groups:
-        sizes = [len([t for t in g.split(",") if t.strip()]) for g in groups]
-        if len(set(sizes)) > 1:
-            log.warning("replica groups of unequal sizes %s: reporting the largest", sizes)
-        return max(sizes), len(groups)
+        return tuple(tuple(int(t) for t in g.split(",") if t.strip()) for g in groups)
     if re.fullmatch(r"\{\s*\}", text):
         if num_devices is None:
             raise ValueError("replica_groups={} means all devices: pass num_devices")
-        return num_devices, 1
+        return (tuple(range(num_devices)),)
     raise ValueError(f"unrecognised replica_groups spelling {text!r}")
 
 
-def _mesh_group_size(text: str) -> tuple[int, int]:
-    mesh_axes = dict(
-        (name, int(size)) for name, size in re.findall(r"'?([\w.\-]+)'?=(\d+)", text[: text.index("]")])
-    )
-    axes_text = text[text.rindex("{") + 1: text.rindex("}")]
-    size = 1
-    for ref in filter(None, (a.strip() for a in axes_text.split(","))):
+def _iota(dims_text: str, perm_text: str | None) -> np.ndarray:
+    dims = [int(d) for d in dims_text.split(",") if d]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    return ids.transpose([int(p) for p in perm_text.split(",") if p]) if perm_text else ids
+
+
+def _rows(ids: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(d) for d in row) for row in ids)
+
+
+def _mesh_groups(text: str) -> tuple[tuple[int, ...], ...]:
+    head = text[: text.index("]")]
+    axes = [(name, int(size)) for name, size in re.findall(r"'?([\w.\-]+)'?=(\d+)", head)]
+    sizes = dict(axes)
+    total = math.prod(sizes.values())
+    ids = np.arange(total)
+    if m := re.search(r"device_ids=\((.*)\)\s*\{", text):
+        spelled = m.group(1).strip()
+        if it := re.fullmatch(r"\[([\d,]*)\](?:T\(([\d,]*)\))?", spelled):
+            ids = _iota(it.group(1), it.group(2)).reshape(-1)
+        else:
+            ids = np.asarray([int(t) for t in spelled.split(",") if t.strip()])
+    refs = []
+    for ref in filter(None, (a.strip() for a in text[text.rindex("{") + 1: text.rindex("}")].split(","))):
         m = re.fullmatch(r"'?([\w.\-]+)'?(?::\((\d+)\)(\d+))?", ref)
-        if m is None or m.group(1) not in mesh_axes:
+        if m is None or m.group(1) not in sizes:
             raise ValueError(f"unrecognised mesh axis {ref!r} in replica_groups {text!r}")
-        size *= int(m.group(3)) if m.group(3) else mesh_axes[m.group(1)]
-    total = math.prod(mesh_axes.values())
-    return size, total // size
+        name, size = m.group(1), sizes[m.group(1)]
+        refs.append((name, int(m.group(2)), int(m.group(3))) if m.group(3) else (name, 1, size))
+    # split each axis at its referenced sub-axes' edges (major to minor), then gather the referenced factors
+    cuts: dict[str, set[int]] = {name: {1, size} for name, size in axes}
+    for name, pre, size in refs:
+        cuts[name] |= {pre, pre * size}
+    factors: list[tuple[str, int, int]] = []  # (axis, pre-size, size) of each factor, major to minor
+    for name, size in axes:
+        edges = sorted(cuts[name])
+        factors += [(name, lo, hi // lo) for lo, hi in zip(edges, edges[1:])]
+    grid = ids.reshape([f[2] for f in factors] or [1])
+    chosen = [i for name, pre, size in refs for i, (axis, lo, n) in enumerate(factors)
+              if axis == name and pre <= lo and lo * n <= pre * size]
+    rest = [i for i in range(len(factors)) if i not in chosen]
+    group = math.prod(factors[i][2] for i in chosen)
+    return _rows(grid.transpose(rest + chosen).reshape(-1, group))
 
 
 def permute_groups(pairs_text: str) -> tuple[int, int]:

@@ -76,13 +76,11 @@ def layer_times(result: IntraOpResult) -> tuple[LayerTime, ...]:
         part = parts[labels[i]]
         part[0 if flops_s >= seconds * (1 - 1e-12) else 1] += seconds
         part[2] += result.op_comm_s[i]
-    for i, vid in enumerate(graph.inputs):
+    for i, vid in enumerate(graph.inputs):  # (a batch leaf's arrival from the host is the ledger's input_s)
         strategy = result.node_strategies[i]
-        part = parts[dotted(layer_key(graph.values[vid].path or ""))]
-        part[0] += strategy.compute_s
-        part[2] += strategy.comm_s
+        parts[dotted(layer_key(graph.values[vid].path or ""))][2] += strategy.comm_s
     producer = {v: i for i, op in enumerate(graph.ops) for v in op.outputs}
-    for site in {(r.value, r.src, r.chain): r for r in result.reshards}.values():  # priced once, as the ledger
+    for site in {(r.value, r.src, r.dst, r.runs): r for r in result.reshards}.values():  # once, as the ledger
         op_index = site.op_index if site.op_index >= 0 else producer.get(site.value, -1)
         parts[labels[op_index] if op_index >= 0 else OTHER][3] += site.seconds
     return tuple(LayerTime(name, *values) for name, values in parts.items() if any(values))

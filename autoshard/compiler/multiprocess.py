@@ -3,7 +3,7 @@
 Process 0 traces and plans; the plan travels as its JSON file text through the
 distributed runtime's key-value store; every process, process 0 included, runs
 the plan decoded from those same bytes, and re-traces the step locally, which
-``plan.apply`` checks against the plan's signature. Planning on every process
+``autoshard.apply`` checks against the plan's signature. Planning on every process
 instead is not safe: CP-SAT is deterministic only when it is not cut by its
 wall-clock time limit, which is the usual case for real models, and N
 processes sharing a host would each pay the full solve. The key-value store
@@ -36,14 +36,16 @@ import jax
 from jax.sharding import Mesh
 
 from autoshard.compiler.driver import plan_graph
+from autoshard.compiler.pipeline_context import PipelineRequest
 from autoshard.compiler.pipeline_driver import plan_pipeline
 from autoshard.ir.graph import OpGraph, Role
 from autoshard.ir.spec import Spec
 from autoshard.ir.trace import trace
 from autoshard.meshes.cluster import ClusterSpec
 from autoshard.passes.intra_op import IntraOpOptions
-from autoshard.plans.applied import AppliedPlan
-from autoshard.plans.applied_pipeline import AppliedPipeline
+from autoshard.runtime.applied import AppliedPlan
+from autoshard.runtime.applied_pipeline import AppliedPipeline
+from autoshard.runtime.run import run
 from autoshard.plans.plan import Plan
 from autoshard.plans.planfile import plan_to_json
 from autoshard.runtime.distributed import MultiProcessError, axes_crossing_processes, multiprocess_cluster
@@ -108,9 +110,10 @@ def plan_multiprocess(fn: Callable[..., Any], args: Sequence[Any], *, mesh: Mesh
     if jax.process_index() == 0:
         try:
             if num_stages > 1:
-                plan = plan_pipeline(fn, args, cluster=cluster, memory_budget=memory_budget, num_stages=num_stages,
-                                     num_microbatches=num_microbatches, schedule=schedule, options=options,
-                                     num_devices=mesh.devices.size).plan
+                plan = plan_pipeline(fn, args, PipelineRequest(
+                    cluster=cluster, memory_budget=memory_budget, num_stages=num_stages,
+                    num_microbatches=num_microbatches, schedule=schedule, options=options,
+                    num_devices=mesh.devices.size)).plan
             else:
                 graph = trace(fn, *args)
                 opts = options or IntraOpOptions()
@@ -149,13 +152,13 @@ def plan_digest(plan: Plan) -> str:
 
 
 def apply_plan(plan: Plan, fn: Callable[..., Any], mesh: Mesh, args: Sequence[Any]) -> Any:
-    """``plan.apply(fn, mesh)``, traced from the shapes of ``args`` (arrays or ShapeDtypeStructs).
+    """``autoshard.apply(plan, fn, mesh)``, traced from the shapes of ``args`` (arrays or ShapeDtypeStructs).
 
     Tracing from plain shapes matters: traced with committed, sharded arrays,
     jax inserts ``reshard`` equations for constants (4 in the GPT example), and
     the trace no longer matches the plan's operation count.
     """
     check_runs_multiprocess(plan)
-    applied: AppliedPlan | AppliedPipeline = plan.apply(fn, mesh)
+    applied: AppliedPlan | AppliedPipeline = run(plan, fn, mesh)
     applied.prepare(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tuple(args)))
     return applied

@@ -1,17 +1,33 @@
 """The pipeline driver: trace, take the step apart, cluster layers, price, solve the stage DP, build the Plan.
 
-``plan_pipeline`` is what ``@autoshard`` and ``autoshard.plan`` call unless
-``num_stages == 1``. It returns a :class:`PipelinePlanned` when a pipeline
-is chosen, or the SPMD ``PlannedStep`` when
+``plan_pipeline`` is what ``@autoshard`` and ``autoshard.plan`` call unless ``num_stages == 1``. It
+returns a :class:`PipelineSearch` (``compiler/pipeline_context.py``) whose ``chosen`` plan is the pipeline,
+or the SPMD ``PlannedStep`` when
 
-- the step has no ``autoshard.value_and_grad`` / ``grad`` marker (plain
-  ``jax.grad``: one SPMD stage), or a mesh was forced with ``num_stages=None``;
-- ``num_stages=None`` and the best SPMD-only plan (the intra-op planner over
-  every logical mesh shape) is at least as fast, under the model, as the best
-  plan of two or more stages.
+- the step has no ``autoshard.value_and_grad`` / ``grad`` marker (plain ``jax.grad``: one SPMD stage), or a
+  mesh was forced with ``num_stages=None``;
+- ``num_stages=None`` and the best SPMD-only plan (the intra-op planner over every logical mesh shape) is at
+  least as fast, under the model, as the best plan of two or more stages.
 
-A loss that runs its layers under ``lax.scan`` / ``nnx.scan`` (a scanned stack, ``ir/scan_stack.py``) is
-planned by ``compiler/scan_pipeline.py``: the scan's iterations are the layers.
+The step is traced once at its full batch and once at a microbatch (``ir/step_trace.py``); every phase
+reads the one ``PipelineContext`` built from those traces.
+
+A loss that runs its layers under ``lax.scan`` / ``nnx.scan`` / ``nn.scan`` (a scanned stack,
+``ir/scan_stack.py``) needs nothing else: the scan's iterations are the layers.
+
+- **Pricing**: the step is rewritten with the stack cut into its N iterations (``split_stack`` at bounds
+  ``0, 1, ..., N``, each a one-iteration ``scan`` over its own slices of the stacked parameters), and a cut
+  marked after every iteration but the last, so the layers are: the ops before the scan with iteration 0,
+  iterations 1 .. N-2, iteration N-1 with the ops after it. The middle iterations have one structure hash:
+  the intra-op ILP solves the scan body once per (sub-mesh, logical mesh, microbatch) and every range
+  reuses it (``passes/stage_costs.py``). The stage DP is unchanged.
+- **The plan** is over that rewrite (its paths name each stacked leaf's iterations:
+  ``[0]['blocks']['mlp']['kernel'][2]``) and says how many iterations the stack has
+  (``PipelinePlan.scan_layers``).
+- **Runtime** (``runtime/scan_stages.py``): the step at the microbatch is rewritten again with one chunk
+  per stage (the iteration range of its layers): stage s runs a ``scan`` over its own ``[lo, hi)`` (a
+  loop, not unrolled), holds only those rows of every stacked parameter, gradient accumulator and
+  optimizer state, and updates them; the user passes and gets back the stacked arrays.
 """
 from __future__ import annotations
 
@@ -20,77 +36,43 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from autoshard.compiler.driver import PlannedStep, Progress, plan_on
-from autoshard.compiler.target import ClusterLike, MeshLike, resolve_target
+from autoshard.compiler.driver import plan_on
+from autoshard.compiler.pipeline_context import PipelineRequest, PipelineSearch, pipeline_context
+from autoshard.compiler.pipeline_pricing import finish_pipeline, price_pipeline, spmd_or_stages, stage_cost_options
+from autoshard.compiler.target import check_budget_floor, resolve_target
 from autoshard.errors import PlanningError
-from autoshard.ir.scan_stack import find_stack
 from autoshard.ir.split import split_step
 from autoshard.ir.trace import trace
-from autoshard.passes.intra_op import IntraOpOptions
-from autoshard.passes.layers import cluster_layers
-
-from autoshard.compiler.pipeline_pricing import (  # noqa: F401  (re-exported: callers import them from here)
-    STAGE_TIME_LIMIT_S, PipelinePlanned, finish_pipeline, leaf_apply_s, microbatch_ratios, price_pipeline, spmd_or_stages,
-    stage_cost_options, trace_at)
-from autoshard.compiler.scan_pipeline import plan_scanned
 
 log = logging.getLogger(__name__)
 
 
-def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike = None,
-                  cluster: ClusterLike = None, memory_budget: float | None = None,
-                  num_stages: int | None = None, num_microbatches: int | None = None, schedule: str = "1f1b",
-                  options: IntraOpOptions | None = None, num_layers: int | None = None,
-                  num_devices: int | None = None, name: str | None = None,
-                  keep_both: bool = False, progress: Progress | None = None) -> PipelinePlanned | PlannedStep | Any:
-    """Plan ``fn(*args)`` as a pipeline, or fall back to SPMD (module docstring).
-
-    ``keep_both`` (with ``num_stages=None``): return ``(best pipeline of >= 2 stages, best SPMD plan)``
-    whichever wins, for comparisons (``benchmarks/pipeline_vs_spmd.py``).
-
-    ``num_devices`` plans for that many devices instead of those present (planning only: the
-    result's runtime needs them); ``num_layers`` overrides the layer count L of the clustering.
-    ``progress`` is told a short line as each long phase starts (tracing, pricing, each solve).
-    """
-    name = name or getattr(fn, "__name__", "autoshard")
-    say = progress or (lambda _line: None)
-    say("tracing")
+def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any],
+                  request: PipelineRequest = PipelineRequest()) -> PipelineSearch:
+    """Plan ``fn(*args)`` as a pipeline, or fall back to SPMD (module docstring)."""
+    name = request.name or getattr(fn, "__name__", "autoshard")
+    request.say("tracing")
     timings: dict[str, float] = {}
     start = time.perf_counter()
     graph = trace(fn, *args)
     parts = split_step(graph.jaxpr)
     timings["trace"] = time.perf_counter() - start
-    target = resolve_target(mesh, cluster, memory_budget, num_devices=num_devices)
-    if parts is None:
-        if num_stages not in (None, 1):
-            raise PlanningError(f"num_stages={num_stages} needs the step to compute its gradients with "
+    target = resolve_target(request.mesh, request.cluster, request.memory_budget, num_devices=request.num_devices)
+    check_budget_floor(graph, target)
+    if parts is None or (request.num_stages is None and request.mesh is not None):
+        if parts is None and request.num_stages not in (None, 1):
+            raise PlanningError(f"num_stages={request.num_stages} needs the step to compute its gradients with "
                                 "autoshard.value_and_grad or autoshard.grad (plain jax.grad plans as one SPMD stage)")
-        return plan_on(graph, target, options, timings=timings, name=name, progress=progress)
-    if num_stages is None and mesh is not None:
-        return plan_on(graph, target, options, timings=timings, name=name, progress=progress)
-    if schedule not in ("1f1b", "gpipe"):
-        raise PlanningError(f"schedule must be '1f1b' or 'gpipe'; got {schedule!r}")
-    num_devices, spec = target.num_devices, target.cluster
-
-    stack = find_stack(parts.forward) if num_stages != 1 else None
-    if stack is not None:  # a scanned layer stack: its iterations are the layers (compiler/scan_pipeline.py)
-        return plan_scanned(fn, args, graph, parts, stack, target, timings, name=name, num_stages=num_stages,
-                            num_microbatches=num_microbatches, schedule=schedule, options=options,
-                            num_layers=num_layers, keep_both=keep_both, progress=progress)
+        return PipelineSearch(plan_on(graph, target, request.options, timings=timings, name=name,
+                                      progress=request.progress), None)
+    ctx = pipeline_context(fn, args, request, graph, parts, target, timings)
+    scanned = f", {ctx.stack.length} of them scanned" if ctx.stack is not None else ""
+    request.say(f"pricing pipeline stages ({len(ctx.layers)} layers{scanned})")
     t0 = time.perf_counter()
-    layers = cluster_layers(parts.forward, num_layers)
-    timings["layers"] = time.perf_counter() - t0
-    say(f"pricing pipeline stages ({len(layers)} layers)")
-    t0 = time.perf_counter()
-    cost_options = stage_cost_options(schedule, num_stages, num_microbatches, target, options)
-    priced, programs = price_pipeline(fn, args, graph, parts, layers, cost_options, spec, num_devices, progress=say)
+    priced = price_pipeline(ctx, stage_cost_options(ctx))
     timings["pricing"] = time.perf_counter() - t0
-    log.info("priced %d stage variants with %d layer solves", len(priced.variants), priced.num_solves)
-    spmd, stage_plan = spmd_or_stages(graph, priced, target, options, timings, name=name, num_stages=num_stages,
-                                      keep_both=keep_both, progress=progress)
+    log.info("priced %d stage variants with %d layer solves", len(priced.stages.variants), priced.stages.num_solves)
+    spmd, stage_plan = spmd_or_stages(ctx, priced)
     if stage_plan is None:
-        return spmd
-    piped = finish_pipeline(fn, args, graph, parts, layers, stage_plan, priced, programs, target, timings, name, spmd)
-    return (piped, spmd) if keep_both else piped
-
-
+        return PipelineSearch(spmd, None)
+    return PipelineSearch(spmd, finish_pipeline(ctx, priced, stage_plan, spmd))

@@ -13,20 +13,20 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from autoshard.compiler.driver import PlannedStep
+from autoshard.compiler.pipeline_context import PipelineContext, PricedPipeline, StepView
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.spec import Spec
-from autoshard.ir.split import StepParts
-from autoshard.meshes.cluster import ClusterSpec
+from autoshard.ir.split import StepParts, batch_inputs
+from autoshard.ir.stage_programs import StageProgram
 from autoshard.passes.hbm_traffic import compute_lower_bound_s, graph_flops_by_dtype
-from autoshard.passes.layers import Layer
 from autoshard.passes.resharding import reshard
 from autoshard.passes.stage_costs import MODES, PricedStages, lerp_microbatch
 from autoshard.passes.stages import StageChoice, StagePlan
 from autoshard.plans.ledger import Ledger, SolverInfo
 from autoshard.plans.plan import Plan
-from autoshard.plans.stage_plan import PipelineStage, PipelineSummary, StageMemory
-from autoshard.runtime.pipeline import StageLayout, StageProgram
-from autoshard.runtime.stage_layout import output_specs, state_specs
+from autoshard.plans.stage_plan import PipelinePlan, PipelineStage, StageMemory, batch_split_spec
+from autoshard.runtime.stage_layout import StageLayout, output_specs, state_specs
 
 COST_MODEL = ("intra-op: each distinct layer's forward + backward planned by the intra-op ILP on the stage's "
               "logical mesh (at B = 1 and B = r, linear in the microbatch between), optimizer update once per step "
@@ -128,15 +128,6 @@ def edge_pins(parts: StepParts, programs: Sequence[StageProgram], priced: Priced
     return out
 
 
-def _runtime_act_spec(shape: tuple[int, ...], batch_axes: Sequence[str], sizes: Mapping[str, int]) -> Spec:
-    """The layout the runtime gives an activation at a stage boundary (``stage_layout.split_leading``)."""
-    axes = tuple(a for a in batch_axes if sizes.get(a, 1) > 1)
-    n = int(np.prod([sizes[a] for a in axes])) if axes else 1
-    if shape and n > 1 and shape[0] % n == 0:
-        return Spec((axes,) + ((),) * (len(shape) - 1))
-    return Spec.replicated(len(shape))
-
-
 def boundary_collectives(parts: StepParts, programs: Sequence[StageProgram], priced: PricedStages,
                          layout: StageLayout, k: int, num_microbatches: int, last: bool
                          ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
@@ -180,7 +171,7 @@ def boundary_collectives(parts: StepParts, programs: Sequence[StageProgram], pri
         for d, leaf in enumerate(programs[layer].data_leaves):
             var = fwd.invars[leaf]
             if d < priced.groups[layer][2] and fwd.avals[var].shape:
-                here = _runtime_act_spec(tuple(fwd.avals[var].shape), layout.batch_axes or (), sizes)
+                here = batch_split_spec(tuple(fwd.avals[var].shape), layout.split_axes, sizes)
                 move("forward", var, here, cost.input_specs[na + npar + d])
     for layer in layers:
         acts_in, _, _, dacts = specs(layer)
@@ -191,14 +182,14 @@ def boundary_collectives(parts: StepParts, programs: Sequence[StageProgram], pri
                 move("forward", v, acts_out_a[j], acts_in[i])
                 move("backward", v, dacts[i], cts_in_a[j])
             elif v not in made:  # enters the stage
-                here = _runtime_act_spec(tuple(fwd.avals[v].shape), layout.batch_axes or (), sizes)
+                here = batch_split_spec(tuple(fwd.avals[v].shape), layout.split_axes, sizes)
                 move("forward", v, here, acts_in[i])
                 move("backward", v, dacts[i], here)
     if not last:
         leaving = [v for v in programs_out(programs, layout) if v in made]
         for v, (a, j) in zip(leaving, [made[v] for v in leaving]):
             _, cts_in_a, acts_out_a, _ = specs(a)
-            here = _runtime_act_spec(tuple(fwd.avals[v].shape), layout.batch_axes or (), sizes)
+            here = batch_split_spec(tuple(fwd.avals[v].shape), layout.split_axes, sizes)
             if layout.recompute:  # a stage keeping its residuals returns its outputs as XLA leaves them
                 move("forward", v, acts_out_a[j], here, leaving=True)
             move("backward", v, here, cts_in_a[j])
@@ -247,12 +238,14 @@ def stage_collectives(priced: PricedStages, choice: StageChoice, num_microbatche
     return {a: {kind: v for kind, v in kinds.items() if v > 0} for a, kinds in out.items()}
 
 
-def build_pipeline_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer], sp: StagePlan,
-                        layouts: Sequence[StageLayout], priced: PricedStages, cluster: ClusterSpec, budget: float,
-                        timings: dict[str, float], name: str, spmd: object | None, split: Sequence[bool],
-                        programs: Sequence[StageProgram] = ()) -> Plan:
-    """The Plan of a chosen stage plan; ``programs`` (each layer's one-layer program) lets each stage predict
-    the reshards between its layers' plans (``boundary_collectives``)."""
+def build_pipeline_plan(ctx: PipelineContext, view: StepView, sp: StagePlan, layouts: Sequence[StageLayout],
+                        pricing: PricedPipeline, spmd: PlannedStep | None, name: str | None = None) -> Plan:
+    """The Plan of a chosen stage plan over the step ``view`` (named ``name``, by default the context's): each
+    layer's one-layer program (``pricing.programs``) lets each stage predict the reshards between its layers'
+    plans (``boundary_collectives``)."""
+    graph, parts, layers, priced, programs = view.graph, view.parts, ctx.layers, pricing.stages, pricing.programs
+    cluster, budget, timings = ctx.target.cluster, ctx.target.memory_budget_bytes, ctx.timings
+    _, split = batch_inputs(parts)
     values = graph.values
     paths = [values[v].path or f"[{i}]" for i, v in enumerate(graph.inputs)]
     shapes = {p: (values[v].shape, values[v].dtype) for p, v in zip(paths, graph.inputs)}
@@ -267,14 +260,11 @@ def build_pipeline_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer
                   if parts.operand_inputs[leaf] is not None}
         sizes = dict(zip(layout.names, layout.shape))
         bspecs = {}
-        axes = tuple(a for a in (layout.batch_axes or ()) if sizes.get(a, 1) > 1)
         for idx, is_batch in enumerate(split):
             if is_batch:
-                rank = len(shapes[paths[idx]][0])
-                mb = shapes[paths[idx]][0][0] // sp.num_microbatches
-                n = int(np.prod([sizes[a] for a in axes])) if axes else 1
-                bspecs[paths[idx]] = (Spec((axes,) + ((),) * (rank - 1)) if axes and mb % n == 0
-                                      else Spec.replicated(rank))
+                shape = shapes[paths[idx]][0]
+                bspecs[paths[idx]] = batch_split_spec((shape[0] // sp.num_microbatches, *shape[1:]),
+                                                      layout.split_axes, sizes)
         state = float(priced.state_bytes[i, j, k])
         grad = float(priced.grad_bytes[i, j, k])
         work = float(problem.work_bytes(b)[i, j, k])
@@ -295,7 +285,7 @@ def build_pipeline_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer
             grad_specs=gspecs, state_specs={paths[f]: spec for f, spec in sorted(layout.input_specs.items())},
             op_out_specs=dict(layout.op_out_specs), op_in_reshards={i: dict(m) for i, m in layout.op_in_reshards.items()},
             edge_pins=dict(layout.edge_pins),
-            train_pins=dict(layout.train_pins),
+            train_pins=dict(layout.train_pins), batch_axes=layout.split_axes,
             collective_bytes=stage_collectives(
                 priced, choice, sp.num_microbatches, s == len(sp.stages) - 1,
                 boundary_collectives(parts, programs, priced, layout, k, sp.num_microbatches,
@@ -315,8 +305,8 @@ def build_pipeline_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer
                         "activation": mem.activations_bytes},
         collective_bytes={}, compute_lower_bound_s=compute_lower_bound_s(graph, cluster, cluster.num_devices),
         flops_by_dtype={d: f / cluster.num_devices for d, f in graph_flops_by_dtype(graph).items()})
-    spmd_plan = getattr(spmd, "plan", None)
-    summary = PipelineSummary(
+    spmd_plan = spmd.plan if spmd is not None else None
+    summary = PipelinePlan(
         num_microbatches=sp.num_microbatches, schedule=sp.schedule, step_s=sp.step_time_s,
         first_microbatch_latency_s=sp.first_microbatch_latency_s, bottleneck_s=sp.bottleneck_s,
         bubble_fraction=sp.bubble_fraction, layers=len(layers), cost_model=COST_MODEL, intra_stage=INTRA_STAGE,
@@ -324,7 +314,8 @@ def build_pipeline_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer
         spmd_mesh="x".join(map(str, spmd_plan.mesh_shape)) if spmd_plan is not None else "",
         layer_eqns=tuple(tuple(layer.eqns) for layer in layers),
         notes=(f"{priced.num_solves} layer solves for {len(set(priced.layer_keys))} distinct layers on "
-               f"{len(priced.meshes)} logical meshes; {len(priced.variants)} stage variants",))
+               f"{len(priced.meshes)} logical meshes; {len(priced.variants)} stage variants",),
+        scan_layers=ctx.stack.length if ctx.stack is not None else 0)
     return Plan(
         mesh_shape=(problem.num_devices,), axis_names=("devices",), cluster=cluster,
         input_specs={p: Spec.replicated(len(shapes[p][0])) for p in paths},
@@ -332,7 +323,7 @@ def build_pipeline_plan(graph: OpGraph, parts: StepParts, layers: Sequence[Layer
         input_shapes=shapes, op_out_specs={}, op_in_reshards={}, ledger=ledger,
         solver=SolverInfo("stage-dp", 0.0, timings.get("stage-dp", 0.0), len(layers), len(problem.submeshes),
                           int(np.prod(problem.stage_time_s.shape)), 0, 0),
-        planning_s=dict(timings), memory_budget_bytes=budget, num_ops=len(graph.ops), name=name,
+        planning_s=dict(timings), memory_budget_bytes=budget, num_ops=len(graph.ops), name=name or ctx.name,
         stages=tuple(stages), num_microbatches=sp.num_microbatches, schedule=sp.schedule,
         output_shapes={p: (values[v].shape, values[v].dtype)
                        for p, v in zip(graph.output_paths or [f"out[{k}]" for k in range(len(graph.outputs))],

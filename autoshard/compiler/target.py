@@ -18,8 +18,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from autoshard.errors import InfeasibleMemoryError
+from autoshard.ir.graph import OpGraph, Role
 from autoshard.meshes.cluster import ClusterSpec, get_cluster
 from autoshard.meshes.logical import LogicalMesh, factorizations, make_logical_mesh
+from autoshard.plans.ledger import fmt_bytes
 
 MeshLike: TypeAlias = Mesh | tuple[int, ...] | None
 ClusterLike: TypeAlias = ClusterSpec | str | None
@@ -73,3 +76,25 @@ def resolve_target(mesh: MeshLike = None, cluster: ClusterLike = None, memory_bu
     spec = get_cluster(cluster, num_devices=n)
     budget = float(memory_budget if memory_budget is not None else spec.memory_per_device_bytes)
     return Target(n, spec, budget, tuple(candidate_meshes(mesh, spec, n)), mesh)
+
+
+def state_floor_bytes(graph: OpGraph, num_devices: int) -> float:
+    """Bytes per device that no plan of ``graph`` on ``num_devices`` devices can go below: its parameters and
+    optimizer state, split evenly over every device (each byte of them is held by some device)."""
+    state = sum(graph.values[v].nbytes for v in graph.inputs
+                if graph.values[v].role in (Role.PARAM, Role.OPT_STATE))
+    return state / max(num_devices, 1)
+
+
+def check_budget_floor(graph: OpGraph, target: Target) -> None:
+    """Raise InfeasibleMemoryError at once, before any search, when the budget is below ``state_floor_bytes``
+    (an impossible budget is known in the time a trace takes, not after the smallest feasible one is
+    searched for)."""
+    floor = state_floor_bytes(graph, target.num_devices)
+    budget = target.memory_budget_bytes
+    if budget < floor:
+        raise InfeasibleMemoryError(
+            f"no plan fits {fmt_bytes(budget)} per device: the parameters and optimizer state alone take "
+            f"{fmt_bytes(floor)} per device even split over all {target.num_devices} devices (activations and the "
+            f"batch come on top); raise memory_budget above {fmt_bytes(floor)} or use more devices",
+            None, budget_bytes=budget)

@@ -14,10 +14,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from autoshard.compiler.hlo import CompiledSummary, summarize_compiled
+import numpy as np
+
+from autoshard.compiler.hlo import CompiledSummary, HloCollective, summarize_compiled
 from autoshard.ir.spec import Collective
+from autoshard.meshes import cost
 from autoshard.meshes.cost import collective_s
-from autoshard.meshes.logical import LogicalMesh, make_logical_mesh
+from autoshard.meshes.logical import LogicalMesh, axis_groups, group_link, make_logical_mesh
 from autoshard.plans.plan import Plan
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -125,23 +128,85 @@ class CompiledPrice:
     """A compiled program priced by the cluster the plan was made for, from what XLA compiled alone."""
 
     compute_s: float  # max(FLOPs at the plan's peaks, bytes accessed / HBM bandwidth)
-    collectives_s: float  # every HLO collective (times its loop count) at the alpha-beta model's links
+    collectives_s: float  # every HLO collective (times its loop count) at its replica groups' links
     flops: float
     bytes_accessed: float
+    cross_node_collectives: int = 0  # collectives run per step (loop counts applied) whose groups span nodes
+    cross_node_bytes: float = 0.0  # their per-device bytes
+    # the batch's arrival from the host, as the program's input shardings (the plan's batch specs) split it:
+    # no HLO instruction shows it, so it is the ledger's figure (Ledger.input_s)
+    input_s: float = 0.0
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.collectives_s
+        return self.compute_s + self.collectives_s + self.input_s
 
 
-def _group_axes(mesh: LogicalMesh, group_size: int) -> tuple[str, ...]:
-    """The mesh axes a replica group of ``group_size`` devices spans (the smallest set whose sizes
-    multiply to it, inner axes first on ties)."""
+_RING_S = {"all-reduce": cost.ring_all_reduce_s, "all-gather": cost.ring_all_gather_s,
+           "reduce-scatter": cost.ring_reduce_scatter_s, "all-to-all": cost.ring_all_to_all_s}
+
+
+def _mesh_axes_of(mesh: LogicalMesh, groups: tuple[tuple[int, ...], ...]) -> tuple[str, ...] | None:
+    """The mesh axes whose device groups are exactly ``groups`` (partition ids: row-major mesh positions);
+    None when no set of axes has these groups (a group inside part of an axis, or across axes unevenly)."""
+    grid = np.arange(mesh.num_devices).reshape(mesh.shape)
+    wanted = {frozenset(g) for g in groups}
+    names = [i for i, a in enumerate(mesh.axes) if a.size > 1]
+    for mask in range(1, 1 << len(names)):
+        dims = [d for k, d in enumerate(names) if mask >> k & 1]
+        if {frozenset(int(x) for x in row) for row in axis_groups(grid, dims)} == wanted:
+            return tuple(mesh.axes[d].name for d in dims)
+    return None
+
+
+def collective_price_s(mesh: LogicalMesh, c: HloCollective) -> float:
+    """Seconds of one run of a compiled collective on ``mesh``'s cluster, from its real replica groups.
+
+    Groups that are the device groups of some mesh axes are priced as the planner prices a collective over
+    those axes (``meshes/cost.collective_s``: per axis or one flat ring, at each group's link and node
+    crossings); any other groups as one flat ring over their members at the link those members span
+    (``meshes/logical.group_link``: intra-node, or the inter-node link with one NIC per member on a node). A
+    collective-permute is one message at the slowest link any of its pairs crosses.
+    """
+    if not c.groups:  # a summary read without groups: the smallest set of axes of the group's size
+        axes = _axes_of_size(mesh, c.group_size)
+        return collective_s(mesh, Collective(c.kind, axes, float(c.nbytes))) if axes else 0.0
+    devices = np.asarray(mesh.device_indices)
+    if c.kind == "collective-permute":
+        pairs = devices[np.asarray(c.groups)] // mesh.cluster.devices_per_node
+        crossing = bool((pairs[:, 0] != pairs[:, 1]).any())
+        link = mesh.cluster.inter_node if crossing else mesh.cluster.intra_node
+        return cost.point_to_point_s(float(c.nbytes), link)
+    if max(len(g) for g in c.groups) <= 1:
+        return 0.0
+    axes = _mesh_axes_of(mesh, c.groups)
+    if axes is not None:
+        return collective_s(mesh, Collective(c.kind, axes, float(c.nbytes)))
+    link = group_link(mesh.cluster, devices[_padded(c.groups)], [1])
+    return _RING_S[c.kind](float(c.nbytes), max(len(g) for g in c.groups), link)
+
+
+def _padded(groups: tuple[tuple[int, ...], ...]) -> np.ndarray:
+    """[groups, members] of equal-length rows (a short group repeats its first member: same nodes)."""
+    width = max(len(g) for g in groups)
+    return np.asarray([list(g) + [g[0]] * (width - len(g)) for g in groups])
+
+
+def crosses_nodes(mesh: LogicalMesh, c: HloCollective) -> bool:
+    """Whether some group (or permute pair) of ``c`` spans two nodes of ``mesh``'s cluster."""
+    if not c.groups:
+        return False
+    nodes = np.asarray(mesh.device_indices)[_padded(c.groups)] // mesh.cluster.devices_per_node
+    return bool((nodes != nodes[:, :1]).any())
+
+
+def _axes_of_size(mesh: LogicalMesh, group_size: int) -> tuple[str, ...]:
+    """The smallest set of mesh axes whose sizes multiply to ``group_size`` (inner axes first on ties)."""
     names = [a.name for a in mesh.axes if a.size > 1]
-    best: tuple[str, ...] = tuple(names)
+    best: tuple[str, ...] = ()
     for mask in range(1, 1 << len(names)):
         chosen = tuple(n for i, n in enumerate(names) if mask >> i & 1)
-        if mesh.size_of(chosen) == group_size and len(chosen) <= len(best):
+        if mesh.size_of(chosen) == group_size and (not best or len(chosen) <= len(best)):
             best = chosen
     return best
 
@@ -149,7 +214,8 @@ def _group_axes(mesh: LogicalMesh, group_size: int) -> tuple[str, ...]:
 def compiled_price(plan: Plan, summary: CompiledSummary) -> CompiledPrice:
     """What the compiled program costs on ``plan.cluster``: its own FLOPs at the peaks the plan's ops run at
     (``Ledger.flops_by_dtype``: bf16 dots of a fp32-master step at the bf16 peak; a plan without that split,
-    at the parameters' dtype, TF32 for float32), its bytes accessed at HBM bandwidth, and its collectives."""
+    at the parameters' dtype, TF32 for float32), its bytes accessed at HBM bandwidth, and each collective at
+    its replica groups' links and node crossings (``collective_price_s``)."""
     cluster = plan.cluster
     mesh = make_logical_mesh(cluster, tuple(plan.mesh_shape), tuple(plan.axis_names))
     split = {d: f for d, f in plan.ledger.flops_by_dtype.items() if f > 0}
@@ -161,10 +227,14 @@ def compiled_price(plan: Plan, summary: CompiledSummary) -> CompiledPrice:
         seconds_per_flop = 1.0 / cluster.peak_flops("tfloat32" if dtype == "float32" else dtype)
     flops, nbytes = float(summary.flops or 0.0), float(summary.bytes_accessed or 0.0)
     compute = max(flops * seconds_per_flop, nbytes / cluster.memory_bandwidth_bytes_per_s)
-    seconds = 0.0
+    seconds = crossing_bytes = 0.0
+    crossing = 0
     for c in summary.collectives:
-        seconds += c.count * collective_s(mesh, Collective(c.kind, _group_axes(mesh, c.group_size), float(c.nbytes)))
-    return CompiledPrice(compute, seconds, flops, nbytes)
+        seconds += c.count * collective_price_s(mesh, c)
+        if crosses_nodes(mesh, c):
+            crossing += c.count
+            crossing_bytes += float(c.nbytes * c.count)
+    return CompiledPrice(compute, seconds, flops, nbytes, crossing, crossing_bytes, plan.ledger.input_s)
 
 
 def verify_compiled(plan: Plan, compiled: Any) -> FidelityReport:

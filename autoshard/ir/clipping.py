@@ -15,9 +15,10 @@ from collections.abc import Mapping
 import numpy as np
 
 from autoshard.ir.graph import Op, OpGraph, Role, ValueId
+from autoshard.ir.primitives import Values, facts, primitives
 
-COMPARISONS = frozenset({"lt", "le", "gt", "ge"})
-PASS_THROUGH = frozenset({"convert_element_type", "squeeze", "reshape", "copy", "abs"})
+# a norm's value through casts, copies, reshapes and abs (|norm| is the norm)
+PASS_THROUGH = primitives(lambda f: f.values in (Values.CAST, Values.COPY, Values.REARRANGED)) | {"abs"}
 
 
 def global_norm_clip(graph: OpGraph) -> float | None:
@@ -27,7 +28,7 @@ def global_norm_clip(graph: OpGraph) -> float | None:
     if num_params == 0:
         return None
     for op in graph.ops:
-        if op.primitive not in COMPARISONS or len(op.inputs) != 2:
+        if facts(op.primitive).order is None or len(op.inputs) != 2:
             continue
         constant = [v for v in op.inputs if v in graph.constants and np.ndim(graph.constants[v]) == 0]
         computed = [v for v in op.inputs if v not in graph.constants and graph.values[v].rank == 0]

@@ -1,11 +1,11 @@
 """The one FLOP counter of a jax equation, shared by the OpGraph tracer and the step splitter.
 
-Dots and convolutions count 2 · multiply-adds exactly; data movement (reshapes,
-slices, gathers, converts, ...) counts nothing; reductions count one per input
-element; everything else one per output element. Control flow counts its
-bodies: ``scan`` its body times ``length``, ``while`` one iteration of its
-condition and body (the trip count is not static), ``cond`` its most expensive
-branch.
+Each primitive's rule is a fact of the primitive table (``ir/primitives.py``, ``FlopRule``): dots and
+convolutions count 2 · multiply-adds exactly; data movement (reshapes, slices, gathers, converts, ...)
+counts nothing; reductions count one per input element; ops that lower to several elementwise ops
+(``flops_per_element``; a polynomial's Horner steps) count each; everything else one per output
+element. Control flow counts its bodies: ``scan`` its body times ``length``, ``while`` one iteration
+of its condition and body (the trip count is not static), ``cond`` its most expensive branch.
 """
 from __future__ import annotations
 
@@ -14,17 +14,7 @@ from typing import Any
 
 import numpy as np
 
-# Ops that move data without arithmetic.
-ZERO_FLOP = frozenset({
-    "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice",
-    "dynamic_update_slice", "concatenate", "pad", "gather", "iota", "convert_element_type", "copy", "copy_p",
-    "rev", "select_n", "stop_gradient", "random_bits", "random_seed", "random_wrap", "random_unwrap",
-    "sharding_constraint", "optimization_barrier", "split",
-})
-# Ops that count one FLOP per input element.
-REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-                        "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "scatter-add",
-                        "scatter_add", "reduce_precision"})
+from autoshard.ir.primitives import FlopRule, facts
 
 
 def elements(shape: Sequence[int]) -> int:
@@ -73,18 +63,22 @@ def op_flops(name: str, params: Mapping[str, Any], in_shapes: Sequence[Sequence[
              out_shapes: Sequence[Sequence[int]], body_flops: Sequence[float] = ()) -> float:
     """FLOPs of one equation; ``body_flops`` are its control-flow bodies' totals, in jax's order
     (scan: the body; while: condition, body; cond: the branches)."""
-    if name == "dot_general":
+    row = facts(name)
+    rule = row.flops
+    if rule is FlopRule.DOT:
         return dot_general_flops(in_shapes[0], in_shapes[1], params["dimension_numbers"])
-    if name == "conv_general_dilated":
+    if rule is FlopRule.CONV:
         return conv_flops(in_shapes[0], in_shapes[1], out_shapes[0], params)
-    if name == "scan":
-        return float(params["length"]) * float(sum(body_flops))
-    if name == "while":
-        return float(sum(body_flops))  # trip count unknown statically: one iteration
-    if name == "cond":
-        return float(max(body_flops, default=0.0))
-    if name in ZERO_FLOP:
+    if rule is FlopRule.BODIES:
+        if name == "scan":
+            return float(params["length"]) * float(sum(body_flops))
+        if name == "cond":
+            return float(max(body_flops, default=0.0))
+        return float(sum(body_flops))  # while: the trip count is not static, one iteration
+    if rule is FlopRule.ZERO:
         return 0.0
-    if name in REDUCTIONS:
+    if rule is FlopRule.PER_INPUT:
         return float(max((elements(s) for s in in_shapes), default=0))
-    return float(sum(elements(s) for s in out_shapes))
+    if rule is FlopRule.POLYNOMIAL:  # Horner's rule over x's coefficients: a multiply and an add per further one
+        return 2.0 * max(0, len(in_shapes) - 2) * float(sum(elements(s) for s in out_shapes))
+    return row.flops_per_element * float(sum(elements(s) for s in out_shapes))

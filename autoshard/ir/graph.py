@@ -15,6 +15,7 @@ constraints inserted between ops.
 from __future__ import annotations
 
 import collections
+import math
 import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ class Value:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -158,6 +159,18 @@ class OpGraph:
 
     def producers(self) -> dict[ValueId, Op]:
         return {v: op for op in self.ops for v in op.outputs}
+
+    def producer_nodes(self) -> dict[ValueId, tuple[int, int]]:
+        """value id -> (node, output position): input leaves are nodes ``[0, len(inputs))``, ops follow (the
+        node numbering of the intra-op problem)."""
+        num_inputs = len(self.inputs)
+        where: dict[ValueId, tuple[int, int]] = {}
+        for i, vid in enumerate(self.inputs):
+            where.setdefault(vid, (i, 0))
+        for j, op in enumerate(self.ops):
+            for k, vid in enumerate(op.outputs):
+                where[vid] = (num_inputs + j, k)
+        return where
 
     def consumers(self) -> dict[ValueId, list[Op]]:
         users: dict[ValueId, list[Op]] = collections.defaultdict(list)

@@ -34,15 +34,12 @@ from jax import lax
 from jax.extend import core as jcore
 
 from autoshard.errors import PlanningError
+from autoshard.ir.primitives import CALLS, ELEMENTWISE
 from autoshard.ir.split import FlatEqn, Forward, StepParts, VarId, free_mask
+from autoshard.ir.trips import scan_operand_counts
 
-# primitives applied chunk by chunk along the leading (layer) axis when an operand is chunked
-ROWWISE = frozenset({
-    "add", "sub", "mul", "div", "max", "min", "neg", "sqrt", "rsqrt", "exp", "log", "log1p", "expm1", "pow",
-    "integer_pow", "select_n", "convert_element_type", "abs", "sign", "square", "tanh", "logistic", "eq", "ne",
-    "lt", "gt", "le", "ge", "and", "or", "not", "copy", "copy_p", "clamp", "is_finite", "erf", "stop_gradient",
-    "reduce_precision", "cbrt", "atan2", "rem", "floor", "ceil", "round", "nextafter"})
-CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+# primitives applied chunk by chunk along the leading (layer) axis when an operand is chunked: the elementwise ones
+ROWWISE = ELEMENTWISE
 
 
 @dataclass(frozen=True)
@@ -64,12 +61,13 @@ def find_stack(forward: Forward) -> ScanStack | None:
         if e.eqn.primitive.name != "scan" or forward.free[i]:
             continue
         p = e.eqn.params
-        xs = e.ins[p["num_consts"] + p["num_carry"]:]
+        num_consts, num_carry = scan_operand_counts(p, len(e.ins))
+        xs = e.ins[num_consts + num_carry:]
         leaves = tuple(None if isinstance(a, jcore.Literal) else diff_pos.get(a) for a in xs)
         if p["length"] < 2 or all(k is None for k in leaves):
             continue
         if best is None or e.flops > forward.eqns[best.eqn].flops:
-            best = ScanStack(i, int(p["length"]), int(p["num_consts"]), int(p["num_carry"]), leaves)
+            best = ScanStack(i, int(p["length"]), num_consts, num_carry, leaves)
     return best
 
 

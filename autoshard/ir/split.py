@@ -32,6 +32,7 @@ from jax.extend import core as jcore
 from autoshard.errors import PlanningError
 from autoshard.ir.flops import op_flops
 from autoshard.ir.markers import LAYER_SCOPE, VG_NAME
+from autoshard.ir.primitives import CALLS  # inlined: pure calls, no custom rules lost
 from autoshard.ir.trace import control_flow_bodies, trace_jaxpr
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,6 @@ log = logging.getLogger(__name__)
 VarId: TypeAlias = int
 Atom: TypeAlias = "VarId | jcore.Literal"
 EqnHook: TypeAlias = Callable[[int, list[Any]], list[Any]]  # (equation index, its values) -> values
-CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})  # inlined: pure calls, no custom rules lost
 
 
 @dataclass(frozen=True, eq=False)

@@ -45,13 +45,13 @@ from jax.extend import core as jcore
 
 from autoshard.ir.flops import op_flops
 from autoshard.ir.graph import LoopRegion, Op, OpGraph, Role, Value, ValueId
-from autoshard.ir.trips import counted_trip_count, stated_trip_count
+from autoshard.ir.primitives import INLINED_CALLS
+from autoshard.ir.trips import counted_trip_count, scan_operand_counts, stated_trip_count
 from autoshard.errors import PlanningError
 
 log = logging.getLogger(__name__)
 
-INLINED = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-                     "custom_vjp_call_jaxpr", "remat2", "checkpoint", "remat"})
+INLINED = INLINED_CALLS  # calls whose bodies the tracer walks in place (ir/primitives.py: CALL and AD_CALL)
 BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 class TracingError(PlanningError):
@@ -153,7 +153,7 @@ class _Builder:
     def _flatten_scan(self, eqn: Any, ins: list[ValueId]) -> list[ValueId]:
         """A scan's body walked into the graph as a loop region; the scan's outputs (final carries, stacks)."""
         params = eqn.params
-        num_consts, num_carry, length = int(params["num_consts"]), int(params["num_carry"]), int(params["length"])
+        (num_consts, num_carry), length = scan_operand_counts(params, len(ins)), int(params["length"])
         consts, inits, xs = ins[:num_consts], ins[num_consts:num_consts + num_carry], ins[num_consts + num_carry:]
         start, outer = len(self.ops), self.trip
         carry_ops = [self._pseudo("loop_carry", v, self.values[v].shape, outer, length) for v in inits]
@@ -359,9 +359,9 @@ def _input_roles(args: tuple[Any, ...], leaves: list[Any], carried: set[int]) ->
     return roles
 
 
-def trace(fn: Callable[..., Any], *args: Any) -> OpGraph:
-    """Trace ``fn(*args)`` (arrays or ShapeDtypeStructs) into an OpGraph with roles and pytree paths."""
-    start = time.perf_counter()
+def step_jaxpr(fn: Callable[..., Any], *args: Any) -> tuple[jcore.ClosedJaxpr, Any]:
+    """``fn(*args)`` (arrays or ShapeDtypeStructs) as a closed jaxpr with its dead code removed (as XLA removes
+    it; every input kept), and the shapes of its outputs. A step that jax cannot trace raises TracingError."""
     try:
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     except Exception as err:  # noqa: BLE001 — re-raised with advice, original chained
@@ -372,15 +372,21 @@ def trace(fn: Callable[..., Any], *args: Any) -> OpGraph:
             "jax.ShapeDtypeStruct), traceable by jax.jit: no Python control flow on array values, "
             "no side effects; pass configuration through a closure or functools.partial."
         ) from err
+    jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
+    return jcore.ClosedJaxpr(jaxpr, closed.consts), out_shape
+
+
+def trace(fn: Callable[..., Any], *args: Any) -> OpGraph:
+    """Trace ``fn(*args)`` (arrays or ShapeDtypeStructs) into an OpGraph with roles and pytree paths."""
+    start = time.perf_counter()
+    closed, out_shape = step_jaxpr(fn, *args)
     in_with_path, in_tree = jax.tree_util.tree_flatten_with_path(args)
     in_leaves = [leaf for _, leaf in in_with_path]
     out_with_path, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     pairs = carried_pairs(args, out_shape)
     roles = _input_roles(args, in_leaves, set(pairs.values()))
 
-    # XLA removes dead code before it counts or runs anything: so does the graph (all inputs kept)
-    jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
-    closed = jcore.ClosedJaxpr(jaxpr, closed.consts)
+    jaxpr = closed.jaxpr
     b = _Builder()
     in_ids = [b.new_value(var.aval, role, jax.tree_util.keystr(path))
               for var, role, (path, _) in zip(jaxpr.invars, roles, in_with_path)]

@@ -29,10 +29,21 @@ import numpy as np
 from jax.extend import core as jcore
 
 from autoshard.errors import TripCountGuessWarning
+from autoshard.ir.primitives import facts
 
 DEFAULT_TRIP_GUESS = 8  # iterations a while loop with a data-dependent stop is priced at, absent an option
 
 _OPTION: contextvars.ContextVar[int | None] = contextvars.ContextVar("autoshard_while_trip_count", default=None)
+
+
+def scan_operand_counts(params: Any, num_operands: int) -> tuple[int, int]:
+    """``(consts, carries)`` among a ``scan`` equation's operands (the rest are its xs). jax 0.10 names them
+    in ``num_consts`` / ``num_carry``; jax 0.11 and 0.12 group the operands in an ``ft_in`` tree of
+    (consts, carries, xs), whose group sizes its ``update``/``unpack`` give."""
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    consts, carries, _xs = params["ft_in"].update(list(range(num_operands))).unpack()
+    return len(consts), len(carries)
 
 
 def check_trip_count(value: Any) -> int | None:
@@ -112,10 +123,10 @@ def counted_trip_count(params: dict, inputs: Sequence[Any]) -> int | None:
     cn, bn = int(params["cond_nconsts"]), int(params["body_nconsts"])
     cond_consts, body_consts, inits = inputs[:cn], inputs[cn:cn + bn], inputs[cn + bn:]
     test = _producer(cond, cond.outvars[0])
-    if test is None or test.primitive.name not in ("lt", "gt"):
+    order = facts(test.primitive.name).order if test is not None else None
+    if order not in ("<", ">"):  # a strict comparison: counter < bound, or bound > counter
         return None
-    counter, bound = (_unconverted(cond, a) for a in (test.invars if test.primitive.name == "lt"
-                                                      else test.invars[::-1]))
+    counter, bound = (_unconverted(cond, a) for a in (test.invars if order == "<" else test.invars[::-1]))
     cond_in = list(cond.invars)
     if isinstance(counter, jcore.Literal) or not any(counter is v for v in cond_in[cn:]):
         return None

@@ -11,7 +11,10 @@ timings into the numbers the cost model reads (``meshes/cost.py``):
 - a link's bandwidth and latency are the medians over the kinds measured on
   the axes that use it (inside a node; across nodes);
 - the peak FLOP/s of a dtype is the best matmul rate measured, the memory
-  bandwidth the best elementwise rate (bytes read + written per second).
+  bandwidth the best elementwise rate (bytes read + written per second);
+- a link level no collective was measured on (one device; the inter-node
+  link of one node) is marked ``unmeasured`` with placeholder numbers, unless
+  the caller names the links (a preset's).
 
 Each fit keeps its R^2 and worst relative residual so a user can judge it.
 """
@@ -99,19 +102,37 @@ def link_from(fits: Sequence[CollectiveFit], name: str) -> LinkLevel:
     return LinkLevel(name, float(np.median(finite)), latency)
 
 
+def unmeasured(level: LinkLevel, what: str) -> LinkLevel:
+    """``level``'s numbers as the placeholder of a link nobody measured (``LinkLevel.unmeasured``)."""
+    return LinkLevel(f"not measured ({what})", level.bandwidth_bytes_per_s, level.latency_s, unmeasured=True)
+
+
 def cluster_from(name: str, num_nodes: int, devices_per_node: int, fits: Sequence[CollectiveFit],
                  peak_flops_per_s: Mapping[str, float], memory_bandwidth_bytes_per_s: float,
-                 memory_per_device_bytes: float, *, devices_per_process: int = 0) -> ClusterSpec:
-    """A ClusterSpec from the fits and rates measured. With one node, the inter-node link is not
-    measurable: it is set to the intra-node link's numbers (the cost model never uses it then)."""
-    inside = [f for f in fits if not f.crosses_nodes]
-    across = [f for f in fits if f.crosses_nodes]
-    intra = link_from(inside, "measured-intra") if inside else None
-    inter = link_from(across, "measured-inter") if across else None
-    if intra is None and inter is None:
-        raise ValueError("no collective was measured: the devices present form no axis of two or more")
-    intra = intra or inter
-    inter = inter or LinkLevel("measured-intra (one node)", intra.bandwidth_bytes_per_s, intra.latency_s)
+                 memory_per_device_bytes: float, *, devices_per_process: int = 0,
+                 links: tuple[LinkLevel, LinkLevel] | None = None,
+                 placeholder: ClusterSpec | None = None) -> ClusterSpec:
+    """A ClusterSpec from the fits and rates measured.
+
+    ``links`` (intra-node, inter-node), when given, are used as they are (a preset's: ``profile --links``).
+    Otherwise each level comes from the collectives measured on it; a level nothing was measured on is
+    marked unmeasured: with one node the inter-node link takes the intra-node link's numbers (the cost
+    model never uses it then), with one device both take ``placeholder``'s links."""
+    if links is not None:
+        intra, inter = links
+    else:
+        inside = [f for f in fits if not f.crosses_nodes]
+        across = [f for f in fits if f.crosses_nodes]
+        intra = link_from(inside, "measured-intra") if inside else None
+        inter = link_from(across, "measured-inter") if across else None
+        if intra is None and inter is None:
+            if placeholder is None:
+                raise ValueError("no collective was measured (the devices present form no axis of two or "
+                                 "more): pass links (a preset's) or a placeholder ClusterSpec")
+            intra = unmeasured(placeholder.intra_node, f"placeholder: {placeholder.name} {placeholder.intra_node.name}")
+            inter = unmeasured(placeholder.inter_node, f"placeholder: {placeholder.name} {placeholder.inter_node.name}")
+        intra = intra or inter
+        inter = inter or unmeasured(intra, "one node: the intra-node numbers")
     return ClusterSpec(name=name, num_nodes=num_nodes, devices_per_node=devices_per_node, intra_node=intra,
                        inter_node=inter, peak_flops_per_s=dict(peak_flops_per_s),
                        memory_bandwidth_bytes_per_s=memory_bandwidth_bytes_per_s,

@@ -11,11 +11,18 @@ m times that, capped by the intra-node link; a group with one member per node
 gets one NIC (``meshes/logical.py``). Multi-axis collectives are priced as the
 cheaper of that flat ring and the hierarchical algorithm (``meshes/cost.py``).
 
+The host link (``host_bandwidth_bytes_per_s``, PCIe) carries each step's batch to the devices: the
+cost model charges every device for the batch bytes it stores, so a replicated batch costs the whole
+batch per device and a batch split over all devices a shard of it.
+
 Peaks: ``peak_flops_per_s`` is keyed by dtype name; dots and convolutions run
 at their operands' dtype. ``"tfloat32"``, when present, is the rate of float32
 dots at XLA's default precision on GPUs with TF32 tensor cores (A100, H100);
 float32 dots asked for ``precision=HIGHEST`` and everything else in float32 run
-at ``"float32"``. Specs load from JSON or TOML
+at ``"float32"``. A link level marked ``unmeasured`` (profiled on one device,
+or the inter-node link profiled on one node) holds placeholder numbers: the
+cost model prices with them and a plan that crosses it says so in its
+caveats. Specs load from JSON or TOML
 files with the same field names as the dataclasses; missing or negative fields
 are rejected with a message naming the field.
 """
@@ -46,6 +53,10 @@ class LinkLevel:
     name: str  # e.g. "nvlink", "infiniband", "ici", "dcn"
     bandwidth_bytes_per_s: float  # per-device unidirectional bandwidth on this level
     latency_s: float  # per-hop latency (the alpha of the alpha-beta model)
+    # True: nobody measured or stated this link (``autoshard profile`` on one device, or on one node for the
+    # inter-node link); its numbers are placeholders that keep the cost model defined, and a plan whose
+    # devices cross it says so in its caveats (``ClusterSpec.unmeasured_links``)
+    unmeasured: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,13 @@ class ClusterSpec:
     memory_bandwidth_bytes_per_s: float  # per device (HBM)
     memory_per_device_bytes: float
     devices_per_process: int = 0  # 0: one process per node
+    # float dtypes the device has no arithmetic for, computed in float32 by its compiler: XLA:CPU runs a
+    # bfloat16 / float16 dot or convolution on float32 copies of its operands into a float32 result, so
+    # the memory model sizes those buffers as float32 (passes/memory_model.py, rule 10); () on GPUs / TPUs
+    f32_compute_dtypes: tuple[str, ...] = ()
+    # per device, host to device (PCIe): each step's batch arrives over it, so a batch stored replicated
+    # costs every device the whole batch; 0: unknown, the batch's arrival is not priced
+    host_bandwidth_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -68,7 +86,8 @@ class ClusterSpec:
         # (which holds its ClusterSpec) must be hashable to key the cost caches
         return hash((self.name, self.num_nodes, self.devices_per_node, self.intra_node, self.inter_node,
                      tuple(sorted(self.peak_flops_per_s.items())), self.memory_bandwidth_bytes_per_s,
-                     self.memory_per_device_bytes, self.devices_per_process))
+                     self.memory_per_device_bytes, self.devices_per_process, self.f32_compute_dtypes,
+                     self.host_bandwidth_bytes_per_s))
 
     @property
     def num_devices(self) -> int:
@@ -80,6 +99,13 @@ class ClusterSpec:
 
     def node_of(self, device_index: int) -> int:
         return device_index // self.devices_per_node
+
+    def unmeasured_links(self, devices: int) -> tuple[str, ...]:
+        """The link levels marked unmeasured that a mesh of ``devices`` devices on this cluster crosses:
+        the intra-node link once two devices talk, the inter-node link once they span nodes."""
+        crossed = [("intra-node", self.intra_node, devices > 1),
+                   ("inter-node", self.inter_node, devices > self.devices_per_node)]
+        return tuple(scope for scope, level, used in crossed if used and level.unmeasured)
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s for a dtype; unknown dtypes fall back to float32's rate."""
@@ -109,6 +135,7 @@ class ClusterSpec:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["peak_flops_per_s"] = dict(self.peak_flops_per_s)
+        data["f32_compute_dtypes"] = list(self.f32_compute_dtypes)
         return data
 
     @classmethod
@@ -130,6 +157,10 @@ class ClusterSpec:
             raise ClusterSpecError(f"{source}: peak_flops_per_s must be a table dtype -> FLOP/s")
         kwargs["peak_flops_per_s"] = {str(k): _number(f"{source}: peak_flops_per_s[{k}]", v)
                                       for k, v in kwargs["peak_flops_per_s"].items()}
+        widened = kwargs.get("f32_compute_dtypes", ())
+        if not isinstance(widened, (list, tuple)) or not all(isinstance(d, str) for d in widened):
+            raise ClusterSpecError(f"{source}: f32_compute_dtypes must be a list of dtype names, got {widened!r}")
+        kwargs["f32_compute_dtypes"] = tuple(widened)
         try:
             return cls(**kwargs)
         except ClusterSpecError as err:
@@ -156,15 +187,18 @@ def _link_from(data: Any, where: str) -> LinkLevel:
         return data
     if not isinstance(data, Mapping):
         raise ClusterSpecError(f"{where}: expected a table with name, bandwidth_bytes_per_s, latency_s")
-    missing = [f.name for f in fields(LinkLevel) if f.name not in data]
+    missing = [f.name for f in fields(LinkLevel) if f.name not in data and f.default is MISSING]
     if missing:
         raise ClusterSpecError(f"{where}: missing field(s) {missing}")
     unknown = sorted(set(data) - {f.name for f in fields(LinkLevel)})
     if unknown:
         raise ClusterSpecError(f"{where}: unknown field(s) {unknown}")
+    unmeasured = data.get("unmeasured", False)
+    if not isinstance(unmeasured, bool):
+        raise ClusterSpecError(f"{where}.unmeasured must be true or false, got {unmeasured!r}")
     return LinkLevel(name=str(data["name"]),
                      bandwidth_bytes_per_s=_number(f"{where}.bandwidth_bytes_per_s", data["bandwidth_bytes_per_s"]),
-                     latency_s=_number(f"{where}.latency_s", data["latency_s"]))
+                     latency_s=_number(f"{where}.latency_s", data["latency_s"]), unmeasured=unmeasured)
 
 
 def _number(where: str, value: Any) -> float:
@@ -188,6 +222,7 @@ def _validate(spec: ClusterSpec) -> None:
     _positive("memory_bandwidth_bytes_per_s", spec.memory_bandwidth_bytes_per_s)
     _positive("memory_per_device_bytes", spec.memory_per_device_bytes)
     _positive("devices_per_process", spec.devices_per_process, allow_zero=True)
+    _positive("host_bandwidth_bytes_per_s", spec.host_bandwidth_bytes_per_s, allow_zero=True)
     for level_name in ("intra_node", "inter_node"):
         level = getattr(spec, level_name)
         _positive(f"{level_name}.bandwidth_bytes_per_s", level.bandwidth_bytes_per_s)
@@ -199,7 +234,7 @@ def _validate(spec: ClusterSpec) -> None:
 
 
 def _gpu(name: str, nodes: int, per_node: int, *, nvlink_gbps: float, inter_gbit: float, bf16_tflops: float,
-         tf32_tflops: float, fp32_tflops: float, hbm_tbps: float, mem_gib: float) -> ClusterSpec:
+         tf32_tflops: float, fp32_tflops: float, hbm_tbps: float, mem_gib: float, pcie_gbps: float) -> ClusterSpec:
     return ClusterSpec(
         name=name, num_nodes=nodes, devices_per_node=per_node,
         intra_node=LinkLevel("nvlink", nvlink_gbps * 1e9, 5e-6),
@@ -207,11 +242,13 @@ def _gpu(name: str, nodes: int, per_node: int, *, nvlink_gbps: float, inter_gbit
         peak_flops_per_s={"bfloat16": bf16_tflops * 1e12, "float16": bf16_tflops * 1e12,
                           "tfloat32": tf32_tflops * 1e12, "float32": fp32_tflops * 1e12},
         memory_bandwidth_bytes_per_s=hbm_tbps * 1e12, memory_per_device_bytes=mem_gib * GIB,
+        host_bandwidth_bytes_per_s=pcie_gbps * 1e9,
     )
 
 
 # Preset numbers are public datasheet figures (dense, no sparsity): A100 SXM (bf16 312, TF32 156, FP32
-# 19.5 TFLOP/s), H100 SXM (bf16 989, TF32 494, FP32 67); NVLink per device, one direction.
+# 19.5 TFLOP/s), H100 SXM (bf16 989, TF32 494, FP32 67); NVLink per device, one direction; host links
+# PCIe 4.0 x16 (A100, ~25 GB/s achieved of 32) and 5.0 x16 (H100, ~50 of 64), TPU hosts PCIe 3.0 x16.
 PRESETS: dict[str, ClusterSpec] = {
     # 8 simulated CPU devices: modest numbers so that communication and compute both matter.
     "cpu-8": ClusterSpec(
@@ -219,29 +256,30 @@ PRESETS: dict[str, ClusterSpec] = {
         intra_node=LinkLevel("shared-memory", 10e9, 10e-6),
         inter_node=LinkLevel("loopback", 1e9, 50e-6),
         peak_flops_per_s={"float32": 50e9, "bfloat16": 50e9},
-        memory_bandwidth_bytes_per_s=20e9, memory_per_device_bytes=2 * GIB,
+        memory_bandwidth_bytes_per_s=20e9, memory_per_device_bytes=2 * GIB, host_bandwidth_bytes_per_s=10e9,
+        f32_compute_dtypes=("bfloat16", "float16"),  # XLA:CPU
     ),
     "1x8-a100": _gpu("1x8-a100", 1, 8, nvlink_gbps=300, inter_gbit=200, bf16_tflops=312, tf32_tflops=156, fp32_tflops=19.5,
-                     hbm_tbps=2.0, mem_gib=80),
+                     hbm_tbps=2.0, mem_gib=80, pcie_gbps=25),
     # Alpa's setting: two 8-GPU nodes with a 25 Gbit/s-class link between them.
     "2x8-a100": _gpu("2x8-a100", 2, 8, nvlink_gbps=300, inter_gbit=25, bf16_tflops=312, tf32_tflops=156, fp32_tflops=19.5,
-                     hbm_tbps=2.0, mem_gib=80),
+                     hbm_tbps=2.0, mem_gib=80, pcie_gbps=25),
     "1x8-h100": _gpu("1x8-h100", 1, 8, nvlink_gbps=450, inter_gbit=400, bf16_tflops=989, tf32_tflops=494, fp32_tflops=67,
-                     hbm_tbps=3.35, mem_gib=80),
+                     hbm_tbps=3.35, mem_gib=80, pcie_gbps=50),
     "4x8-h100": _gpu("4x8-h100", 4, 8, nvlink_gbps=450, inter_gbit=400, bf16_tflops=989, tf32_tflops=494, fp32_tflops=67,
-                     hbm_tbps=3.35, mem_gib=80),
+                     hbm_tbps=3.35, mem_gib=80, pcie_gbps=50),
     # TPU slices: ICI joins every chip of a slice; the "node" is the host (4 chips each).
     "tpu-v4-32": ClusterSpec(
         name="tpu-v4-32", num_nodes=4, devices_per_node=4,
         intra_node=LinkLevel("ici", 45e9, 2e-6), inter_node=LinkLevel("ici", 45e9, 2e-6),
         peak_flops_per_s={"bfloat16": 275e12, "float32": 275e12 / 4},
-        memory_bandwidth_bytes_per_s=1.2e12, memory_per_device_bytes=32 * GIB,
+        memory_bandwidth_bytes_per_s=1.2e12, memory_per_device_bytes=32 * GIB, host_bandwidth_bytes_per_s=12e9,
     ),
     "tpu-v5e-8": ClusterSpec(
         name="tpu-v5e-8", num_nodes=2, devices_per_node=4,
         intra_node=LinkLevel("ici", 50e9, 2e-6), inter_node=LinkLevel("ici", 50e9, 2e-6),
         peak_flops_per_s={"bfloat16": 197e12, "float32": 197e12 / 4},
-        memory_bandwidth_bytes_per_s=0.82e12, memory_per_device_bytes=16 * GIB,
+        memory_bandwidth_bytes_per_s=0.82e12, memory_per_device_bytes=16 * GIB, host_bandwidth_bytes_per_s=12e9,
     ),
 }
 ALIASES = {"8xa100": "1x8-a100", "a100": "1x8-a100", "8xh100": "1x8-h100", "cpu": "cpu-8"}
@@ -287,12 +325,16 @@ def get_cluster(spec: "ClusterSpec | str | Path | None", *, num_devices: int | N
     return spec
 
 
+def platform_preset(platform: str) -> ClusterSpec:
+    """The preset that stands for devices of a jax platform ("cpu", "gpu", "tpu") nobody described."""
+    return PRESETS["cpu-8"] if platform == "cpu" else PRESETS["1x8-h100"]
+
+
 def _describe_local_devices() -> ClusterSpec:
     import jax  # local import: meshes/ is usable without initialising a backend
 
     devices = jax.devices()
-    platform = devices[0].platform
-    base = PRESETS["cpu-8"] if platform == "cpu" else PRESETS["1x8-h100"]
+    base = platform_preset(devices[0].platform)
     processes = max(1, jax.process_count())
     per_node = max(1, len(devices) // processes)
     spec = base.with_devices(processes, per_node)

@@ -164,6 +164,13 @@ def latency_s(mesh: LogicalMesh, collective: Collective) -> float:
     return collective_s(mesh, Collective(collective.kind, collective.axes, 0.0))
 
 
+def host_load_s(cluster: ClusterSpec, nbytes: float) -> float:
+    """Seconds for ``nbytes`` of a step's input to reach one device from its host (0 when the host link is
+    unknown: ``ClusterSpec.host_bandwidth_bytes_per_s`` 0)."""
+    bandwidth = cluster.host_bandwidth_bytes_per_s
+    return float(nbytes) / bandwidth if bandwidth > 0 else 0.0
+
+
 def send_s(cluster: ClusterSpec, nbytes: float, *, cross_node: bool) -> float:
     """Point-to-point transfer between two devices."""
     return point_to_point_s(nbytes, cluster.inter_node if cross_node else cluster.intra_node)

@@ -15,6 +15,7 @@ of that one flat ring and the hierarchical algorithm, axis by axis.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,17 +79,17 @@ def _cached_group_link(mesh: LogicalMesh, axes: tuple[str, ...]) -> LinkLevel:
     return group_link(mesh.cluster, grid, [mesh.axis_names.index(a) for a in axes])
 
 
-def _groups(grid: np.ndarray, dims: list[int]) -> np.ndarray:
-    """[groups, members]: the devices that differ only along ``dims``."""
+def axis_groups(grid: np.ndarray, dims: Sequence[int]) -> np.ndarray:
+    """[groups, members]: the devices of ``grid`` that differ only along ``dims``."""
     rest = [d for d in range(grid.ndim) if d not in dims]
-    moved = np.transpose(grid, rest + dims)
+    moved = np.transpose(grid, rest + list(dims))
     return moved.reshape(-1, int(np.prod([grid.shape[d] for d in dims], dtype=np.int64)))
 
 
 def group_link(cluster: ClusterSpec, grid: np.ndarray, dims: list[int]) -> LinkLevel:
     """The intra-node link, or, for groups that span nodes with m members per node, the inter-node
     link at m times its per-device bandwidth (at most the intra-node bandwidth)."""
-    groups = _groups(grid, dims) // cluster.devices_per_node
+    groups = axis_groups(grid, dims) // cluster.devices_per_node
     if not (groups != groups[:, :1]).any():
         return cluster.intra_node
     members = max(int(np.unique(row, return_counts=True)[1].max()) for row in groups)
@@ -96,11 +97,12 @@ def group_link(cluster: ClusterSpec, grid: np.ndarray, dims: list[int]) -> LinkL
     if members <= 1:
         return inter
     bandwidth = min(intra.bandwidth_bytes_per_s, members * inter.bandwidth_bytes_per_s)
-    return LinkLevel(f"{inter.name}x{members}", bandwidth, inter.latency_s)
+    return LinkLevel(f"{inter.name}x{members}", bandwidth, inter.latency_s,
+                     unmeasured=inter.unmeasured or intra.unmeasured)
 
 
 def _crosses_nodes(cluster: ClusterSpec, grid: np.ndarray, axis: int) -> bool:
-    nodes = _groups(grid, [axis]) // cluster.devices_per_node
+    nodes = axis_groups(grid, [axis]) // cluster.devices_per_node
     return bool((nodes != nodes[:, :1]).any())
 
 

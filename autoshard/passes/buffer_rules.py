@@ -6,15 +6,21 @@
    argument's buffer by temporaries.
 8. *Layout copies* (``transposed_operands``): the dot and convolution operands
    XLA:CPU copies into a canonical layout.
+10. *Narrow floats computed in float32* (``f32_dot_buffers``): the buffers of
+   a bfloat16 / float16 dot that XLA:CPU holds in float32.
 
 ``Span`` is one buffer's life, the unit every rule speaks in.
 """
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from autoshard.ir.graph import Op, OpGraph, ValueId
+from autoshard.ir.primitives import CONTRACTIONS
 from autoshard.ir.spec import Collective
 from autoshard.passes.liveness import InstructionOrder, NodeId, OpIndex
 
@@ -99,29 +105,61 @@ def combine_all_reduces(graph: OpGraph, reducing: Sequence[OpIndex],
     return groups
 
 
+@dataclass(frozen=True)
+class F32DotBuffers:
+    """Rule 10 (``f32_dot_buffers``)."""
+
+    widened: frozenset[ValueId]  # op results held in float32 whatever their dtype
+    copies: Mapping[ValueId, tuple[OpIndex, ...]]  # buffer -> the dots that read its float32 copy
+
+
+def f32_dot_buffers(graph: OpGraph, f32_dtypes: frozenset[str], root_of: Callable[[ValueId], ValueId],
+                    skip: set[tuple[OpIndex, int]], shared: set[ValueId]) -> F32DotBuffers:
+    """Rule 10: a backend without arithmetic for a dtype of ``f32_dtypes`` (XLA:CPU and bfloat16) runs a
+    dot or convolution of such operands in float32. Its result buffer is float32 (the cast back is fused
+    into its readers). An operand buffer that only such dots read is materialised in float32 (the cast is
+    fused into its producer); one that an argument holds or other ops read too (``shared``) keeps its
+    dtype and gets a float32 copy, made when it is ready and kept until the last dot that reads it. Reads
+    in ``skip`` (through a layout copy or a reshard, which hold the float32 copy themselves) are left
+    out; ``root_of`` maps a value to the buffer it is a view of."""
+    widened: set[ValueId] = set()
+    copies: dict[ValueId, list[OpIndex]] = {}
+    inputs, outputs = set(graph.inputs), set(graph.outputs)
+    for t, op in enumerate(graph.ops):
+        if op.primitive not in CONTRACTIONS or not any(graph.values[v].dtype in f32_dtypes for v in op.inputs):
+            continue
+        widened.update(op.outputs)
+        for p, vid in enumerate(op.inputs):
+            if graph.values[vid].dtype not in f32_dtypes or (t, p) in skip:
+                continue
+            root = root_of(vid)
+            if root in inputs or root in shared:
+                copies.setdefault(root, []).append(t)
+            elif root not in outputs:
+                widened.add(root)
+    return F32DotBuffers(frozenset(widened), {v: tuple(ts) for v, ts in copies.items()})
+
+
 def donation(graph: OpGraph, sched: InstructionOrder, readers_of: Mapping[ValueId, list[NodeId]],
               provider: Callable[[ValueId], NodeId | None], written_back: Mapping[ValueId, NodeId],
               carried_out: Mapping[ValueId, int], arg_bytes: Callable[[int], float],
               end: int) -> tuple[list[Span], list[tuple[float, list[tuple[int, int]]]]]:
     """Rule 6: the copies CopyInsertion adds for donated arguments, and each donated buffer's busy intervals."""
-    ancestors: list[int] = [0] * len(sched.preds)
-    for v in sched.topological:
-        mask = 0
-        for p in sched.preds[v]:
-            mask |= ancestors[p] | (1 << p)
-        ancestors[v] = mask
+    writers = {out_vid: written_back.get(out_vid, provider(out_vid)) for out_vid in carried_out}
+    bit, reaches = _writers_reached(sched, {w for w in writers.values() if w is not None},
+                                    {r for i in carried_out.values() for r in readers_of.get(graph.inputs[i], ())})
     copies: list[Span] = []
     pools: list[tuple[float, list[tuple[int, int]]]] = []
     for out_vid, i in carried_out.items():
         arg = graph.inputs[i]
-        writer = written_back.get(out_vid, provider(out_vid))
+        writer = writers[out_vid]
         if out_vid == arg or writer is None:
             continue
         size = arg_bytes(i)
         others = [r for r in readers_of.get(arg, ()) if r != writer]
         last = max((int(sched.position[r]) for r in readers_of.get(arg, ())), default=0)
         write = int(sched.position[writer])
-        if others and not all(ancestors[writer] >> r & 1 for r in others):
+        if others and not all(reaches[r] & bit[writer] for r in others):
             # the copies run one after another at the start: each frees its argument for later copies
             k = len(copies)
             copies.append(Span(k + 1, max(last, k + 1), size, "donation copy", arg))
@@ -131,16 +169,130 @@ def donation(graph: OpGraph, sched: InstructionOrder, readers_of: Mapping[ValueI
     return copies, pools
 
 
+def _writers_reached(sched: InstructionOrder, writers: set[NodeId],
+                     readers: set[NodeId]) -> tuple[dict[NodeId, int], dict[NodeId, int]]:
+    """A bit per node of ``writers``, and for each node of ``readers`` the bits of the writers that depend
+    on it (run after it, through a path of the schedule's edges).
+
+    One sweep in reverse topological order carrying, per node, a bitmask over the writers only (one bit
+    per donated argument's update): O(nodes x writers / 64) word operations, and a node's mask is dropped
+    once every predecessor has read it, rather than every node's ancestors held over all nodes.
+    """
+    bit = {w: 1 << k for k, w in enumerate(sorted(writers))}
+    pending = [len(ps) for ps in sched.preds]  # predecessors that have not read the node's mask yet
+    below: dict[NodeId, int] = {}  # node -> writers reachable from it, strictly after it
+    succs: list[list[NodeId]] = [[] for _ in sched.preds]
+    for v, ps in enumerate(sched.preds):
+        for p in ps:
+            succs[p].append(v)
+    kept: dict[NodeId, int] = {}
+    for v in reversed(sched.topological):
+        mask = 0
+        for s in succs[v]:
+            mask |= below[s] | bit.get(s, 0)
+            pending[s] -= 1
+            if pending[s] == 0:
+                del below[s]
+        below[v] = mask
+        if v in readers:
+            kept[v] = mask
+        if not sched.preds[v]:
+            del below[v]
+    return bit, kept
+
+
 def assign_to_donated(spans: list[Span], pools: list[tuple[float, list[tuple[int, int]]]]) -> list[Span]:
     """XLA's BufferAssigner: largest buffers first, each into the smallest donated argument buffer that is
-    free for its whole life; what finds none goes to the temp heap (returned)."""
-    pools = sorted(pools, key=lambda p: p[0])
+    free for its whole life; what finds none goes to the temp heap (returned).
+
+    Pools of one size are one ``_SizeClass``: a span asks the classes from the smallest that holds it up,
+    each answering with its first pool (in the pools' order) free for the span's life, so the choice is
+    the first such pool of the pools sorted by size. A class rejects a span that no pool's free window
+    covers by bisection, so the buffers alive before any donated argument dies (the forward pass's)
+    cost O(log pools) each rather than a scan of every pool.
+    """
+    by_size: dict[float, list[Sequence[tuple[int, int]]]] = {}
+    for size, busy in sorted(pools, key=lambda p: p[0]):
+        by_size.setdefault(size, []).append(busy)
+    classes = {size: _SizeClass(busy) for size, busy in by_size.items()}
+    sizes = sorted(classes)
     heap: list[Span] = []
     for s in sorted(spans, key=lambda s: (-s.nbytes, s.start)):
-        for size, busy in pools:
-            if size >= s.nbytes and all(s.stop < a or b < s.start for a, b in busy):
-                busy.append((s.start, s.stop))
+        for size in sizes[bisect.bisect_left(sizes, s.nbytes):]:
+            k = classes[size].take(s.start, s.stop)
+            if k is not None:
                 break
         else:
             heap.append(s)
     return heap
+
+
+class _SizeClass:
+    """Donated buffers of one size (``assign_to_donated``), in order. Each pool's base intervals (an
+    argument's reads, its update; inclusive, first <= last) leave free windows; a window entry is
+    (first, last, pool). The spans placed in one pool are disjoint; all placed spans are kept sorted by
+    (pool, start) in numpy arrays (``placed_key``, ``placed_stop``) plus a short list of recent ones, so one
+    vectorised search tells every candidate pool's conflict at once."""
+
+    def __init__(self, pools: Sequence[Sequence[tuple[int, int]]]) -> None:
+        entries: list[tuple[int, int, int]] = []  # (window first, window last, pool), pools in order
+        for k, busy in enumerate(pools):
+            free_from = 0
+            for a, b in sorted(busy):
+                if a > free_from:
+                    entries.append((free_from, a - 1, k))
+                free_from = max(free_from, b + 1)
+            entries.append((free_from, _NEVER, k))
+        self.first = np.array([e[0] for e in entries], dtype=np.int64)
+        self.last = np.array([e[1] for e in entries], dtype=np.int64)
+        self.pool = np.array([e[2] for e in entries], dtype=np.int64)
+        order = np.argsort(self.first, kind="stable")
+        self.sorted_first = self.first[order].tolist()
+        self.reach = np.maximum.accumulate(self.last[order]).tolist()  # latest window end among those so far
+        self.placed_key = np.zeros(0, dtype=np.int64)  # pool * _STRIDE + start, sorted
+        self.placed_stop = np.zeros(0, dtype=np.int64)
+        self.recent = np.zeros((3, 16), dtype=np.int64)  # rows pool, start, stop of spans not merged yet
+        self.num_recent = 0
+
+    def take(self, start: int, stop: int) -> int | None:
+        """The first pool free over [start, stop], which then holds it; None when no pool is."""
+        opened = bisect.bisect_right(self.sorted_first, start)
+        if opened == 0 or self.reach[opened - 1] < stop:
+            return None  # no window that opened by ``start`` lasts until ``stop``
+        pools = self.pool[(self.first <= start) & (self.last >= stop)]
+        if not pools.size:
+            return None
+        free = np.ones(len(pools), dtype=bool)
+        if self.placed_key.size:  # per pool, the placed span starting last by ``stop`` is the one that can overlap
+            at = np.searchsorted(self.placed_key, pools * _STRIDE + min(stop, _STRIDE - 1), side="right") - 1
+            ok = at >= 0
+            hit = at[ok]
+            free[ok] = ~((self.placed_key[hit] // _STRIDE == pools[ok]) & (self.placed_stop[hit] >= start))
+        if self.num_recent:
+            pool, first, last = self.recent[:, :self.num_recent]
+            blocked = pool[(first <= stop) & (last >= start)]
+            if blocked.size:
+                free &= ~np.isin(pools, blocked)
+        if not free.any():
+            return None
+        k = int(pools[int(np.argmax(free))])
+        if self.num_recent == self.recent.shape[1]:
+            self.recent = np.concatenate((self.recent, np.zeros_like(self.recent)), axis=1)
+        self.recent[:, self.num_recent] = (k, start, stop)
+        self.num_recent += 1
+        if self.num_recent * self.num_recent > max(self.placed_key.size, 256):
+            self._merge()
+        return k
+
+    def _merge(self) -> None:
+        """Fold the recent spans into the sorted arrays (every ~sqrt(placed) spans: O(n^1.5) moves in all)."""
+        pool, first, last = self.recent[:, :self.num_recent]
+        keys = np.concatenate((self.placed_key, pool * _STRIDE + first))
+        stops = np.concatenate((self.placed_stop, last))
+        order = np.argsort(keys, kind="stable")
+        self.placed_key, self.placed_stop = keys[order], stops[order]
+        self.num_recent = 0
+
+
+_STRIDE = 1 << 31  # positions stay below it: (pool, start) packed as pool * _STRIDE + start
+_NEVER = np.iinfo(np.int64).max  # a window open to the end

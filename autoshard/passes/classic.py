@@ -94,21 +94,26 @@ def node_axes(mesh: LogicalMesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def mirror_params(graph: OpGraph, param_specs: Mapping[int, Spec]) -> dict[int, Spec]:
-    """Optimizer-state leaves that mirror a parameter (same shape, path ending in its path) get its spec."""
-    by_suffix: dict[tuple[str, tuple[int, ...]], Spec] = {}
+    """Optimizer-state leaves that mirror a parameter (same shape, path ending in its path) get its spec.
+
+    Where several parameters' paths end a leaf's path, the first parameter given wins. Each leaf looks up
+    the suffixes of its own path, so the cost is linear in the number of leaves (times a path's length).
+    """
+    by_suffix: dict[tuple[str, tuple[int, ...]], tuple[int, Spec]] = {}  # -> (first given, last spec)
     for i, spec in param_specs.items():
         value = graph.values[graph.inputs[i]]
-        suffix = re.sub(r"^\[\d+\]", "", value.path or "")
-        by_suffix[(suffix, value.shape)] = spec
+        key = (re.sub(r"^\[\d+\]", "", value.path or ""), value.shape)
+        by_suffix[key] = (by_suffix[key][0] if key in by_suffix else len(by_suffix), spec)
     out: dict[int, Spec] = {}
     for i, vid in enumerate(graph.inputs):
         value = graph.values[vid]
         if value.role != Role.OPT_STATE:
             continue
-        for (suffix, shape), spec in by_suffix.items():
-            if suffix and value.shape == shape and (value.path or "").endswith(suffix):
-                out[i] = spec
-                break
+        path = value.path or ""
+        found = [by_suffix[(path[k:], value.shape)] for k in range(len(path))
+                 if (path[k:], value.shape) in by_suffix]
+        if found:
+            out[i] = min(found, key=lambda f: f[0])[1]
     return out
 
 

@@ -25,6 +25,7 @@ at its trip count. A cond (``kind == "cond"``): its operands' and results' layou
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -35,14 +36,14 @@ from autoshard.ir.spec import Spec
 from autoshard.meshes import cost
 from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes.hbm_traffic import compute_dtype, op_traffic, strategy_compute_s, strategy_hbm_bytes
-from autoshard.passes.ilp.problem import SharedCharge
-from autoshard.passes.liveness import OpKind, op_kind
+from autoshard.passes.ilp.problem import SharedCharge, SharedReshard, SolverName
 from autoshard.passes.memory_model import liveness_intervals, materialized_values
+from autoshard.passes.objective import (EdgeSite, edge_runs, edge_sites, late_reductions,
+                                        latency_charges, own_comm_s)
 from autoshard.passes.resharding import reshard_cost_matrix, spec_options
 from autoshard.passes.simplify import NodeClasses, build_classes, op_token
 from autoshard.passes.strategies import Strategy, strategies_for
 
-EdgeSite = tuple[int, int, int, int, ValueId]  # (producer node, out pos, consumer node, in pos or -1, value)
 ClassEdge = tuple[int, int, np.ndarray]  # (class u, class v, cost matrix)
 MemoryPoints = tuple[tuple[tuple[int, np.ndarray], ...], ...]
 
@@ -50,8 +51,13 @@ MemoryPoints = tuple[tuple[tuple[int, np.ndarray], ...], ...]
 @dataclass(frozen=True)
 class IntraOpOptions:
     memory_budget_bytes: float | None = None  # per device; None: the cluster's device memory
-    time_limit_s: float = 10.0  # CP-SAT wall-clock limit (after a deterministic local search)
-    seed: int = 0  # CP-SAT seed: same input, same plan
+    # solver wall-clock limit per solve. HiGHS's LP of a GPT block on a 2-D mesh (about 100k columns) takes 5-50 s
+    # on two loaded cores and returns as soon as it is solved; a limit below that returns the search's start
+    # (passes/search_starts.py), up to 75% slower than the optimum on the d512 GPT (2.63 against 1.48 ms).
+    # Not raised by default: the budget search solves up to ~10 times, and a user waits for each
+    time_limit_s: float = 10.0
+    solver: SolverName = "mip"  # the ILP backend: "mip" (HiGHS) or "cpsat" (OR-Tools CP-SAT)
+    seed: int = 0  # CP-SAT's and the local search's seed: same input, same plan
     shard_state: bool = True  # allow sharded storage of parameters and optimizer state (FSDP/ZeRO)
     tie_layers: bool = True  # solve repeated layers once
     merge_followers: bool = True  # elementwise chains follow their producer
@@ -72,26 +78,9 @@ class IntraOpOptions:
 
 
 
-LOOP_EXITS = frozenset({"loop_stack", "loop_final"})
-
-
-def late_reductions(graph: OpGraph) -> frozenset[int]:
-    """Ops whose results reach no contraction, reduction or other unfusible op: the partial sums they
-    reduce (the gradients of a data-parallel step) are independent of each other, and XLA's all-reduce
-    combiner issues them as one collective (``passes/buffer_rules.combine_all_reduces``)."""
-    consumers = graph.consumers()
-    feeds: list[bool] = [False] * len(graph.ops)
-    index = {id(op): t for t, op in enumerate(graph.ops)}
-    for t in range(len(graph.ops) - 1, -1, -1):
-        users = [c for v in graph.ops[t].outputs for c in consumers.get(v, ())]
-        # a loop's stacked outputs and final carries are written where they lie: their readers decide
-        feeds[t] = any((op_kind(c) in (OpKind.OPAQUE, OpKind.REDUCTION) and c.primitive not in LOOP_EXITS)
-                       or feeds[index[id(c)]] for c in users)
-    return frozenset(t for t in range(len(graph.ops)) if not feeds[t])
-
-
 def input_strategies(graph: OpGraph, mesh: LogicalMesh, options: IntraOpOptions) -> list[list[Strategy]]:
-    """Storage choices of every input leaf; leaves with the same choices share one list object."""
+    """Storage choices of every input leaf; leaves with the same choices share one list object. A batch
+    leaf's choice costs its shard's arrival from the host (``meshes.cost.host_load_s``) every step."""
     out: list[list[Strategy]] = []
     shared: dict[tuple, list[Strategy]] = {}
     for i, vid in enumerate(graph.inputs):
@@ -103,9 +92,14 @@ def input_strategies(graph: OpGraph, mesh: LogicalMesh, options: IntraOpOptions)
             key, specs = ("replicated", value.rank), [Spec.replicated(value.rank)]
         else:
             key, specs = ("options", value.shape), None
+        loaded = value.role == Role.BATCH  # arrives from the host every step (``cost.host_load_s``)
+        key = (*key, value.nbytes if loaded else 0)
         if key not in shared:
             specs = specs if specs is not None else spec_options(value.shape, mesh)
-            shared[key] = [Strategy(in_specs=(), out_specs=(s,), compute_s=0.0, note="storage") for s in specs]
+            sizes = dict(zip(mesh.axis_names, mesh.shape))
+            shared[key] = [Strategy(in_specs=(), out_specs=(s,), note="storage",
+                                    compute_s=cost.host_load_s(mesh.cluster, value.nbytes / s.num_shards(sizes))
+                                    if loaded else 0.0) for s in specs]
         out.append(shared[key])
     return out
 
@@ -144,8 +138,19 @@ class CostGraph:
         self.late = late_reductions(graph)
         self._edge_cache: dict[tuple, np.ndarray] = {}
         self._compute_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-        self.budget_probes: dict[tuple[float, float], float] = {}  # intra_op: smallest budgets already found
-        self.problem_terms: tuple | None = None  # intra_op: the ILP terms no budget changes, once
+        self._dst_cache: dict[tuple, tuple[Spec, ...]] = {}
+
+    @functools.cached_property
+    def terms(self) -> ProblemTerms:
+        """The ILP's terms no budget changes (``ProblemTerms``), once; their arrays refuse writes."""
+        class_cost, edges, reshards = class_costs_and_edges(self)
+        points = memory_points(self)
+        for array in (*class_cost, *(m for _, _, m in edges), *(g.costs for g in reshards),
+                      *(a for point in points for _, a in point)):
+            if isinstance(array, np.ndarray):
+                array.setflags(write=False)
+        return ProblemTerms(tuple(class_cost), tuple(edges), tuple(reshards), tuple(combined_latency_charges(self)),
+                            points)
 
     def op_work(self, j: int) -> tuple[np.ndarray, np.ndarray]:
         """Per strategy of op ``j`` (its own list, not its class's): fused compute seconds and HBM bytes,
@@ -163,29 +168,19 @@ class CostGraph:
     def comm_s(self, j: int, strategy: Strategy) -> float:
         """The strategy's own collectives, all runs of the op; for a late reduction (``late_reductions``)
         without their latency, which the combined all-reduce pays once for all of them."""
-        trips = self.graph.ops[j].trip_count
-        if j not in self.late or not strategy.collectives:
-            return strategy.comm_s * trips
-        return trips * max(0.0, strategy.comm_s - sum(cost.latency_s(self.mesh, c) for c in strategy.collectives))
+        return own_comm_s(self.graph, self.mesh, j, strategy, self.late)
 
     def edge_weight(self, c: int, pos: int) -> int:
-        """How many times a reshard into node ``c`` (input ``pos``; -1: written back) runs per step: the
-        consumer op's trip count; a loop's carry out written back to its carry, every iteration."""
-        if c < self.num_inputs:
-            return 1
-        op = self.graph.ops[c - self.num_inputs]
-        if pos < 0 and op.primitive == "loop_carry":
-            return op.trip_count * int(op.params["length"])
-        if op.primitive == "cond_merge" and pos != op.params["priced"]:
-            return 0  # that branch runs instead of the priced one: the cond costs its costliest branch
-        return op.trip_count
+        """How many times a reshard into node ``c`` (input ``pos``; -1: written back) runs per step
+        (``objective.edge_runs``)."""
+        return edge_runs(self.graph, self.num_inputs, c, pos)
 
     # per-node views indexed by class strategy
     def node_cost(self, node: int) -> np.ndarray:
         """Fused compute plus the strategy's own collectives, per strategy of the node's class."""
         strategies = self.strategies[node]
         if node < self.num_inputs:
-            own = np.array([s.comm_s for s in strategies])
+            own = np.array([s.cost_s for s in strategies])  # a batch's load from the host
         else:
             j = node - self.num_inputs
             own = np.array([self.comm_s(j, s) for s in strategies]) + self.op_work(j)[0]
@@ -199,28 +194,17 @@ class CostGraph:
         strats = self.strategies[node]
         return [strats[i].in_specs[pos] for i in self.classes.strategy_map[node]]
 
+    def dst_specs(self, c: int, pos: int) -> tuple[Spec, ...]:
+        """Per strategy of node ``c``'s class, the spec it reads input ``pos`` in (-1: its storage spec)."""
+        key = (id(self.strategies[c]), self.classes.strategy_map[c].tobytes(), pos)
+        found = self._dst_cache.get(key)
+        if found is None:
+            found = self._dst_cache[key] = tuple(self.out_specs(c, 0) if pos < 0 else self.in_specs(c, pos))
+        return found
+
     def edge_sites(self) -> Iterator[EdgeSite]:
         """(producer node, out pos, consumer node, consumer in pos or -1 for carried, value id)."""
-        graph = self.graph
-        for j, op in enumerate(graph.ops):
-            for pos, vid in enumerate(op.inputs):
-                if vid in self.producer:
-                    p, k = self.producer[vid]
-                    yield p, k, self.num_inputs + j, pos, vid
-        for out_index, in_index in enumerate(graph.carried):
-            vid = graph.outputs[out_index]
-            if in_index is not None and vid in self.producer and self.producer[vid][0] != in_index:
-                p, k = self.producer[vid]
-                yield p, k, in_index, -1, vid
-        for region in graph.loops:  # a loop's carry out, written back to its carry's layout
-            if region.kind == "cond":
-                continue
-            for carry, final in zip(region.carry_ops, region.final_ops):
-                vid = graph.ops[final].inputs[0]
-                c = self.num_inputs + carry
-                if vid in self.producer and self.producer[vid][0] != c:
-                    p, k = self.producer[vid]
-                    yield p, k, c, -1, vid
+        return edge_sites(self.graph, self.producer)
 
     def edge_matrix(self, p: int, k: int, c: int, pos: int, vid: ValueId) -> np.ndarray:
         value = self.graph.values[vid]
@@ -258,53 +242,109 @@ def _unique(specs: Sequence[Spec]) -> tuple[list[Spec], np.ndarray]:
 
 
 
-def class_costs_and_edges(cg: CostGraph) -> tuple[list[np.ndarray], list[ClassEdge]]:
-    """Per class its summed node costs (plus edges inside it); edges between classes, summed per pair."""
+@dataclass(frozen=True, eq=False)
+class ProblemTerms:
+    """The ILP's terms over class strategies that no memory budget changes: computed once per cost graph
+    (``CostGraph.terms``) and shared by every solve of it (cuts, least-budget probes, search starts)."""
+
+    class_cost: tuple[np.ndarray, ...]  # per class: its nodes' costs and the edges inside it
+    edges: tuple[ClassEdge, ...]  # between classes, summed per pair
+    reshards: tuple[SharedReshard, ...]  # values read in several layouts: each distinct one made once
+    charges: tuple[SharedCharge, ...]  # combined reductions' latencies
+    points: MemoryPoints
+
+
+def class_costs_and_edges(cg: CostGraph) -> tuple[list[np.ndarray], list[ClassEdge], list[SharedReshard]]:
+    """Per class its summed node costs (plus edges inside it); edges between classes, summed per pair; and
+    the shared reshards.
+
+    The reshards of one value follow XLA's common-subexpression elimination: a value read in one layout
+    by several consumers is resharded once. Readers that always read alike (one class, the same layout
+    for each of its strategies, as often) are one reader; a value whose remaining readers can ask for the
+    same non-free layout becomes a ``SharedReshard`` (a layout made once, whoever reads it); the others are
+    plain edges, one per reader."""
     cls = cg.classes
     class_cost = [np.zeros(size) for size in cls.class_size]
     for node in range(len(cg.strategies)):
         class_cost[cls.node_class[node]] += cg.node_cost(node)
     forbid_unsplit(cg, class_cost)
-    pair_cost: dict[tuple[int, int], np.ndarray] = {}
+    by_value: dict[tuple[int, int], dict[tuple, tuple[int, int, ValueId]]] = {}
     for p, k, c, pos, vid in cg.edge_sites():
-        cu, cv = int(cls.node_class[p]), int(cls.node_class[c])
-        mat = cg.edge_matrix(p, k, c, pos, vid)
-        if cu == cv:
-            class_cost[cu] += np.diagonal(mat)
+        runs = cg.edge_weight(c, pos)
+        if runs:
+            key = (int(cls.node_class[c]), cg.dst_specs(c, pos), runs)
+            by_value.setdefault((p, k), {}).setdefault(key, (c, pos, vid))
+    pair_cost: dict[tuple[int, int], np.ndarray] = {}
+    shared: dict[tuple, list] = {}
+    for (p, k), readers in by_value.items():
+        vid = next(iter(readers.values()))[2]
+        if len(readers) > 1 and _readers_may_share(cg, p, k, vid, list(readers)):
+            key = (int(cls.node_class[p]), id(cg.strategies[p]), cls.strategy_map[p].tobytes(), k,
+                   tuple(sorted(readers, key=repr)), cg.graph.values[vid].shape, cg.graph.values[vid].dtype)
+            if key in shared:
+                shared[key][1] += 1
+            else:
+                shared[key] = [(p, k, vid, list(readers)), 1]
             continue
-        key, m = ((cu, cv), mat) if cu < cv else ((cv, cu), mat.T)
-        if key in pair_cost:
-            pair_cost[key] = pair_cost[key] + m
-        else:
-            pair_cost[key] = m.copy()
-    return class_cost, [(u, v, m) for (u, v), m in pair_cost.items() if np.any(m != 0)]
+        for c, pos, _vid in readers.values():
+            cu, cv = int(cls.node_class[p]), int(cls.node_class[c])
+            mat = cg.edge_matrix(p, k, c, pos, vid)
+            if cu == cv:
+                class_cost[cu] += np.diagonal(mat)
+                continue
+            pair, m = ((cu, cv), mat) if cu < cv else ((cv, cu), mat.T)
+            pair_cost[pair] = pair_cost[pair] + m if pair in pair_cost else m.copy()
+    reshards = [_shared_reshard(cg, *found, copies) for found, copies in shared.values()]
+    return class_cost, [(u, v, m) for (u, v), m in pair_cost.items() if np.any(m != 0)], reshards
+
+
+def _readers_may_share(cg: CostGraph, p: int, k: int, vid: ValueId, readers: list[tuple]) -> bool:
+    """Whether two readers (``(class, dst specs, runs)``) of one value can ask for the same layout at a
+    price: only then does making it once differ from pricing each reader's edge."""
+    value = cg.graph.values[vid]
+    srcs = tuple(dict.fromkeys(cg.out_specs(p, k)))
+    for i, (_c1, dsts1, runs1) in enumerate(readers):
+        for _c2, dsts2, runs2 in readers[i + 1:]:
+            common = tuple(set(dsts1) & set(dsts2)) if runs1 == runs2 else ()
+            if common and reshard_cost_matrix(value.shape, dtype_itemsize(value.dtype), srcs, common,
+                                              cg.mesh).max() > 0:
+                return True
+    return False
+
+
+def _shared_reshard(cg: CostGraph, p: int, k: int, vid: ValueId, readers: list[tuple], copies: int) -> SharedReshard:
+    """The ``SharedReshard`` of one value (times ``copies`` alike: tied layers) over class strategies."""
+    cls = cg.classes
+    value = cg.graph.values[vid]
+    layouts: dict[tuple[Spec, int], int] = {}
+    index = [np.array([layouts.setdefault((d, runs), len(layouts)) for d in dsts], dtype=np.int64)
+             for _c, dsts, runs in readers]
+    srcs, src_idx = _unique(cg.out_specs(p, k))
+    dst_specs = tuple(dict.fromkeys(d for d, _runs in layouts))
+    matrix = reshard_cost_matrix(value.shape, dtype_itemsize(value.dtype), tuple(srcs), dst_specs, cg.mesh)
+    column = {d: j for j, d in enumerate(dst_specs)}
+    costs = np.stack([matrix[src_idx, column[d]] * runs * copies for d, runs in layouts], axis=1)
+    return SharedReshard(f"value {vid} ({len(readers)} readers)" + (f" x{copies}" if copies > 1 else ""),
+                         int(cls.node_class[p]), costs,
+                         tuple((int(c), layout) for (c, _dsts, _runs), layout in zip(readers, index)))
 
 
 def combined_latency_charges(cg: CostGraph) -> list[SharedCharge]:
-    """One shared charge per combined reduction: the latency that the late reductions (``late_reductions``:
-    priced without it in ``node_cost``) over the same axes, with the same reduction, pay once together,
-    charged when any class chooses a strategy that runs one. Reduce-scatters join the all-reduces' group
-    (XLA:CPU runs them as an all-reduce and a slice; the combined all-reduce carries them)."""
-    members: dict[tuple, dict[int, np.ndarray]] = {}
-    latency: dict[tuple, float] = {}
+    """The shared charges of the combined reductions (``objective.latency_charges``: the latency the late
+    reductions, priced without it in ``node_cost``, pay once together), over class strategies: charged
+    when any class chooses a strategy that incurs it."""
     cls = cg.classes
-    loop = cg.graph.loop_of()  # a loop body combines its own reductions, once per iteration
-    for j in sorted(cg.late):
-        node = cg.num_inputs + j
-        strategies, own = cg.strategies[node], cls.strategy_map[node]
-        c = int(cls.node_class[node])
-        for a, i in enumerate(own):
-            s = strategies[i]
-            for col in s.collectives:
-                if col.kind not in ("all-reduce", "reduce-scatter"):
-                    continue
-                key = ("all-reduce", col.axes, s.reduction, loop[j])  # XLA combines reduce-scatters with them
-                mask = members.setdefault(key, {}).setdefault(c, np.zeros(len(own), dtype=bool))
-                mask[a] = True
-                runs = cg.graph.ops[j].trip_count
-                latency[key] = max(latency.get(key, 0.0), runs * cost.latency_s(cg.mesh, col))
-    return [SharedCharge(f"combined {key[0]}[{','.join(key[1])}]", latency[key], tuple(members[key].items()))
-            for key in members if latency[key] > 0]
+    ops = cg.strategies[cg.num_inputs:]
+    out = []
+    for charge in latency_charges(cg.graph, cg.mesh, ops, cg.late):
+        members: dict[int, np.ndarray] = {}
+        for j, mask in charge.members.items():
+            node = cg.num_inputs + j
+            c = int(cls.node_class[node])
+            own = mask[cls.strategy_map[node]]
+            members[c] = members[c] | own if c in members else own
+        out.append(SharedCharge(charge.name, charge.cost_s, tuple(members.items())))
+    return out
 
 
 def forbid_unsplit(cg: CostGraph, class_cost: list[np.ndarray]) -> None:
@@ -344,10 +384,12 @@ def memory_points(cg: CostGraph) -> MemoryPoints:
     live = liveness_intervals(graph)
     keep = materialized_values(graph)
     num_points = len(graph.ops) + 1
-    replicated = np.zeros(num_points)
+    change = np.zeros(num_points + 1)  # bytes that start (+) and stop (-) living at each point
     for vid, (start, stop) in live.items():
         if vid in keep and vid in cg.producer:
-            replicated[start:stop + 1] += graph.values[vid].nbytes
+            change[start] += graph.values[vid].nbytes
+            change[min(stop + 1, num_points)] -= graph.values[vid].nbytes
+    replicated = np.cumsum(change[:num_points])
     order = np.argsort(-replicated, kind="stable")
     chosen: list[int] = []
     spacing = max(1, num_points // (4 * cg.options.num_memory_points))

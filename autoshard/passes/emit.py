@@ -1,9 +1,9 @@
-"""Emission: the solver's result in the one shape the runtime reads (``runtime.spmd.Annotations``).
+"""Emission: the solver's result in the one shape the runtime reads (``plans.annotations.Annotations``).
 
 ``annotations_from`` lowers an IntraOpResult: per op the specs of its outputs
 and the layout chain each resharded input is pinned through, and per carried
 output the chain that writes it back to its storage layout. The driver stores
-these in the Plan (``compiler/driver.build_plan``); ``plans/applied.py`` turns
+these in the Plan (``compiler/driver.build_plan``); ``runtime/applied.py`` turns
 a Plan back into Annotations for the runtime, which alone makes
 ``jax.sharding`` objects of them.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from autoshard.ir.spec import Spec
 from autoshard.passes.intra_op import IntraOpResult
-from autoshard.runtime.spmd import Annotations
+from autoshard.plans.annotations import Annotations
 
 
 def annotations_from(result: IntraOpResult) -> Annotations:

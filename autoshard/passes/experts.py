@@ -37,11 +37,13 @@ import itertools
 from collections.abc import Mapping
 
 from autoshard.ir.graph import OpGraph, Role, ValueId
+from autoshard.ir.primitives import Values, primitives
 from autoshard.ir.spec import MeshAxes, Spec
 from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes.classic import batch_spec, largest_dim_spec, mirror_params
 
-PASS_THROUGH = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision", "optimization_barrier"})
+# the same values, maybe in another precision: a parameter's experts dim survives them
+PASS_THROUGH = primitives(lambda f: f.values in (Values.COPY, Values.CAST, Values.BARRIER))
 
 
 def expert_dims(graph: OpGraph) -> dict[int, int]:

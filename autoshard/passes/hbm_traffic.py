@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autoshard.ir.graph import Op, OpGraph, Role, ValueId
+from autoshard.ir.primitives import CONTRACTIONS
 from autoshard.ir.spec import Collective, Spec
 from autoshard.meshes.cluster import ClusterSpec
 from autoshard.meshes.cost import roofline_s
@@ -39,8 +40,6 @@ from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes.buffer_rules import transposed_operands
 from autoshard.passes.liveness import Fusion, OpKind, fusion_analysis, op_kind
 from autoshard.passes.strategies.base import op_dtype
-
-CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,9 @@ behaviour, read off the buffer-assignment and live-range dumps
    gathered parameter is live at once. Fused ops take no level; a
    materialised op, each collective step and each combined all-reduce do.
 
-Here: the op tables (``FUSIBLE`` is the elementwise set ``passes/simplify.py``
-merges into one ILP class), ``fusion_analysis`` and ``buffer_root`` (rules
-1-2), ``breadth_first`` and the shared reader helpers ``_place_fused`` /
+Here: ``op_kind`` (a primitive's ``OpKind`` and whether it is expensive are
+facts of the primitive table, ``ir/primitives.py``), ``fusion_analysis`` and
+``buffer_root`` (rules 1-2), ``breadth_first`` and the shared reader helpers ``_place_fused`` /
 ``_reader_positions`` (rule 3), and the ILP's memory points
 (``liveness_intervals``, ``materialized_values``: rules 1-3 without a plan).
 
@@ -48,71 +48,24 @@ donation, outputs and arguments, layout copies, reshard transients) and
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from autoshard.ir.graph import Op, OpGraph, Role, ValueId
+from autoshard.ir.primitives import OpKind, Values, facts
 
 OpIndex = int
 NodeId = int  # ops are nodes 0..len(ops)-1; collectives and reshards get ids after them
-
-
-class OpKind(enum.Enum):
-    ELEMENTWISE = "elementwise"  # fused into its consumers
-    VIEW = "view"  # a bitcast of its input when it must exist on its own
-    REDUCTION = "reduction"  # absorbs elementwise producers, materialises its result
-    OPAQUE = "opaque"  # reads materialised operands, materialises its result
-
-
-ELEMENTWISE = frozenset({
-    "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt", "ceil",
-    "clamp", "convert_element_type", "cos", "cosh", "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2",
-    "expm1", "floor", "ge", "gt", "imag", "integer_pow", "is_finite", "le", "lgamma", "digamma", "log", "log1p",
-    "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not", "or", "pow", "real", "rem", "round",
-    "rsqrt", "select_n", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient", "sub", "tan", "tanh", "xor",
-    "broadcast_in_dim", "reduce_precision", "shift_left", "shift_right_logical", "shift_right_arithmetic",
-    "population_count", "iota", "slice", "dynamic_slice", "dynamic_update_slice", "pad", "concatenate", "rev",
-    "gather", "transpose", "bitcast_convert_type", "clz",
-})
-# a flattened scan's carry (``loop_carry``, ``loop_final``: ir/trace.py) is the buffer of its init, and the slice
-# an iteration reads (``loop_slice``) is a window of the stacked buffer, which lives until the body's last reader
-VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "copy", "copy_p", "optimization_barrier", "loop_carry",
-                   "loop_final", "loop_slice"})
-REDUCTIONS = frozenset({
-    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor", "argmax",
-    "argmin", "reduce",
-})
-# InstructionFusion::IsExpensive: not duplicated into several fusions.
-EXPENSIVE = frozenset({
-    "acos", "acosh", "asin", "asinh", "atan2", "atanh", "cosh", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1",
-    "log", "log1p", "logistic", "pow", "rsqrt", "sqrt", "cbrt", "tanh", "lgamma", "digamma", "gather", "div", "rem",
-})
-# Elementwise ops that follow their producer's layout (passes/simplify.py merges them into one ILP class).
-FUSIBLE = frozenset({
-    "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt", "ceil",
-    "clamp", "convert_element_type", "cos", "cosh", "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2",
-    "expm1", "floor", "ge", "gt", "imag", "integer_pow", "is_finite", "le", "lgamma", "digamma", "log", "log1p",
-    "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not", "or", "pow", "real", "rem", "round",
-    "rsqrt", "select_n", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient", "sub", "tan", "tanh", "xor",
-    "broadcast_in_dim", "copy", "copy_p", "reduce_precision", "shift_left", "shift_right_logical",
-    "shift_right_arithmetic", "population_count", "iota",
-})
 
 
 RECOMPUTE_LIMIT = 15  # fusions one value may be recomputed in (rule 1)
 
 
 def op_kind(op: Op) -> OpKind:
-    if op.primitive in VIEWS:
-        return OpKind.VIEW
-    if op.primitive in ELEMENTWISE:
-        return OpKind.ELEMENTWISE
-    if op.primitive in REDUCTIONS:
-        return OpKind.REDUCTION
-    return OpKind.OPAQUE
+    """How fusion treats ``op`` (rules 1-2): its primitive's ``kind`` in the table (``ir/primitives.py``)."""
+    return facts(op.primitive).kind
 
 
 # --------------------------------------------------------------------------- rules 1-2: fusion
@@ -161,7 +114,7 @@ def fusion_analysis(graph: OpGraph, forced: Iterable[ValueId] = (), copied: Iter
         reach: set[OpIndex] = set()
         for u in users:
             reach |= roots[u]
-        cheap = op.primitive not in EXPENSIVE and _duplicable(graph, op, producer, consumers)
+        cheap = not facts(op.primitive).expensive and _duplicable(graph, op, producer, consumers)
         if not (forced_here or for_opaque or (len(reach) > 1 and not cheap) or len(reach) > RECOMPUTE_LIMIT):
             roots[t] = frozenset(reach)
             continue
@@ -193,9 +146,9 @@ def fusion_analysis(graph: OpGraph, forced: Iterable[ValueId] = (), copied: Iter
 def _duplicable(graph: OpGraph, op: Op, producer: Mapping[ValueId, Op],
                 consumers: Mapping[ValueId, Sequence[Op]]) -> bool:
     """``ComputeGloballyUnfusible``: an op is recomputed in several fusions when it reads at most one
-    large operand (broadcasts, iotas and constants are not large), or no more elements than it writes,
-    or when it can fuse into every consumer along every path: not when a consumer also reads a
-    reduction of it (``x - mean(x)``: a reduction does not fuse into its elementwise consumer)."""
+    large operand (broadcasts, ops of no operand such as iota, and constants are not large), or no more
+    elements than it writes, or when it can fuse into every consumer along every path: not when a
+    consumer also reads a reduction of it (``x - mean(x)``: a reduction does not fuse into its elementwise consumer)."""
     def true_rank(shape: Sequence[int]) -> int:
         return sum(1 for d in shape if d != 1)
 
@@ -205,7 +158,8 @@ def _duplicable(graph: OpGraph, op: Op, producer: Mapping[ValueId, Op],
     for vid in dict.fromkeys(op.inputs):
         value = graph.values[vid]
         src = producer.get(vid)
-        if value.role == Role.CONSTANT or (src is not None and src.primitive in ("broadcast_in_dim", "iota")):
+        if value.role == Role.CONSTANT or (src is not None and (not src.inputs
+                                                                 or facts(src.primitive).values is Values.BROADCAST)):
             continue
         large += true_rank(value.shape) >= out_rank
     if large <= 1 or sum(graph.values[v].size for v in dict.fromkeys(op.inputs)) <= sum(v.size for v in outs):

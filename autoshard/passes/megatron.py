@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from autoshard.ir.graph import Op, OpGraph, Role, ValueId
+from autoshard.ir.primitives import CONTRACTIONS, Values, facts, primitives
 
-_TRANSPARENT = frozenset({"reshape", "transpose", "convert_element_type", "broadcast_in_dim", "copy", "copy_p",
-                          "squeeze", "expand_dims", "reduce_precision"})
-_MIXING = frozenset({"tanh", "erf", "logistic", "exp", "integer_pow", "pow", "log", "max", "reduce_max", "argmax",
-                     "sin", "cos", "erf_inv"})
+# views of a parameter: its values reshaped, transposed, copied, cast or broadcast
+_TRANSPARENT = primitives(lambda f: f.values in (Values.REARRANGED, Values.COPY, Values.CAST, Values.BROADCAST))
+_MIXING = primitives(lambda f: f.activation)
 _COLUMN_NAMES = re.compile(
     r"^(q|k|v|query|key|value|qkv|up|gate|fc1|wi|wi_0|wi_1|w1|w3|c_fc|c_attn|w_in|dense_h_to_4h)$")
 _ROW_NAMES = re.compile(r"^(out|o|down|fc2|wo|w2|c_proj|proj|out_proj|o_proj|w_out|dense_4h_to_h|dense)$")
@@ -71,14 +71,11 @@ class _GraphIndex:
         return None
 
 
-_CONTRACTIONS = ("dot_general", "conv_general_dilated")
-
-
 def _forward_dots(ix: _GraphIndex) -> dict[int, tuple[Op, int]]:
     """Parameter (flat index) -> (its first dot_general/conv, the operand position it sits at)."""
     found: dict[int, tuple[Op, int]] = {}
     for op in ix.graph.ops:
-        if op.primitive not in _CONTRACTIONS:
+        if op.primitive not in CONTRACTIONS:
             continue
         origins = [ix.param_origin(v) for v in op.inputs]
         params = [(pos, p) for pos, p in enumerate(origins) if p is not None]
@@ -100,14 +97,14 @@ def _feeds_mixing(ix: _GraphIndex, dot: Op) -> tuple[bool, list[int]]:
         vid = frontier.pop()
         for op in ix.consumers.get(vid, []):
             others = [v for v in op.inputs if v != vid and ix.graph.values[v].role != Role.CONSTANT]
-            if op.primitive in _CONTRACTIONS:
+            if op.primitive in CONTRACTIONS:
                 mixing |= all(ix.param_origin(v) is None for v in op.inputs)
                 continue
             if op.primitive in _MIXING:
                 mixing = True
                 continue
             through = op.primitive in _TRANSPARENT
-            if op.primitive in ("add", "add_any", "sub") and len(others) == 1:
+            if facts(op.primitive).additive and len(others) == 1:
                 bias = ix.param_origin(others[0])
                 if bias is not None:
                     biases.append(bias)

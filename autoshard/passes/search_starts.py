@@ -1,8 +1,8 @@
 """Starting points for the intra-op search, as class choices of a ``CostGraph`` (``passes/cost_graph.py``).
 
-:func:`best_start` runs ICM (``local_search`` of ``passes/ilp/search.py``, no
-perturbation rounds) from each of several greedy starts and keeps the best valid one; it becomes the
-ILP hint, so the plan is never worse than it under the model. The starts: the
+:func:`start_candidates` runs ICM (``local_search`` of ``passes/ilp/search.py``, no
+perturbation rounds) from each of several greedy starts; :func:`best_start` keeps the best that fits a
+budget; it becomes the ILP hint, so the plan is never worse than it under the model. The starts: the
 batch split over all axes, each axis, or none, with state replicated or sharded
 (:func:`_greedy_hint`); everything replicated (:func:`_replicated_start`); every
 classic strategy's storage layouts (``passes/classic.py``) and the expert x data
@@ -22,8 +22,8 @@ from autoshard.ir.graph import Role
 from autoshard.ir.spec import Spec
 from autoshard.passes.classic import classic_layouts
 from autoshard.passes.experts import expert_layouts
-from autoshard.passes.cost_graph import ClassEdge, CostGraph, MemoryPoints
-from autoshard.passes.ilp.problem import IlpProblem, SharedCharge, evaluate
+from autoshard.passes.cost_graph import ClassEdge, CostGraph, ProblemTerms
+from autoshard.passes.ilp.problem import IlpProblem, evaluate
 from autoshard.passes.ilp.search import local_search
 from autoshard.passes.strategies import Strategy
 
@@ -69,20 +69,18 @@ def _replicated_start(cg: CostGraph) -> np.ndarray | None:
     return choice
 
 
-def best_start(cg: CostGraph, class_cost: list[np.ndarray], edges: list[ClassEdge],
-               points: MemoryPoints, start: np.ndarray | None, budget_bytes: float | None = None,
-               charges: tuple[SharedCharge, ...] = ()) -> np.ndarray:
-    """The best of several greedy starts after ICM: batch over all axes / each axis / none, state
-    replicated or sharded, the classic strategies' layouts and the ``start_layouts``. One start only
-    reaches one basin: on the GPT example the best plan differs from the data-parallel start in most
-    classes, which no local move finds."""
-    probe = IlpProblem(
-        node_names=tuple(str(c) for c in range(cg.classes.num_classes)), node_costs=tuple(class_cost),
-        edges=tuple((u, v) for u, v, _ in edges), edge_costs=tuple(m for _, _, m in edges),
-        memory_points=points,
-        memory_budget_bytes=budget_bytes if budget_bytes is not None else cg.options.memory_budget_bytes,
-        charges=charges,
-    )
+def start_candidates(cg: CostGraph, terms: ProblemTerms, start: np.ndarray | None) -> tuple[np.ndarray, ...]:
+    """Every greedy start after ICM (no perturbation rounds, no budget): batch over all axes / each axis /
+    none, state replicated or sharded, the classic strategies' layouts and the ``start_layouts``. One
+    start only reaches one basin: on the GPT example the best plan differs from the data-parallel start in
+    most classes, which no local move finds. They do not depend on the budget: ``best_start`` picks the
+    best that fits one."""
+    class_cost = list(terms.class_cost)
+    # the greedy starts see a shared reshard as one edge per reader (each pays its layout); ICM and the
+    # ranking in best_start price it exactly
+    edges = list(terms.edges) + [(g.producer, c, g.costs[:, layout]) for g in terms.reshards
+                                 for c, layout in g.readers if c != g.producer]
+    probe = _probe(cg, terms, None)
     axes = [a for a in cg.mesh.axis_names if cg.sizes[a] > 1]
     batch_choices: list[tuple[str, ...] | None] = [None, *[(a,) for a in axes], ()]
     variants = [(None, batch_axes, shard_state) for batch_axes in batch_choices for shard_state in (False, True)]
@@ -99,14 +97,31 @@ def best_start(cg: CostGraph, class_cost: list[np.ndarray], edges: list[ClassEdg
     replicated = _replicated_start(cg)
     if replicated is not None:  # everything replicated: no communication at all (small models want it)
         variants.append((replicated, None, False))
+    found = [local_search(probe, _greedy_hint(cg, class_cost, edges, first, batch_axes, shard_state), iterations=0)
+             for first, batch_axes, shard_state in variants]
+    return tuple(found) + (_greedy_hint(cg, class_cost, edges, start),)
+
+
+def _probe(cg: CostGraph, terms: ProblemTerms, budget_bytes: float | None) -> IlpProblem:
+    return IlpProblem(
+        node_names=tuple(str(c) for c in range(cg.classes.num_classes)), node_costs=terms.class_cost,
+        edges=tuple((u, v) for u, v, _ in terms.edges), edge_costs=tuple(m for _, _, m in terms.edges),
+        memory_points=terms.points, memory_budget_bytes=budget_bytes, charges=terms.charges,
+        reshards=terms.reshards,
+    )
+
+
+def best_start(cg: CostGraph, terms: ProblemTerms, candidates: Sequence[np.ndarray],
+               budget_bytes: float | None = None) -> np.ndarray:
+    """The cheapest of ``start_candidates`` that fits ``budget_bytes`` (the last, the plain greedy start,
+    when none does)."""
+    probe = _probe(cg, terms, budget_bytes if budget_bytes is not None else cg.options.memory_budget_bytes)
     best, best_s = None, np.inf
-    for first, batch_axes, shard_state in variants:
-        candidate = local_search(probe, _greedy_hint(cg, class_cost, edges, first, batch_axes, shard_state),
-                                 iterations=0)
+    for candidate in candidates[:-1]:
         result = evaluate(probe, candidate)
         if not result.violations and result.objective_s < best_s:
             best, best_s = candidate, result.objective_s
-    return best if best is not None else _greedy_hint(cg, class_cost, edges, start)
+    return best if best is not None else candidates[-1]
 
 
 def _greedy_hint(cg: CostGraph, class_cost: list[np.ndarray], edges: list[ClassEdge],

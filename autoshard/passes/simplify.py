@@ -5,9 +5,11 @@ and a map from the class's strategy index to the node's own strategy index.
 
 1. Followers (Alpa's "follow" ops): an op with one non-constant input whose
    output has as many elements as its input (elementwise, convert, reshape,
-   transpose) or is a broadcast of it joins its producer's class; for each
+   transpose), and that is that value's only reader, joins its producer's class; for each
    producer strategy it takes its own strategy that consumes that spec
-   without resharding (preferring one that splits no further).
+   without resharding (preferring one that splits no further). An op whose
+   output layout is a choice of its own (``own_layout`` in ``ir/primitives.py``:
+   contractions, indexing, sorts, loops, a scan's carry) never follows.
 2. Repeated layers: the remaining ops, in program order, are turned into a
    token sequence (primitive, parameters, shapes). Tandem repeats — a block of
    P tokens repeated k times back to back, as a Python loop over identical
@@ -19,23 +21,17 @@ and a map from the class's strategy index to the node's own strategy index.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from autoshard.ir.graph import Op, OpGraph, Role
-from autoshard.passes.liveness import FUSIBLE
+from autoshard.ir.graph import Op, OpGraph, Role, ValueId
+from autoshard.ir.primitives import facts
 from autoshard.passes.strategies.base import Strategy
-
-FOLLOWER_EXCLUDED = frozenset({
-    "dot_general", "conv_general_dilated", "gather", "scatter-add", "scatter_add", "scatter", "dynamic_slice",
-    "dynamic_update_slice", "scan", "while", "cond", "sort", "top_k", "cumsum", "cumprod", "cummax", "cummin",
-    "cumlogsumexp", "argmax", "argmin", "iota", "rng_bit_generator", "random_bits",
-    "loop_carry",  # a scan carry's layout is its own choice, not its init's (the init reshards once)
-})
 
 
 @dataclass(frozen=True)
@@ -75,18 +71,19 @@ def find_tandem_repeats(tokens: Sequence[int], min_period: int = 1) -> list[tupl
     seq = np.asarray(tokens, dtype=np.int64)
     n = len(seq)
     candidates: list[tuple[int, int, int, int]] = []
-    for period in range(max(1, min_period), n // 2 + 1):
-        match = seq[:-period] == seq[period:]
-        if not match.any():
+    reached, last_period = 0, 0
+    for period, anchor in _square_anchors(seq, max(1, min_period)):
+        if period != last_period:
+            reached, last_period = 0, period
+        if anchor < reached:
             continue
-        padded = np.concatenate(([False], match, [False]))
-        edges = np.flatnonzero(padded[1:] != padded[:-1])
-        for start, stop in zip(edges[::2], edges[1::2]):
-            length = int(stop - start)
-            if length < period:
-                continue
-            repeats = (length + period) // period
-            candidates.append(((repeats - 1) * period, period, int(start), repeats))
+        start, stop = _run_bounds(seq, anchor, period)
+        reached = stop
+        length = stop - start
+        if length < period:
+            continue
+        repeats = (length + period) // period
+        candidates.append(((repeats - 1) * period, period, start, repeats))
     candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
     # Copies 2..k of a chosen repeat are taken; its first copy stays open for nested repeats
     # (the mu and nu halves of Adam's state repeat each other, and each repeats per layer inside).
@@ -101,6 +98,61 @@ def find_tandem_repeats(tokens: Sequence[int], min_period: int = 1) -> list[tupl
     return sorted(chosen)
 
 
+def _square_anchors(seq: np.ndarray, min_period: int) -> list[tuple[int, int]]:
+    """(period, i) with i a multiple of period and seq[i] == seq[i + period], sorted.
+
+    A run of seq[i] == seq[i + period] at least ``period`` long (two or more copies) holds a multiple of
+    ``period``, so these anchors find every such run with n / period tests per period (n log n over all
+    periods), made as a few numpy compares: by period up to sqrt(n), by multiple above.
+    """
+    n = len(seq)
+    split = max(int(np.sqrt(n)), 1)
+    periods: list[np.ndarray] = []
+    anchors: list[np.ndarray] = []
+    for period in range(min_period, min(split, n // 2) + 1):
+        at = np.arange(0, n - period, period)
+        hit = at[seq[at] == seq[at + period]]
+        periods.append(np.full(len(hit), period))
+        anchors.append(hit)
+    lowest = max(min_period, split + 1)
+    for k in range(0, n):  # anchor k * period for the periods above ``split``
+        if k * lowest >= n - lowest:
+            break
+        period = np.arange(lowest, (n - 1) // (k + 1) + 1)  # k * period < n - period
+        period = period[period <= n // 2]
+        at = k * period
+        hit = seq[at] == seq[at + period]
+        periods.append(period[hit])
+        anchors.append(at[hit])
+    if not periods:
+        return []
+    p, a = np.concatenate(periods), np.concatenate(anchors)
+    order = np.lexsort((a, p))
+    return list(zip(p[order].tolist(), a[order].tolist()))
+
+
+def _run_bounds(seq: np.ndarray, i: int, period: int) -> tuple[int, int]:
+    """The maximal [start, stop) around ``i`` where seq[j] == seq[j + period], by galloping numpy compares."""
+    n = len(seq)
+    stop, step = i, 16
+    while stop < n - period:
+        hi = min(stop + step, n - period)
+        miss = np.flatnonzero(seq[stop:hi] != seq[stop + period:hi + period])
+        if miss.size:
+            stop += int(miss[0])
+            break
+        stop, step = hi, step * 2
+    start, step = i, 16
+    while start > 0:
+        lo = max(start - step, 0)
+        miss = np.flatnonzero(seq[lo:start] != seq[lo + period:start + period])
+        if miss.size:
+            start = lo + int(miss[-1]) + 1
+            break
+        start, step = lo, step * 2
+    return start, stop
+
+
 def repeat_aliases(tokens: Sequence[int]) -> np.ndarray:
     """For each position, the earliest position it repeats (itself when it repeats nothing)."""
     alias = np.arange(len(tokens))
@@ -110,17 +162,6 @@ def repeat_aliases(tokens: Sequence[int]) -> np.ndarray:
     for i in range(len(alias)):  # aliases point backwards: resolve chains in one forward sweep
         alias[i] = alias[alias[i]]
     return alias
-
-
-def _producer_index(graph: OpGraph, num_inputs: int) -> dict[int, tuple[int, int]]:
-    """value id -> (node index, output position)."""
-    where: dict[int, tuple[int, int]] = {}
-    for i, vid in enumerate(graph.inputs):
-        where.setdefault(vid, (i, 0))
-    for j, op in enumerate(graph.ops):
-        for k, vid in enumerate(op.outputs):
-            where[vid] = (num_inputs + j, k)
-    return where
 
 
 def _follow_map(
@@ -139,29 +180,38 @@ def _follow_map(
     return mapping
 
 
-def _is_follower_candidate(graph: OpGraph, op: Op, where: dict[int, tuple[int, int]]) -> int | None:
+def _is_follower_candidate(graph: OpGraph, op: Op, where: dict[int, tuple[int, int]],
+                           readers: Mapping[ValueId, int]) -> int | None:
     """The input position an op would follow, or None.
 
-    One live input: follow it when the output has as many elements (or is its
-    broadcast). Several live inputs (elementwise ops such as an Adam update):
+    Only the sole reader of a value follows it: where several ops read a value, one copy of it in
+    another layout can serve them all (XLA makes each layout of a value once), which a follower, bound
+    to the value's own layout, would rule out (a batch read by a dot and by its transpose for the
+    gradient, say: both read it gathered, once).
+
+    One live input: follow it when the output has as many elements. A broadcast
+    that grows its input is never a follower: following would copy the input's
+    split to the result, and a broadcast scalar would force a batch-sized result
+    (and everything that follows it) replicated. Several live inputs (elementwise ops such as an Adam update):
     follow the most recently produced operand of the output's size, as Alpa
     follows an elementwise op's largest operand; the others reshard to it.
     """
-    if op.primitive in FOLLOWER_EXCLUDED or len(op.outputs) != 1:
+    row = facts(op.primitive)
+    if row.own_layout or len(op.outputs) != 1:
         return None
     live = [i for i, v in enumerate(op.inputs) if graph.values[v].role != Role.CONSTANT]
     out = graph.values[op.outputs[0]]
     if len(live) == 1:
-        src = graph.values[op.inputs[live[0]]]
-        if out.size != src.size and op.primitive != "broadcast_in_dim":
-            return None
-        return live[0]
-    if op.primitive not in FUSIBLE or not live:
+        if out.size != graph.values[op.inputs[live[0]]].size:
+            return None  # a broadcast that grows its input: how to split the new elements is a choice of its own
+        return live[0] if readers[op.inputs[live[0]]] == 1 else None
+    if not row.fusible or not live:
         return None
     same = [i for i in live if graph.values[op.inputs[i]].shape == out.shape]
     if not same:
         return None
-    return max(same, key=lambda i: where.get(op.inputs[i], (-1, 0))[0])
+    pos = max(same, key=lambda i: where.get(op.inputs[i], (-1, 0))[0])
+    return pos if readers[op.inputs[pos]] == 1 else None
 
 
 def build_classes(graph: OpGraph, strategies: Sequence[list[Strategy]], *, tie_layers: bool = True,
@@ -169,16 +219,20 @@ def build_classes(graph: OpGraph, strategies: Sequence[list[Strategy]], *, tie_l
     """Assign every node a class and a strategy map (see the module docstring)."""
     num_inputs = len(graph.inputs)
     num_nodes = num_inputs + len(graph.ops)
-    where = _producer_index(graph, num_inputs)
+    where = graph.producer_nodes()
     # root[i] = node whose class i joins; maps compose along follower chains.
     root = np.arange(num_nodes)
     maps: list[np.ndarray] = [np.arange(len(s)) for s in strategies]
     follow_cache: dict[tuple, np.ndarray | None] = {}
     followers = 0
     if merge_followers:
+        readers: collections.Counter[ValueId] = collections.Counter()
+        for op in graph.ops:
+            readers.update(set(op.inputs))
+        readers.update(v for v, i in zip(graph.outputs, graph.carried or ()) if i is not None)  # written back
         for j, op in enumerate(graph.ops):
             node = num_inputs + j
-            pos = _is_follower_candidate(graph, op, where)
+            pos = _is_follower_candidate(graph, op, where, readers)
             if pos is None:
                 continue
             p_node, out_pos = where[op.inputs[pos]]
@@ -219,12 +273,17 @@ def build_classes(graph: OpGraph, strategies: Sequence[list[Strategy]], *, tie_l
 
 
 _DIGITS = re.compile(r"\d+")
+_ARGUMENT = re.compile(r"^\[\d+\]")  # a flat input's path starts with the index of the step's argument
 
 
 def layer_free_path(path: str | None) -> str:
     """A pytree path with layer numbers blanked: ``[0]['blocks'][3]['q']`` and ``[0]['blocks'][5]['q']``,
-    or ``['layers_3']`` and ``['layers_5']``, become the same key."""
-    return _DIGITS.sub("#", path or "")
+    or ``['layers_3']`` and ``['layers_5']``, become the same key. The leading argument index stays:
+    ``[1]`` and ``[2]`` (two arguments of one shape: features and targets, say) are not layers."""
+    path = path or ""
+    argument = _ARGUMENT.match(path)
+    head = argument.group(0) if argument else ""
+    return head + _DIGITS.sub("#", path[len(head):])
 
 
 def _tie_inputs(graph: OpGraph, root: np.ndarray, strategies: Sequence[list[Strategy]]) -> int:

@@ -4,7 +4,7 @@ For every stage candidate the stage DP (``passes/stages.py``) needs a time per
 microbatch, a memory per device and the transfer at its boundaries. Here they
 come from the intra-op ILP (``passes/intra_op.py``) on each layer's train
 graph (one microbatch's forward + backward, the gradient accumulated;
-``compiler/stage_graphs.py``) on the stage's logical mesh, so a stage may be
+``ir/train_graph.py``) on the stage's logical mesh, so a stage may be
 data parallel, FSDP/ZeRO, tensor parallel or DP x TP inside: whatever the ILP
 finds cheapest under the #9 model (rooflines of the fused traffic,
 alpha-beta collectives over the links the sub-mesh spans).
@@ -33,7 +33,7 @@ Per layer l on a variant, with the ILP's plan (storage specs, value specs):
     u_l        = once per step: the optimizer's per-op rooflines on the accumulator's shard, plus
                  resharding each updated parameter from the accumulator's layout to its own
     act_l      = residuals per microbatch, as the runtime keeps them between its forward and backward
-                 executables (``runtime/stage_train.split_phases``): the forward's values the backward
+                 executables (``ir/train_graph.split_phases``): the forward's values the backward
                  reads, and the layer input
     extra_l    = the plan's peak - state_l - act_l (temporaries of one backward)
     fact_l, fextra_l = the same when forward and backward run as one program (the forward's values read
@@ -68,33 +68,22 @@ import numpy as np
 from autoshard.errors import InfeasibleMemoryError
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.spec import Spec
+from autoshard.ir.train_graph import LayerTrainGraph
 from autoshard.meshes.cluster import ClusterSpec
 from autoshard.meshes.logical import LogicalMesh, factorizations, make_logical_mesh
 from autoshard.passes.classic import Baseline, baseline_pins, batch_spec
 from autoshard.passes.emit import annotations_from
 from autoshard.passes.intra_op import IntraOpOptions, IntraOpResult, plan_intra_op
+from autoshard.passes.layer_solves import LayerSolves, SolveKey, SolveSettings
 from autoshard.passes.resharding import reshard
 from autoshard.passes.inter_op import cross_mesh_send_s
 from autoshard.passes.stage_problem import StageProblem, SubmeshShape, microbatch_choices
-from autoshard.runtime.schedules import PipelineSchedule
-from autoshard.runtime.stage_train import Phases, TrainPins
+from autoshard.plans.annotations import TrainPins
+from autoshard.plans.schedules import PipelineSchedule
 
 log = logging.getLogger(__name__)
 
 MODES = ("fast", "lean", "dp")  # "dp": parameters and accumulators replicated, the batch split (a baseline)
-
-
-@dataclass(frozen=True, eq=False)
-class LayerTrainGraph:
-    """One layer class's train graph (``compiler/stage_graphs.py``)."""
-
-    graph: OpGraph
-    num_forward_ops: int  # its first ops are the forward
-    groups: tuple[int, int, int, int, int]  # input counts: accumulators, params, data, activations, cotangents
-    key: str  # the layer structure hash: equal keys, one solve
-    phases: Phases  # its forward / backward cut, as the runtime runs it (``runtime/stage_train.split_phases``)
-    # per forward equation of the layer's program (in its order): the graph op computing it (None: unmatched)
-    eqn_ops: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -155,7 +144,7 @@ class StageCostOptions:
     min_stages: int = 1
     recompute: tuple[bool, ...] = (False, True)  # searched per stage
     modes: tuple[str, ...] = ("fast", "lean")
-    time_limit_s: float = 0.2  # CP-SAT seconds per layer solve
+    time_limit_s: float = 0.2  # solver seconds per layer solve
     submeshes: tuple[SubmeshShape, ...] | None = None  # None: stage_submeshes(cluster)
 
 
@@ -173,7 +162,7 @@ class PricedStages:
     layer_keys: tuple[str, ...]
     meshes: tuple[LogicalMesh, ...]  # the logical meshes solved on
     mesh_of: tuple[int, ...]  # per variant: its index in meshes
-    num_solves: int
+    num_solves: int  # the layer solves this pricing made (those it read from an earlier one not counted)
     groups: tuple[tuple[int, ...], ...]  # per layer: its graph's input counts (LayerTrainGraph.groups)
 
     def layer_cost(self, layer: int, k: int) -> LayerCost:
@@ -324,32 +313,41 @@ def _solve(train: LayerTrainGraph, mesh: LogicalMesh, mode: str, update: Sequenc
 
 
 def solve_layers(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrainGraph]],
-                 leaf_update_s: Sequence[Sequence[float]], meshes: Sequence[LogicalMesh], opt_ratio: float,
-                 options: StageCostOptions, progress: Callable[[str], None] | None = None
-                 ) -> tuple[dict[tuple[str, int, int], tuple[LayerCost, LayerCost]], int]:
-    """Solve every distinct layer on every mesh at B = 1 and B = r (one solve when the two graphs are one).
+                 leaf_update_s: Sequence[Sequence[float]], mesh_keys: Sequence[tuple[SubmeshShape, tuple[int, ...]]],
+                 meshes: Sequence[LogicalMesh], microbatches: tuple[int, int], options: StageCostOptions,
+                 settings: SolveSettings, solves: LayerSolves[LayerCost], progress: Callable[[str], None] | None = None
+                 ) -> dict[tuple[str, int, int], tuple[LayerCost, LayerCost]]:
+    """Every distinct layer on every mesh at B = 1 and B = r (``microbatches``: the examples per microbatch of
+    the two graphs, equal when they are one graph), each solve read from ``solves`` or made there
+    (``passes/layer_solves.py``).
 
     ``"lean"`` is solved on a mesh of more than one device only when the whole model's state in the fast
     plans (parameters, accumulators, optimizer state) would not fit the budget there: otherwise every
     stage's state fits without it."""
     costs: dict[tuple[str, int, int], tuple[LayerCost, LayerCost]] = {}
-    solves = 0
+    opt_ratio = settings.opt_ratio
 
     def run(mode: str) -> None:
-        nonlocal solves
         for (big, small), update in zip(layer_graphs, leaf_update_s):
             for m, mesh in enumerate(meshes):
                 key = (big.key, m, MODES.index(mode))
                 if key in costs or (mode == "lean" and m not in lean_meshes):
                     continue
-                if progress is not None:
-                    progress(f"pricing layer class {big.key[:8]} on {'x'.join(map(str, mesh.shape))} ({mode})")
-                first = _solve(big, mesh, mode, update, opt_ratio, options)
-                second = first if small is big else _solve(small, mesh, mode, update, opt_ratio, options)
-                solves += 1 if small is big else 2
-                costs[key] = (first, second)
+                sub, shape = mesh_keys[m]
+                pair = []
+                for train, size in ((big, microbatches[0]), (small, microbatches[1])):
+                    solve_key = SolveKey(big.key, sub, shape, size, mode)
+                    if not solves.has(settings, solve_key):
+                        # one line per class is detail (the command line shows it with --verbose)
+                        log.info("pricing layer class %s on %s (%s, microbatch of %d)", big.key[:8],
+                                 "x".join(map(str, mesh.shape)), mode, size)
+                    pair.append(solves.cost(settings, solve_key,
+                                            lambda t=train: _solve(t, mesh, mode, update, opt_ratio, options)))
+                costs[key] = (pair[0], pair[1])
 
     lean_meshes: set[int] = set()
+    if progress is not None:
+        progress(f"pricing {len(layer_graphs)} layer class(es) on {len(meshes)} logical mesh(es)")
     if "fast" in options.modes:
         run("fast")
     if "dp" in options.modes:
@@ -361,18 +359,21 @@ def solve_layers(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrainGraph]]
             if mesh.num_devices > 1 and state > options.memory_budget_bytes:
                 lean_meshes.add(m)
         run("lean")
-    return costs, solves
+    return costs
 
 
 def price_stage_variants(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrainGraph]],
                          leaf_update_s: Sequence[Sequence[float]], out_bytes: Sequence[float], ratio: int,
                          cluster: ClusterSpec, num_devices: int, global_batch: int, opt_ratio: float,
-                         options: StageCostOptions, progress: Callable[[str], None] | None = None) -> PricedStages:
+                         options: StageCostOptions, progress: Callable[[str], None] | None = None,
+                         solves: LayerSolves[LayerCost] | None = None) -> PricedStages:
     """Fill a StageProblem whose K axis is the stage variants (module docstring).
 
     ``layer_graphs``: per layer, its class's train graph at B = 1 and at B = ``ratio``;
     ``leaf_update_s``: per layer, the optimizer's seconds per parameter input of its graph (replicated);
-    ``out_bytes``: per layer, the activation bytes crossing the cut after it at the full batch.
+    ``out_bytes``: per layer, the activation bytes crossing the cut after it at the full batch;
+    ``solves``: the layer solves already made (``passes/layer_solves.py``; None: a cache of its own), which
+    this pricing reads and adds to: every stage count and cut is priced from one solve per key.
     """
     num_layers = len(layer_graphs)
     subs = options.submeshes or stage_submeshes(cluster, num_devices)
@@ -382,7 +383,14 @@ def price_stage_variants(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrai
     mesh_keys = [(sub, shape) for sub in subs for shape in logical_shapes(sub)]
     meshes = tuple(make_logical_mesh(cluster, shape, device_indices=tuple(range(sub[0] * sub[1])))
                    for sub, shape in mesh_keys)
-    costs, solves = solve_layers(layer_graphs, leaf_update_s, meshes, opt_ratio, options, progress)
+    settings = SolveSettings(cluster, options.time_limit_s, options.memory_budget_bytes, opt_ratio)
+    solves = LayerSolves() if solves is None else solves
+    made = solves.solves
+    forced = all(big is small for big, small in layer_graphs)  # B fixed, or no smaller microbatch traced
+    small_mb = global_batch // max(ratio, 1)
+    costs = solve_layers(layer_graphs, leaf_update_s, mesh_keys, meshes,
+                         (small_mb if forced else global_batch, small_mb), options, settings, solves,
+                         progress)
     variants, mesh_of = [], []
     for m, (sub, shape) in enumerate(mesh_keys):
         for mode in options.modes:
@@ -459,4 +467,4 @@ def price_stage_variants(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrai
         schedule=options.schedule, num_stages=options.num_stages, num_microbatches=options.num_microbatches,
         stage_work_bytes=work)
     return PricedStages(problem, tuple(variants), comp, usec, sbytes, gbytes, obytes, costs, ratio, keys, meshes,
-                        tuple(mesh_of), solves, tuple(big.groups for big, _ in layer_graphs))
+                        tuple(mesh_of), solves.solves - made, tuple(big.groups for big, _ in layer_graphs))

@@ -12,7 +12,7 @@ from typing import TypeAlias
 import numpy as np
 
 from autoshard.errors import PlanningError
-from autoshard.runtime.schedules import PipelineSchedule
+from autoshard.plans.schedules import PipelineSchedule
 
 SubmeshShape: TypeAlias = tuple[int, int]  # (nodes, devices_per_node)
 LayerIndex: TypeAlias = int

@@ -1,6 +1,6 @@
 """Inter-op stage DP: cut L layers into pipeline stages on sub-meshes, pick B.
 
-Pure numpy, no jax (STYLE convention 7): profiling and the intra-op pass fill
+Pure numpy, no jax (the stage DP is a pure function of cost arrays): profiling and the intra-op pass fill
 the arrays of a :class:`StageProblem`; :func:`solve_stages` returns a
 :class:`StagePlan`; :func:`brute_force_stages` enumerates every plan and is
 what the tests compare against; :func:`evaluate_stages` recomputes every

@@ -15,9 +15,13 @@ optimizer-state prefix (``[1][0].mu``).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 _ARGUMENT_PREFIX = re.compile(r"^\[\d+\](?:\[\d+\])*(?:\.\w+)?")
+_ARG = re.compile(r"^\[\d+\]")  # the positional-argument index that starts every input path
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -54,3 +58,30 @@ def dotted(path: str) -> str:
     """``['blocks']#['attn']['q']['kernel']`` -> ``blocks.#.attn.q.kernel`` (display only)."""
     keys = re.findall(r"\['([^']*)'\]|\.(\w+)|\[(\d+)\]|(#)", path)
     return ".".join(a or b or c or d for a, b, c, d in keys) or path
+
+
+def state_slots(param_paths: Iterable[str], state: Mapping[str, T],
+                same: Callable[[str, str], bool] | None = None) -> dict[str, dict[str, T]]:
+    """Per parameter path, its optimizer-state leaves of ``state`` by slot (``{"mu": ..., "nu": ...}``).
+
+    A state leaf belongs to the parameter whose path (without the argument index) ends its path, and for
+    which ``same(parameter path, state path)`` holds (e.g. the same shape): ``[1][0].mu['blocks'][0]['q']``
+    is slot ``mu`` of ``[0]['blocks'][0]['q']``.
+    """
+    params: dict[str, str] = {}
+    for path in param_paths:
+        params.setdefault(_ARG.sub("", path, count=1), path)
+    found: dict[str, dict[str, T]] = {}
+    own = set(params.values())
+    for path, value in state.items():
+        if path in own:
+            continue
+        inner = _ARG.sub("", path, count=1)
+        for cut in (i for i, ch in enumerate(inner) if ch == "[" and i > 0):
+            owner = params.get(inner[cut:])
+            if owner is not None and (same is None or same(owner, path)):
+                prefix = inner[:cut]
+                slot = prefix.rsplit(".", 1)[-1] if "." in prefix else prefix
+                found.setdefault(owner, {})[slot if slot not in found.get(owner, {}) else prefix] = value
+                break
+    return found

@@ -11,7 +11,8 @@ all show ``plan_caveats(plan)``:
   (``Plan.checks["numerics"]``, which a launch bundle's ``--check-numerics``
   records);
 - **missing evidence**: where the cluster numbers come from (a preset's
-  built-in figures, or a file), that step times are modeled, not measured,
+  built-in figures, or a file), links the plan crosses that its ClusterSpec
+  marks unmeasured (profiled on one device), that step times are modeled, not measured,
   and the search space the optimum is taken over;
 - **counter-signals**: a modeled gain over the best classic plan that fits
   below ``MODEL_ERROR`` (then that classic plan is the safer choice), a plan
@@ -37,6 +38,7 @@ PlanLike = Any  # plans/plan.py imports this module; it reads a Plan's public fi
 # collectives to 10% and memory to 15%, and the roofline ignores overlap), so it is no reason to leave
 # a classic strategy people already run.
 MODEL_ERROR = 0.05
+SAME_STEP = 1e-3  # modeled steps within 0.1% of each other are the same time under the model
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,18 @@ def _cluster_source(plan: PlanLike) -> str:
             "measured them")
 
 
+def _unmeasured_links(plan: PlanLike) -> tuple[str, ...]:
+    """A sentence when the plan's devices cross a link its ClusterSpec marks unmeasured."""
+    scopes = plan.cluster.unmeasured_links(math.prod(plan.mesh_shape))
+    if not scopes:
+        return ()
+    links = f"link{'s' if len(scopes) > 1 else ''} {'were' if len(scopes) > 1 else 'was'}"
+    return (f"the {' and '.join(scopes)} {links} not measured in ClusterSpec '{plan.cluster.name}' (profiled on "
+            "fewer devices than the plan spans): its collectives are priced with placeholder numbers; "
+            "`autoshard profile` on the devices the plan spans measures them, or `--links PRESET` takes a "
+            "preset's",)
+
+
 def _search_space(plan: PlanLike) -> str:
     meshes = ", ".join(plan.alternatives) if plan.alternatives else "x".join(map(str, plan.mesh_shape))
     stages = (f"{len(plan.stages)} pipeline stages" if plan.stages else "no pipeline stages in this plan")
@@ -132,7 +146,7 @@ def _search_space(plan: PlanLike) -> str:
 
 
 def _missing(plan: PlanLike) -> tuple[str, ...]:
-    found = [_cluster_source(plan),
+    found = [_cluster_source(plan), *_unmeasured_links(plan),
              "step times are modeled (alpha-beta collectives, roofline compute, no overlap of communication "
              "with compute), not measured",
              _search_space(plan)]
@@ -157,12 +171,15 @@ def _counter_signals(plan: PlanLike) -> tuple[tuple[str, ...], str | None]:
         found.append(f"the modeled peak {fmt_bytes(plan.ledger.peak_memory_bytes)} per device exceeds the budget "
                      f"{fmt_bytes(plan.memory_budget_bytes)}")
     status = plan.solver.status
-    if status != "optimal":
+    if status not in ("optimal", "stage-dp"):  # the stage DP is exact over its choices
         found.append(f"the solver did not prove optimality (status '{status}', gap {plan.solver.gap:.1%}): a "
                      "better plan may exist under the model")
     mine = "x".join(map(str, plan.mesh_shape))
+    # a mesh whose modeled step equals the chosen one's (to 0.1%: the same plan's time, e.g. both keep every
+    # array whole) is a tie, not a signal against the choice
     close = [f"{shape} ({step / plan.step_s - 1:+.1%})" for shape, step in plan.alternatives.items()
-             if shape != mine and plan.step_s > 0 and step < plan.step_s * (1 + MODEL_ERROR)]
+             if shape != mine and plan.step_s > 0 and
+             plan.step_s * (1 + SAME_STEP) <= step < plan.step_s * (1 + MODEL_ERROR)]
     if close:
         found.append(f"other meshes model within {MODEL_ERROR:.0%} of the chosen {mine}: " + ", ".join(close))
     return tuple(found), safer

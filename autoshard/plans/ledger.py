@@ -52,6 +52,20 @@ class Ledger:
     # flops_per_device split by the peak each op runs at (``strategies.base.op_dtype``: "tfloat32", "bfloat16",
     # ...): a fp32-master / bf16-compute step runs its dots at the bf16 peak although its parameters are fp32
     flops_by_dtype: Mapping[str, float] = field(default_factory=dict)
+    input_s: float = 0.0  # the batch's arrival from the host (ClusterSpec.host_bandwidth_bytes_per_s)
+    # the step priced from the program XLA compiled for this plan (compiler/verify.compiled_price, on the same
+    # ClusterSpec: FLOPs at peak, bytes accessed at HBM bandwidth, each collective at its replica groups' links);
+    # 0: not compiled (check="compiled" compiles it)
+    compiled_step_s: float = 0.0
+    compiled_compute_s: float = 0.0
+    compiled_collectives_s: float = 0.0
+
+    @property
+    def prediction_error(self) -> float | None:
+        """(modeled - compiled) / compiled step; None when the plan was not compiled."""
+        if self.compiled_step_s <= 0:
+            return None
+        return (self.step_s - self.compiled_step_s) / self.compiled_step_s
 
     @property
     def main_compute_dtype(self) -> str | None:
@@ -60,7 +74,7 @@ class Ledger:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.comm_s + self.reshard_s + self.bubble_s
+        return self.compute_s + self.comm_s + self.reshard_s + self.bubble_s + self.input_s
 
     @property
     def communication_s(self) -> float:
@@ -73,7 +87,8 @@ class Ledger:
         if total <= 0:
             return {}
         return {"compute-bound": self.compute_bound_s / total, "memory-bound": self.memory_bound_s / total,
-                "communication": self.communication_s / total, "bubble": self.bubble_s / total}
+                "communication": self.communication_s / total, "bubble": self.bubble_s / total,
+                "batch from host": self.input_s / total}
 
 
 @dataclass(frozen=True)
@@ -90,6 +105,9 @@ class SolverInfo:
 
 def solver_summary(info: SolverInfo) -> str:
     """How the solve ended, in words: proven optimal, or stopped at the time limit with what the gap means."""
+    if info.status == "stage-dp":  # the pipeline's stage DP (compiler/pipeline_plan.py): exact over its choices
+        return (f"stage-dp: exact over {info.num_nodes} layers x {info.num_classes} sub-meshes; {info.solve_s:.2f}s "
+                "(each stage's own plan: see the stages)")
     size = f"{info.solve_s:.2f}s; {info.num_nodes} nodes -> {info.num_classes} classes, {info.num_edges} edges"
     if info.status.startswith("feasible"):
         bound = f"no plan is modeled faster than {1 - info.gap:.0%} of this one" if info.gap < 1 else "no bound yet"
@@ -101,12 +119,15 @@ def solver_summary(info: SolverInfo) -> str:
 
 @dataclass(frozen=True)
 class Choice:
-    """One strategy of one op, priced locally in seconds (see compiler/explain.py)."""
+    """One strategy of one op, priced in seconds as its share of the objective with the rest of the plan fixed
+    (``passes/objective.PlanObjective``): two choices' totals differ as the modeled step does."""
 
     strategy: str  # e.g. "S(x)R x RS(y) -> S(x)S(y) @ {x,y}"
     compute_s: float
-    comm_s: float  # collectives the strategy itself needs
-    reshard_s: float  # to read its inputs from their producers' layouts and give consumers theirs
+    comm_s: float  # collectives the strategy itself needs (an alternative: and the change of combined latencies)
+    # the reshards charged to the op; an alternative adds the change of every reshard it touches, its consumers'
+    # included (negative when it spares them one)
+    reshard_s: float
 
     @property
     def total_s(self) -> float:
@@ -115,7 +136,7 @@ class Choice:
 
 @dataclass(frozen=True)
 class OpExplanation:
-    """Why an op got its strategy: the chosen one and the cheapest alternatives, priced locally."""
+    """Why an op got its strategy: the chosen one and the cheapest alternatives, each priced as a ``Choice``."""
 
     primitive: str
     source: str  # file:line (function), when jax knows it

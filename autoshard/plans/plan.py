@@ -5,10 +5,13 @@ path), per-op output specs and reshards (by op index in the traced graph),
 and a ledger of what the cost model predicts: compute, communication and
 resharding time, per-device memory by kind, the collectives by kind, and how
 the solver and each pass fared. ``str(plan)`` is a readable report.
+
+A pipeline plan also holds its stages (``PipelineStage``) and a ``PipelinePlan`` (B, schedule, the
+layers' equations). Plain data: the runtime runs a plan (``autoshard.apply(plan, fn, mesh)``,
+``runtime/run.py``), nothing here does.
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,16 +20,15 @@ from typing import Any
 from autoshard.ir.spec import Spec
 from autoshard.meshes.cluster import ClusterSpec
 from autoshard.plans import planfile
-from autoshard.plans.applied import AppliedPlan
-from autoshard.plans.applied_pipeline import AppliedPipeline
-from autoshard.plans.applied_scan import AppliedScanPipeline
-from autoshard.plans.breakdown import LayerTime
+from autoshard.plans.breakdown import LayerTime, state_slots
 from autoshard.plans.caveats import Caveats, plan_caveats
 from autoshard.plans.ledger import GIB, Ledger, OpExplanation, SolverInfo, fmt_bytes, fmt_s, solver_summary
+from autoshard.plans.legend import SHORT_LEGEND
+from autoshard.plans.stage_plan import PipelinePlan, PipelineStage
+from autoshard.plans.why import why_lines
 
 __all__ = ["GIB", "Ledger", "OpExplanation", "Plan", "SolverInfo", "fmt_bytes", "fmt_s", "load_plan"]
 
-_ARG = re.compile(r"^\[\d+\]")  # the positional-argument index that starts every input path
 
 @dataclass(frozen=True)
 class Plan:
@@ -45,7 +47,8 @@ class Plan:
     memory_budget_bytes: float
     num_ops: int
     name: str = "autoshard"
-    stages: tuple[Any, ...] = ()
+    # pipeline stages (plan files may hold other stage objects as plain mappings: kept, never run)
+    stages: tuple[PipelineStage | Mapping[str, Any], ...] = ()
     num_microbatches: int = 1
     schedule: str = "spmd"
     alternatives: Mapping[str, float] = field(default_factory=dict)  # other mesh shapes tried -> modeled step s
@@ -55,9 +58,12 @@ class Plan:
     explanations: Mapping[int, OpExplanation] = field(default_factory=dict)  # op index -> why its strategy
     origin: Mapping[str, str] = field(default_factory=dict)  # how to rebuild the step, e.g. {target, config}
     baselines: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # compared strategies -> figures
-    pipeline: Any = None  # plans/stage_plan.PipelineSummary when stages is non-empty: B, latency, bubble, ...
+    pipeline: PipelinePlan | None = None  # a pipeline plan's B, schedule, latency, bubble, layers; None: SPMD
     checks: Mapping[str, str] = field(default_factory=dict)  # checks run on this plan -> result, e.g. numerics
     layer_times: tuple[LayerTime, ...] = ()  # the modeled step split per layer (SPMD plans; plans/breakdown.py)
+    # check="compiled": every plan compiled to choose this one -> {modeled_s, compiled_s (absent: did not
+    # compile), fits, chosen (1.0 for the one returned)}; compiler/arbiter.py
+    arbitration: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
     @property
     def step_s(self) -> float:
@@ -76,14 +82,6 @@ class Plan:
         """A plan from the JSON of a plan file; ``PlanFileError`` names a missing or mistyped field."""
         return cls(**planfile.plan_fields(data, source))
 
-    def apply(self, fn: Any, mesh: Any) -> AppliedPlan | AppliedPipeline:
-        """A callable that runs ``fn`` with this plan on ``mesh`` (a jax Mesh of the plan's shape; for a
-        pipeline plan any mesh or device list: its stages' device indices name ``mesh.devices.flat``)."""
-        if self.stages and self.pipeline is not None:
-            scanned = getattr(self.pipeline, "scan_layers", 0)
-            return AppliedScanPipeline(self, fn, mesh) if scanned else AppliedPipeline(self, fn, mesh)
-        return AppliedPlan(self, fn, mesh)
-
     @property
     def caveats(self) -> Caveats:
         """What this plan does not know: planning cost, invariants, missing evidence, counter-signals."""
@@ -98,22 +96,24 @@ class Plan:
         A state leaf belongs to the parameter whose path (without the argument index) ends its path and
         whose shape it has: ``[1][0].mu['blocks'][0]['q']`` is slot ``mu`` of ``[0]['blocks'][0]['q']``.
         """
-        params: dict[str, str] = {}
-        for path in self.param_specs():
-            params.setdefault(_ARG.sub("", path, count=1), path)
-        found: dict[str, dict[str, Spec]] = {}
-        for path, spec in self.input_specs.items():
-            if self.input_roles.get(path) != "opt_state":
-                continue
-            inner = _ARG.sub("", path, count=1)
-            for cut in (i for i, ch in enumerate(inner) if ch == "[" and i > 0):
-                owner = params.get(inner[cut:])
-                if owner is not None and self.input_shapes[owner][0] == self.input_shapes[path][0]:
-                    prefix = inner[:cut]
-                    slot = prefix.rsplit(".", 1)[-1] if "." in prefix else prefix
-                    found.setdefault(owner, {})[slot if slot not in found.get(owner, {}) else prefix] = spec
-                    break
-        return found
+        state = {p: s for p, s in self.input_specs.items() if self.input_roles.get(p) == "opt_state"}
+        return state_slots(self.param_specs(), state,
+                           lambda owner, path: self.input_shapes[owner][0] == self.input_shapes[path][0])
+
+    def collectives_summary(self) -> str:
+        """Predicted collective bytes per device by kind; for a pipeline, per stage (its devices run only its
+        executables); never "none" beside modeled collective time."""
+        led = self.ledger
+        if led.collective_bytes:
+            return ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(led.collective_bytes.items()))
+        per_stage = [(st.index, st.collectives_per_step(self.num_microbatches)) for st in self.stages
+                     if isinstance(st, PipelineStage)]
+        if any(kinds for _, kinds in per_stage):
+            return "; ".join(f"stage {i}: " + (", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(kinds.items()))
+                                                or "none") for i, kinds in per_stage) + " per step"
+        if led.comm_s > 0:
+            return f"{fmt_s(led.comm_s)} modeled, bytes not itemized in this plan"
+        return "none"
 
     def best_baseline(self, *, fitting: bool = False) -> str | None:
         """The fastest compared classic strategy (``fitting``: among those that fit: the fallback)."""
@@ -138,7 +138,8 @@ class Plan:
         lines = [
             f"autoshard plan '{self.name}' on mesh ({mesh}) of {self.cluster.name}",
             f"  modeled step      {led.step_s * 1e3:10.3f} ms  (compute {led.compute_s * 1e3:.3f}, "
-            f"collectives {led.comm_s * 1e3:.3f}, resharding {led.reshard_s * 1e3:.3f}, bubble {led.bubble_s * 1e3:.3f})",
+            f"collectives {led.comm_s * 1e3:.3f}, resharding {led.reshard_s * 1e3:.3f}, bubble {led.bubble_s * 1e3:.3f}"
+            + (f", batch from host {led.input_s * 1e3:.3f}" if led.input_s else "") + ")",
             f"  compute bound     {led.compute_lower_bound_s * 1e3:10.3f} ms  "
             f"({led.compute_lower_bound_s / led.step_s:.0%} of it reached)" if led.step_s > 0 else "",
             "  time split        " + ", ".join(f"{k} {v:.0%}" for k, v in led.bound_shares().items() if v > 0)
@@ -148,14 +149,14 @@ class Plan:
             f"  peak memory       {fmt_bytes(led.peak_memory_bytes):>10} per device (budget "
             f"{fmt_bytes(self.memory_budget_bytes)}): "
             + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(led.memory_by_kind.items())),
-            "  collectives       " + (", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(led.collective_bytes.items()))
-                                      or "none"),
+            "  collectives       " + self.collectives_summary(),
             f"  solver            {solver_summary(self.solver)}",
             "  planning          " + ", ".join(f"{k} {v:.2f}s" for k, v in self.planning_s.items()),
         ]
         if self.alternatives:
             lines.append("  meshes tried      " + ", ".join(f"{k}: {v * 1e3:.3f} ms" for k, v in self.alternatives.items()))
         lines += self._baseline_lines()
+        lines += [f"  {'why this plan' if i == 0 else '':18}{line}" for i, line in enumerate(why_lines(self))]
         lines += ["  what this plan does not know:"] + self.caveats.lines("    ")
         if self.stages:
             lines += [f"  {self.pipeline}"] if self.pipeline is not None else []
@@ -171,6 +172,7 @@ class Plan:
             lines.append("  batch:")
             for path, spec in others:
                 lines.append(f"    {path:60} {str(self.input_shapes[path][0]):22} {spec}")
+        lines.append(f"  notation          {SHORT_LEGEND}")
         return "\n".join(line for line in lines if line)
 
 

@@ -12,7 +12,8 @@ Top-level fields (version 2; version 1 files, without the fields marked v2, stil
     output_reshards: {flat output index: [spec, ...]}
     ledger: {compute_s, comm_s, reshard_s, bubble_s, step_s, peak_memory_bytes,
              memory_by_kind: {param, opt_state, batch, activation, resharded, ...}, collective_bytes: {kind: bytes},
-             compute_lower_bound_s, ..., flops_by_dtype: {peak dtype: FLOPs per device}}
+             compute_lower_bound_s, ..., flops_by_dtype: {peak dtype: FLOPs per device},
+             compiled_step_s, compiled_compute_s, compiled_collectives_s (0: not compiled; optional)}
     solver: {status, gap, solve_s, num_nodes, num_classes, num_variables, num_constraints, num_edges}
     planning_s: {pass: seconds}   memory_budget_bytes   num_microbatches   schedule
     stages: [{kind: "pipeline-stage", index, first_layer, last_layer, submesh, device_indices, mesh_shape,
@@ -28,9 +29,10 @@ Top-level fields (version 2; version 1 files, without the fields marked v2, stil
     alternatives: {mesh shape: step s}
     explanations: {op index: {primitive, source, shapes, num_strategies,                              v2
                               chosen: [strategy, compute_s, comm_s, reshard_s], alternatives: [[...], ...]}}
-    baselines: {strategy: {step_s, peak_memory_bytes, fits, batch_ceiling, speedup}}                  v2
+    baselines: {strategy: {step_s, peak_memory_bytes, fits, batch_ceiling, speedup, compiled_step_s}}  v2
     checks: {check: result}            e.g. numerics against one device (a launch bundle records it)    optional
     layer_times: [{name, flops_s, hbm_s, comm_s, reshard_s}, ...]   the step split per layer          optional
+    arbitration: {candidate: {modeled_s, compiled_s, fits, chosen}}  check="compiled": plans compiled   optional
 
 Fields marked optional are absent from older files (and ignored by older readers); they load as empty.
 
@@ -63,7 +65,7 @@ from autoshard.plans import json_fields as jf
 from autoshard.plans.json_fields import PlanFileError
 from autoshard.plans.ledger import Choice, Ledger, OpExplanation, SolverInfo
 from autoshard.plans.stage_file import stage_from_json, stage_json
-from autoshard.plans.stage_plan import PipelineSummary
+from autoshard.plans.stage_plan import PipelinePlan
 from autoshard.version import __version__
 
 # Functions here read a Plan's fields (``plans/plan.py`` imports this module, so it takes the plan as
@@ -115,6 +117,7 @@ def plan_to_json(plan: PlanLike) -> dict[str, Any]:
         "baselines": {k: dict(v) for k, v in plan.baselines.items()},
         "checks": dict(plan.checks),
         "layer_times": [asdict(t) for t in plan.layer_times],
+        "arbitration": {k: dict(v) for k, v in plan.arbitration.items()},
     }
 
 
@@ -149,11 +152,11 @@ def _layer_eqns(data: Any, where: str) -> tuple[tuple[int, ...], ...]:
     return tuple(layers)
 
 
-def _pipeline(data: Any, where: str) -> PipelineSummary | None:
+def _pipeline(data: Any, where: str) -> PipelinePlan | None:
     if data is None:
         return None
     data = jf.mapping(data, where)
-    fields = dataclasses.fields(PipelineSummary)
+    fields = dataclasses.fields(PipelinePlan)
     missing = [f.name for f in fields if f.name not in data
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
@@ -162,7 +165,7 @@ def _pipeline(data: Any, where: str) -> PipelineSummary | None:
         if f.type in ("int", "float") or (f.type == "float | None" and data.get(f.name) is not None):
             jf.number(data.get(f.name, 0), f"{where}.{f.name}")
     known = {f.name for f in fields}
-    return PipelineSummary(**{**{k: v for k, v in data.items() if k in known}, "notes": tuple(data.get("notes", ())),
+    return PipelinePlan(**{**{k: v for k, v in data.items() if k in known}, "notes": tuple(data.get("notes", ())),
                               "layer_eqns": _layer_eqns(data.get("layer_eqns", []), where)})
 
 
@@ -304,6 +307,8 @@ def _plan_fields(data: Any, source: str) -> dict[str, Any]:
                    for k, v in jf.optional_dict(data, "baselines", source).items()},
         checks={str(k): str(v) for k, v in jf.optional_dict(data, "checks", source).items()},
         layer_times=_layer_times(data.get("layer_times", []), f"{source}: layer_times"),
+        arbitration={str(k): jf.numbers(jf.mapping(v, f"{source}: arbitration[{k}]"), f"{source}: arbitration[{k}]")
+                     for k, v in jf.optional_dict(data, "arbitration", source).items()},
     )
 
 
@@ -324,8 +329,9 @@ def _baseline(data: Any, where: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise PlanFileError(f"{where}: expected an object, got {type(data).__name__}")
     jf.number(jf.field(data, "step_s", (int, float), where), f"{where}.step_s")
-    if "peak_memory_bytes" in data:
-        jf.number(data["peak_memory_bytes"], f"{where}.peak_memory_bytes")
+    for key in ("peak_memory_bytes", "compiled_step_s"):
+        if key in data:
+            jf.number(data[key], f"{where}.{key}")
     if not isinstance(data.get("fits", True), bool):
         raise PlanFileError(f"{where}.fits should be true or false, got {data['fits']!r}")
     ceiling = data.get("batch_ceiling")

@@ -12,8 +12,7 @@ from autoshard.ir.spec import Spec
 from autoshard.plans import json_fields as jf
 from autoshard.plans.json_fields import PlanFileError
 from autoshard.plans.stage_plan import PipelineStage, StageMemory
-from autoshard.runtime.spmd import Annotations
-from autoshard.runtime.stage_train import TrainPins
+from autoshard.plans.annotations import Annotations, TrainPins
 
 
 def stage_json(stage: Any, index: int) -> dict[str, Any]:
@@ -65,6 +64,12 @@ def stage_from_json(data: Any, where: str) -> Any:
     fields["memory"] = StageMemory(**jf.record(StageMemory, jf.field(body, "memory", dict, where), f"{where}.memory"))
     for key in ("submesh", "device_indices", "mesh_shape", "axis_names"):
         fields[key] = tuple(fields[key])
+    if body.get("batch_axes") is not None:  # older files: none (the runtime reads the batch specs' axes)
+        axes = tuple(jf.field(body, "batch_axes", list, where))
+        unknown = [a for a in axes if a not in names]
+        if unknown:
+            raise PlanFileError(f"{where}.batch_axes: {unknown} are not axes of the stage's mesh {list(names)}")
+        fields["batch_axes"] = axes
     return PipelineStage(**fields, num_params=int(body.get("num_params", 0)))
 
 

@@ -1,20 +1,39 @@
-"""The pipeline part of a Plan: one ``PipelineStage`` per stage, and a ``PipelineSummary``.
+"""The pipeline part of a Plan: one ``PipelineStage`` per stage, and a ``PipelinePlan``.
 
 ``Plan.stages`` holds the stages (layer range, sub-mesh and its devices, the
 spec of every parameter on that sub-mesh, modeled time and a memory ledger);
-``Plan.pipeline`` the summary (B, schedule, step time, first-microbatch
-latency, bottleneck, bubble fraction, the SPMD plan it was compared with).
-All plain frozen data with readable ``__str__`` and ``to_dict``.
+``Plan.pipeline`` what the runtime needs besides them (B, the schedule, each
+layer's forward equations, whether the layers are a scanned stack's
+iterations) and the summary (step time, first-microbatch latency, bottleneck,
+bubble fraction, the SPMD plan it was compared with). All plain frozen data
+with readable ``__str__`` and ``to_dict``; :func:`batch_split_spec` is the one
+rule for how a stage splits a batch leaf or an activation at its boundary,
+which the planner prices and the runtime applies.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autoshard.ir.spec import Spec
+from autoshard.plans.annotations import TrainPins
+from autoshard.plans.breakdown import state_slots
 from autoshard.plans.ledger import fmt_bytes, fmt_s
+from autoshard.plans.schedules import PipelineSchedule
+
+
+def batch_split_spec(shape: Sequence[int], batch_axes: Sequence[str], sizes: Mapping[str, int]) -> Spec:
+    """How a pipeline stage lays out a batch leaf or an activation at its boundary: its leading (batch) dim
+    split over the stage's ``batch_axes`` of size > 1 when their product divides it, else replicated. The
+    planner prices the sends and reshards at the boundaries with it; the runtime places the values with it."""
+    axes = tuple(a for a in batch_axes if sizes.get(a, 1) > 1)
+    n = math.prod(sizes[a] for a in axes)
+    if shape and n > 1 and shape[0] % n == 0:
+        return Spec((axes,) + ((),) * (len(shape) - 1))
+    return Spec.replicated(len(shape))
 
 
 @dataclass(frozen=True)
@@ -71,9 +90,32 @@ class PipelineStage:
     # predicted per-device bytes by collective kind per call of each executable: {forward|backward|apply: {kind:
     # bytes}} (forward, backward per microbatch; apply once per step); empty: not predicted
     collective_bytes: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
-    # layer -> its train-graph plan (``runtime/stage_train.TrainPins``): the stage runs its layers' train graphs
+    # layer -> its train-graph plan (``plans/annotations.TrainPins``): the stage runs its layers' train graphs
     # pinned op by op, its backward as planned (empty, older files: jax.vjp of the pinned forward)
-    train_pins: Mapping[int, Any] = field(default_factory=dict)
+    train_pins: Mapping[int, TrainPins] = field(default_factory=dict)
+    # the axes the stage splits its batch leaves and boundary activations over (``batch_split_spec``); None
+    # (older files): those its batch specs split
+    batch_axes: tuple[str, ...] | None = None
+
+    def state_slots(self) -> dict[str, dict[str, Spec]]:
+        """Per parameter path, the specs of its optimizer-state leaves on this stage by slot (``{"mu": ...}``):
+        a state leaf belongs to the parameter whose path, without the argument index, ends its own."""
+        return state_slots(self.param_specs, self.state_specs)
+
+    def storage(self) -> str:
+        """Where the stage keeps its parameters, gradients and optimizer state, in words: "parameters
+        replicated; gradients and optimizer state split"."""
+        state = [s for slots in self.state_slots().values() for s in slots.values()]
+        groups = (("parameters", list(self.param_specs.values())), ("gradients", list(self.grad_specs.values())),
+                  ("optimizer state", state))
+        words: dict[str, list[str]] = {}
+        for name, specs in groups:
+            if specs:
+                split = sum(not s.is_replicated for s in specs)
+                how = ("replicated" if not split else "split" if split == len(specs)
+                       else f"split ({split} of {len(specs)})")
+                words.setdefault(how, []).append(name)
+        return "; ".join(f"{' and '.join(names)} {how}" for how, names in words.items())
 
     def __str__(self) -> str:
         devices = self.device_indices
@@ -81,10 +123,19 @@ class PipelineStage:
             ",".join(map(str, devices))
         return (f"stage {self.index}: layers {self.first_layer}-{self.last_layer} on {self.submesh[0]}x"
                 f"{self.submesh[1]} (devices {span}) as mesh {'x'.join(map(str, self.mesh_shape))}, {self.num_params} "
-                f"parameter arrays {'replicated' if all(s.is_replicated for s in self.param_specs.values()) else 'sharded'}"
-                f"{' [' + self.intra_op + ']' if self.intra_op else ''}; "
+                f"parameter arrays: {self.storage()}{' (' + self.intra_op + ')' if self.intra_op else ''}; "
                 f"{fmt_s(self.time_s)}/microbatch (compute {fmt_s(self.compute_s)}, sync+apply "
                 f"{fmt_s(self.sync_s)}/step), send {fmt_s(self.transfer_out_s)}; {self.memory}")
+
+    def collectives_per_step(self, num_microbatches: int) -> dict[str, float]:
+        """Predicted per-device bytes by collective kind over one step: forward and backward once per
+        microbatch, apply once (empty: not predicted)."""
+        total: dict[str, float] = {}
+        for action, kinds in self.collective_bytes.items():
+            times = 1 if action == "apply" else num_microbatches
+            for kind, nbytes in kinds.items():
+                total[kind] = total.get(kind, 0.0) + times * float(nbytes)
+        return total
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(dataclasses.replace(self, train_pins={}))
@@ -99,9 +150,9 @@ class PipelineStage:
 
 
 @dataclass(frozen=True)
-class PipelineSummary:
+class PipelinePlan:
     num_microbatches: int
-    schedule: str
+    schedule: PipelineSchedule
     step_s: float  # modeled: sum t + sum x + (B - 1) * bottleneck
     first_microbatch_latency_s: float  # sum t + sum x
     bottleneck_s: float  # the slowest stage or transfer, per microbatch
@@ -112,11 +163,16 @@ class PipelineSummary:
     spmd_step_s: float | None = None  # the best SPMD-only plan it was compared with (None: not compared)
     spmd_mesh: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
-    # the forward equation indices of each layer (``ir/split.py``): what ``plan.apply`` runs in each stage
+    # the forward equation indices of each layer (``ir/split.py``): what the runtime runs in each stage
     layer_eqns: tuple[tuple[int, ...], ...] = ()
     # > 0: the layers are the iterations of a scanned stack of that many layers, the forward rewritten per
-    # iteration (``ir/scan_stack.py``); ``layer_eqns`` index that rewrite (``plans/applied_scan.py``)
+    # iteration (``ir/scan_stack.py``); ``layer_eqns`` index that rewrite (``runtime/applied_scan.py``)
     scan_layers: int = 0
+
+    @property
+    def scanned(self) -> bool:
+        """Whether the layers are the iterations of a scanned stack (the runtime scans each stage's range)."""
+        return self.scan_layers > 0
 
     def __str__(self) -> str:
         line = (f"pipeline          {self.schedule}, B={self.num_microbatches} microbatches over {self.layers} "

@@ -1,7 +1,7 @@
 """Static checks of a plan against a cluster and a mesh, before anything runs.
 
 ``validate_plan`` returns one ``Finding`` per check: the plan file's versions,
-the mesh (a plan runs only on a mesh of its own shape, as ``plan.apply``
+the mesh (a plan runs only on a mesh of its own shape, as ``autoshard.apply``
 checks), the device count, the divisibility of every spec against the
 recorded shapes, and the per-device memory against the budget. An error's ``fix`` says what
 to change; ``autoshard validate`` exits non-zero when any check fails.
@@ -129,7 +129,7 @@ def _memory(plan: Plan, budget: float, source: str) -> list[Finding]:
     kinds = ", ".join(f"{k} {fmt_bytes(v)}"
                       for k, v in sorted(plan.ledger.memory_by_kind.items(), key=lambda kv: -kv[1]))
     ceiling = plan.baselines.get("autoshard", {}).get("batch_ceiling") if plan.baselines else None
-    fix = (f"re-plan with --memory-budget-gib {budget / GIB:.4g} (autoshard then shards more state or "
+    fix = (f"re-plan with --memory-budget {budget / GIB:.4g}GiB (autoshard then shards more state or "
            f"activations), use devices with at least {fmt_bytes(peak)}")
     fix += f", or lower the global batch to at most {ceiling}" if ceiling else ", or lower the batch size"
     return [Finding("memory", Severity.ERROR,
@@ -138,14 +138,14 @@ def _memory(plan: Plan, budget: float, source: str) -> list[Finding]:
 
 
 def _mesh(plan: Plan, shape: tuple[int, ...]) -> list[Finding]:
-    """``plan.apply`` runs a plan only on a mesh of its own shape; another shape is an error here too."""
+    """``autoshard.apply`` runs a plan only on a mesh of its own shape; another shape is an error here too."""
     planned = "x".join(map(str, plan.mesh_shape))
     if shape == tuple(plan.mesh_shape):
         return [Finding("mesh", Severity.OK, f"mesh {planned} is the plan's")]
     axes = ", ".join(f"{n}={s}" for n, s in zip(plan.axis_names, plan.mesh_shape))
     wanted = "x".join(map(str, shape))
     return [Finding("mesh", Severity.ERROR,
-                    f"the plan is for mesh {planned} ({axes}); plan.apply refuses a mesh of shape {wanted}",
+                    f"the plan is for mesh {planned} ({axes}); autoshard.apply refuses a mesh of shape {wanted}",
                     f"re-plan for that mesh (autoshard plan TARGET --mesh {wanted}), or run on a {planned} mesh")]
 
 
@@ -169,7 +169,7 @@ def validate_plan(plan: Plan, *, cluster: ClusterSpec | None = None, mesh_shape:
                   memory_budget_bytes: float | None = None,
                   file_versions: Mapping[str, str] | None = None) -> list[Finding]:
     """Every static check (see the module docstring); ``mesh_shape`` is the mesh it is to run on: an error
-    unless it is the plan's own (``plan.apply`` refuses another)."""
+    unless it is the plan's own (``autoshard.apply`` refuses another)."""
     findings = _versions(file_versions or {})
     shape = tuple(plan.mesh_shape)
     if mesh_shape is not None:

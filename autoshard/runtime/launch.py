@@ -11,7 +11,8 @@ Each process gets K simulated CPU devices and the variables that
     AUTOSHARD_NUM_PROCESSES=N  AUTOSHARD_PROCESS_ID=i
 
 Output is streamed line by line with a ``[p<i>]`` prefix (stdout to stdout,
-stderr to stderr). When a process exits non-zero the others are stopped
+stderr to stderr); gloo's line per peer connection only with ``--verbose``.
+When a process exits non-zero the others are stopped
 (SIGTERM to their whole process group, SIGKILL after a grace period) and the
 launcher exits with that process's code, after repeating the last lines of its
 stderr. Nothing is left running: every child leads its own process group, which
@@ -22,7 +23,7 @@ the groups (each child also gets ``PR_SET_PDEATHSIG``). A grandchild that
 leaves its process group (``setsid``) is beyond reach.
 
 On a real cluster the scheduler starts the processes instead (one per host,
-under SLURM, Kubernetes or a TPU slice); see the README's "Multi-host" section.
+under SLURM, Kubernetes or a TPU slice); see docs/MULTIHOST.md.
 """
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ ENV_NUM_PROCESSES = "AUTOSHARD_NUM_PROCESSES"
 ENV_PROCESS_ID = "AUTOSHARD_PROCESS_ID"
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 TIMEOUT_EXIT_CODE = 124
+# gloo's line per peer connection (N x (N*K - 1) of them): forwarded only with --verbose
+CHATTER = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -197,8 +200,10 @@ def _exit_code(returncode: int) -> int:
 
 def launch(argv: Sequence[str], processes: int, devices_per_process: int, port: int | None = None,
            timeout_s: float | None = None, *, grace_s: float = 5.0, env: Mapping[str, str] | None = None,
-           stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> int:
+           stdout: IO[str] | None = None, stderr: IO[str] | None = None, verbose: bool = False) -> int:
     """Run ``argv`` as ``processes`` local processes of one jax.distributed job; return the exit code.
+
+    ``verbose`` forwards every line, gloo's connection lines (``CHATTER``) included.
 
     0 when every process exits 0. Otherwise the first failing process's code
     (128+signal for a signal), ``TIMEOUT_EXIT_CODE`` when ``timeout_s`` passes,
@@ -247,11 +252,7 @@ def launch(argv: Sequence[str], processes: int, devices_per_process: int, port: 
                     if text is None:
                         child.open_streams -= 1
                     else:
-                        if name == "err":
-                            child.stderr_tail.append(text)
-                        sink = err if name == "err" else out
-                        sink.write(f"[p{child.index}] {text}\n")
-                        sink.flush()
+                        _forward(child, name, text, out, err, verbose)
                 now = time.monotonic()
                 for child in children:
                     if child.index not in running or child.popen.poll() is None:
@@ -279,7 +280,7 @@ def launch(argv: Sequence[str], processes: int, devices_per_process: int, port: 
             stop_all(children, grace_s)
             with contextlib.suppress(OSError):
                 watchdog.stdin.close()  # EOF: the watchdog finds the groups gone and exits
-            _drain(lines, children, out, err)
+            _drain(lines, children, out, err, verbose)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 watchdog.wait(timeout=grace_s + 5.0)
     if failed is not None:
@@ -292,7 +293,7 @@ def launch(argv: Sequence[str], processes: int, devices_per_process: int, port: 
 
 
 def _drain(lines: queue.Queue[tuple[_Child, str, str | None]], children: Sequence[_Child], out: IO[str],
-           err: IO[str]) -> None:
+           err: IO[str], verbose: bool) -> None:
     """Print what the stopped processes wrote last (the failing one's traceback, above all)."""
     end = time.monotonic() + 2.0
     while time.monotonic() < end and (any(c.open_streams for c in children) or not lines.empty()):
@@ -303,18 +304,28 @@ def _drain(lines: queue.Queue[tuple[_Child, str, str | None]], children: Sequenc
         if text is None:
             child.open_streams -= 1
             continue
-        if name == "err":
-            child.stderr_tail.append(text)
-        (err if name == "err" else out).write(f"[p{child.index}] {text}\n")
+        _forward(child, name, text, out, err, verbose)
     out.flush()
     err.flush()
+
+
+def _forward(child: _Child, name: str, text: str, out: IO[str], err: IO[str], verbose: bool) -> None:
+    """One line of a child's output, prefixed with its index; gloo's per-peer connection lines only when
+    ``verbose`` (CHATTER)."""
+    if name == "err":
+        child.stderr_tail.append(text)
+    if not verbose and CHATTER.match(text):
+        return
+    sink = err if name == "err" else out
+    sink.write(f"[p{child.index}] {text}\n")
+    sink.flush()
 
 
 def add_launch_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``autoshard launch`` on an ``argparse`` subparsers object."""
     p = subparsers.add_parser(
         "launch", help="run a program as N local jax.distributed processes with K simulated CPU devices each",
-        description=__doc__.split("\n\n")[0])
+        description=__doc__.split("\n\n")[0], allow_abbrev=False)
     add_launch_arguments(p)
     p.set_defaults(func=cmd_launch)
     return p
@@ -326,6 +337,7 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)")
     p.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
     p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping")
+    p.add_argument("--verbose", action="store_true", help="forward every line, gloo's connection lines too")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the program and its arguments")
 
 
@@ -336,11 +348,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if not command:
         raise SystemExit("error: give the program after --, e.g. autoshard launch -n 2 -k 4 -- python train.py")
     return launch(command, args.processes, args.devices_per_process, port=args.port, timeout_s=args.timeout,
-                  grace_s=args.grace)
+                  grace_s=args.grace, verbose=args.verbose)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m autoshard.runtime.launch", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m autoshard.runtime.launch", description=__doc__.split("\n\n")[0],
+                                     allow_abbrev=False)
     add_launch_arguments(parser)
     return cmd_launch(parser.parse_args(argv))
 

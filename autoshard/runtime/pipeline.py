@@ -1,8 +1,10 @@
 """Pipeline runtime: stage executables on sub-meshes, GPipe / 1F1B over microbatches.
 
-Built from a step taken apart by ``ir/split.py``, its layers (the forward
-equations of each, ``passes/layers.py``) and a list of stages (layer range +
-devices). Per stage s, each ``jax.jit``-ed on its own
+Built from a ``PipelineRun`` (``runtime/stage_layout.py``): a step taken apart
+by ``ir/split.py`` at one microbatch, its layers (the forward equations of
+each, ``passes/layers.py``) and a list of stages (layer range + devices), as a
+plan gives them (``runtime/applied_pipeline.py``). Per stage s, each
+``jax.jit``-ed on its own
 ``jax.sharding.Mesh`` over its devices:
 
 - ``forward``: the stage's equations (its layers, plus the batch-only *free*
@@ -48,7 +50,7 @@ equal slices; others are passed whole.
 The optimizer must act per leaf (optax ``adamw``, ``sgd``, ``adam``, ...):
 each stage updates only its own parameters. A step output that depends on the
 gradients of parameters owned by two stages (``optax.clip_by_global_norm``,
-say) is refused with :class:`PipelineError`. A parameter read by several
+say) is refused with ``errors.PipelineError``. A parameter read by several
 stages (tied embeddings) is sent to each; their gradient contributions are
 summed on its owner, the first stage that reads it.
 
@@ -78,20 +80,18 @@ from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding
 
-from autoshard.ir.split import StepParts, VarId
+from autoshard.ir.split import VarId
+from autoshard.ir.stage_programs import StageProgram, assign_outputs, stage_programs
+from autoshard.ir.train_graph import one_layer_programs
+from autoshard.plans.schedules import schedule_actions
 from autoshard.runtime.cross_process import holds, placeholder, send, single_process
 from autoshard.runtime.loss_io import Prologue, aux_per_example, combine_aux
-from autoshard.runtime.schedules import PipelineSchedule, schedule_actions
-from autoshard.runtime.stage_layout import StageLayout, deliver, planned_sharding, replicated, split_leading
+from autoshard.runtime.stage_layout import (PipelineRun, StepOptions, deliver, planned_sharding, replicated,
+                                            split_leading)
 from autoshard.runtime.stage_pins import stage_hooks
-from autoshard.runtime.stage_train import StageRunner, one_layer_programs, stage_runner
-
-__all__ = ["PipelineError", "PipelineStep", "StageLayout", "StageProgram", "assign_outputs", "stage_programs"]
+from autoshard.runtime.stage_train import StageRunner, stage_runner
 
 log = logging.getLogger(__name__)
-
-from autoshard.runtime.stage_programs import (  # noqa: F401  (re-exported)
-    LayerEqns, PipelineError, StageProgram, assign_outputs, stage_programs)
 
 
 # ---------------------------------------------------------------------------
@@ -101,25 +101,25 @@ from autoshard.runtime.stage_programs import (  # noqa: F401  (re-exported)
 class PipelineStep:
     """A pipelined train step: call it like the original function ``(params, opt_state, batch) -> outputs``."""
 
-    def __init__(self, parts: StepParts, layers: Sequence[LayerEqns], stages: Sequence[StageLayout],
-                 num_microbatches: int, schedule: PipelineSchedule, *, split_inputs: Sequence[bool], in_tree: Any,
-                 out_tree: Any, out_paths: Sequence[str] = (), devices: Sequence[jax.Device] | None = None,
-                 recompute: bool = False, compiler_options: dict[str, Any] | None = None) -> None:
-        """``parts`` is the step traced at one microbatch (batch leaves cut to 1/B, see
-        ``ir.split.microbatch_shapes``); ``layers`` are the forward equation indices of each layer; ``split_inputs`` marks the
-        flat step inputs that are batch leaves, split into ``num_microbatches`` slices."""
-        self.parts, self.layers, self.layouts = parts, tuple(tuple(x) for x in layers), tuple(stages)
-        self.num_microbatches, self.schedule = int(num_microbatches), schedule
-        self.in_tree, self.out_tree = in_tree, out_tree
+    def __init__(self, run: PipelineRun, devices: Sequence[jax.Device] | None = None,
+                 options: StepOptions = StepOptions()) -> None:
+        """``run``: the step at one microbatch and the plan's stages (``runtime/stage_layout.PipelineRun``);
+        ``devices``: what the layouts' device indices name (default ``jax.devices()``)."""
+        parts, stages = run.parts, run.layouts
+        self.parts, self.layers, self.layouts = parts, tuple(tuple(x) for x in run.layers), tuple(stages)
+        self.num_microbatches, self.schedule = int(run.num_microbatches), run.schedule
+        self.in_tree, self.out_tree = run.in_tree, run.out_tree
         devices = list(devices if devices is not None else jax.devices())
         self.meshes = [Mesh(np.asarray([devices[i] for i in st.device_indices]).reshape(st.shape), st.names,
                             axis_types=(jax.sharding.AxisType.Auto,) * len(st.shape)) for st in stages]
         fwd = parts.forward
-        self.programs = stage_programs(fwd, layers, [(st.first_layer, st.last_layer) for st in stages])
-        self.actions = schedule_actions(schedule, len(stages), self.num_microbatches)
-        self.split_inputs = tuple(bool(x) for x in split_inputs)
-        self.recompute = tuple(bool(recompute or st.recompute) for st in stages)  # per stage
-        self._jit_options: dict[str, Any] = {"compiler_options": dict(compiler_options)} if compiler_options else {}
+        self.programs = stage_programs(fwd, self.layers, [(st.first_layer, st.last_layer) for st in stages])
+        self.actions = schedule_actions(run.schedule, len(stages), self.num_microbatches)
+        self.split_inputs = tuple(bool(x) for x in run.split_inputs)
+        self.recompute = tuple(bool(options.recompute or st.recompute) for st in stages)  # per stage
+        self._jit_options: dict[str, Any] = (
+            {"compiler_options": dict(options.compiler_options)} if options.compiler_options else {})
+        out_paths = run.out_paths
         # gradient owners: the first stage that reads each differentiated leaf (stage 0 if none does)
         readers: dict[int, list[int]] = {}
         for p in self.programs:
@@ -134,11 +134,11 @@ class PipelineStep:
 
     # ---- construction --------------------------------------------------
     def act_sharding(self, s: int, var: VarId) -> NamedSharding:
-        return split_leading(self.meshes[s], self.parts.forward.avals[var].shape, self.layouts[s].batch_axes)
+        return split_leading(self.meshes[s], self.parts.forward.avals[var].shape, self.layouts[s].split_axes)
 
     def data_sharding(self, s: int, k: int) -> NamedSharding:
         return split_leading(self.meshes[s], self.parts.forward.avals[self.parts.forward.invars[k]].shape,
-                              self.layouts[s].batch_axes)
+                             self.layouts[s].split_axes)
 
     def _leaf_shape(self, k: int) -> tuple[int, ...]:
         return tuple(self.parts.forward.avals[self.parts.forward.invars[k]].shape)

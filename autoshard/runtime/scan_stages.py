@@ -1,30 +1,35 @@
 """Pipelines over a scanned layer stack at run time: each stage scans its own iteration range.
 
-The planner (``compiler/scan_pipeline.py``) prices and lays out the step rewritten per iteration
+The planner (``compiler/pipeline_driver.py``) prices and lays out the step rewritten per iteration
 (:func:`per_layer`: the stack cut into N one-iteration scans, ``ir/scan_stack.py``); its stage layouts are
-keyed by that rewrite's leaves. :func:`scanned_step` traces the user's step at the microbatch, rewrites it
+keyed by that rewrite's leaves. :func:`scanned_step` takes the user's step at the microbatch, rewrites it
 with one chunk per stage (the iterations of the stage's layers), re-keys each layout for it and builds a
 :class:`ScanPipelineStep`: called like the user's step, it slices every stacked input into the stages'
 rows, runs the stages (stage s holds only rows ``[lo, hi)`` of each stacked parameter, gradient and
 optimizer state and runs a ``scan`` over them), and concatenates the stacked outputs on the first stage's
-devices, so the step returns the user's stacked layout. ``plan.apply`` of a saved plan runs the same
-(``plans/applied_scan.py``).
+devices, so the step returns the user's stacked layout. ``autoshard.apply`` of a saved plan runs the same
+(``runtime/applied_scan.py``).
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from autoshard.errors import PlanningError
+from autoshard.errors import PipelineError, PlanningError
+from autoshard.ir.graph import OpGraph
 from autoshard.ir.scan_stack import StackSplit, find_stack, split_stack
-from autoshard.ir.split import StepParts, batch_inputs, microbatch_shapes, split_step
+from autoshard.ir.split import StepParts, batch_inputs
+from autoshard.ir.step_trace import TracedStep
 from autoshard.ir.trace import trace
-from autoshard.runtime.pipeline import PipelineError, PipelineStep, StageLayout
+from autoshard.plans.plan import Plan
+from autoshard.runtime.pipeline import PipelineStep
+from autoshard.runtime.stage_layout import PipelineRun, StageLayout, StepOptions
 
 
 def per_layer(parts: StepParts) -> StackSplit:
@@ -71,6 +76,23 @@ def stacked_args(arg_leaves: Sequence[Any], in_tree: Any, split: StackSplit) -> 
     return tuple(jax.tree_util.tree_unflatten(in_tree, leaves))
 
 
+@dataclass(frozen=True, eq=False)
+class StackedView:
+    """A step with a scanned layer stack as its pipeline plan sees it: cut per iteration (``split``, whose
+    leaves the plan's layouts key) and traced so (``graph``, whose inputs and outputs the plan names)."""
+
+    split: StackSplit
+    graph: OpGraph
+
+
+def stacked_view(traced: TracedStep, split: StackSplit | None = None) -> StackedView:
+    """The per-iteration view of ``traced`` (``split``: its per-iteration cut, when already made)."""
+    split = per_layer(traced.parts) if split is None else split
+    graph = trace(stacked_function(traced.fn, traced.in_tree, traced.graph.out_tree, split),
+                  *stacked_args(traced.arg_leaves, traced.in_tree, split))
+    return StackedView(split, graph)
+
+
 def stage_bounds(pricing: StackSplit, layer_eqns: Sequence[Sequence[int]], ranges: Sequence[tuple[int, int]]
                  ) -> list[tuple[int, int] | None]:
     """Per stage (its layer range, inclusive): the scan iterations ``[lo, hi)`` it runs, or None."""
@@ -83,17 +105,16 @@ def stage_bounds(pricing: StackSplit, layer_eqns: Sequence[Sequence[int]], range
 
 
 
-def scanned_step(fn: Callable[..., Any], in_tree: Any, arg_leaves: Sequence[Any], split_inputs: Sequence[bool],
-                 stack_length: int, layer_eqns: Sequence[Sequence[int]], layouts: Sequence[StageLayout],
-                 num_microbatches: int, schedule: Any, devices: Sequence[jax.Device] | None = None,
-                 **step_options: Any) -> PipelineStep:
-    """The runtime of a scanned-stack pipeline plan (module docstring). ``layer_eqns`` and ``layouts`` are over
-    the per-iteration rewrite; ``split_inputs`` marks the user's batch inputs."""
-    big_b = int(num_microbatches)
-    user_graph = trace(fn, *jax.tree_util.tree_unflatten(in_tree, microbatch_shapes(arg_leaves, split_inputs, big_b)))
-    small = split_step(user_graph.jaxpr)
+def scanned_step(plan: Plan, traced: TracedStep, layouts: Sequence[StageLayout],
+                 devices: Sequence[jax.Device] | None = None, options: StepOptions = StepOptions()) -> PipelineStep:
+    """The runtime of a scanned-stack pipeline plan (module docstring) on the user's step ``traced``; ``layouts``
+    are the plan's stages keyed by the per-iteration rewrite (``runtime/applied_pipeline.stage_layouts``)."""
+    assert plan.pipeline is not None
+    big_b = int(plan.num_microbatches)
+    layer_eqns = plan.pipeline.layer_eqns
+    small = traced.at_microbatches(big_b)
     stack = find_stack(small.forward) if small is not None else None
-    if stack is None or stack.length != stack_length:
+    if small is None or stack is None or stack.length != plan.pipeline.scan_layers:
         raise PipelineError(f"the loss traces to different equations at the microbatch size (batch / {big_b}); "
                             "a pipeline needs shape-independent loss code")
     pricing = split_stack(small, stack, range(stack.length + 1), mark_cuts=True)
@@ -116,9 +137,9 @@ def scanned_step(fn: Callable[..., Any], in_tree: Any, arg_leaves: Sequence[Any]
         rt_layers.append(tuple(sorted(eqns)))
         rt_layouts.append(_runtime_layout(layout, s, pricing, run, chunk_of_stage.get(s)))
     _, split = batch_inputs(run.parts)
-    step = ScanPipelineStep(run.parts, rt_layers, rt_layouts, big_b, schedule, split_inputs=split, in_tree=None,
-                            out_tree=None, devices=devices, **step_options)
-    step.stack_split, step.user_in_tree, step.user_out_tree = run, in_tree, user_graph.out_tree
+    step = ScanPipelineStep(PipelineRun(run.parts, tuple(rt_layers), tuple(rt_layouts), big_b, plan.pipeline.schedule,
+                                        tuple(split)), devices, options)
+    step.stack_split, step.user_in_tree, step.user_out_tree = run, traced.in_tree, traced.graph.out_tree
     step.stage_iterations = tuple(its)
     return step
 

@@ -1,23 +1,30 @@
 """SPMD runtime: one ``jax.jit`` of the traced graph with the plan's shardings.
 
-``Annotations`` is the one shape in which layouts reach the runtime: a spec
+``Annotations`` (``plans/annotations.py``) is the one shape in which layouts reach the runtime: a spec
 per flat input and output, and per op the specs of its outputs and the
 layouts its inputs are resharded through (only where they differ from how the
 producer left them). ``passes/emit.py`` builds it from the solver's result for
-a Plan, ``plans/applied.py`` from a Plan for this runtime; this module and
+a Plan, ``runtime/applied.py`` from a Plan for this runtime; this module and
 the pipeline runtime are the only places that turn specs into
 ``jax.sharding`` objects (``named_sharding``, ``make_jax_mesh``).
 
 Inputs and outputs get ``in_shardings``/``out_shardings`` from the plan; every
 op output is pinned with ``with_sharding_constraint`` to the spec the plan
 chose, and inputs that the plan reshards are constrained to the consumer's
-spec first, so XLA runs exactly the communication the plan priced. Carried
+spec first, so XLA runs exactly the communication the plan priced (on a
+one-device mesh nothing is pinned: the program is ``jax.jit``'s). Carried
 state (parameters, optimizer state) is donated.
+
+Any ``jax.sharding.Mesh`` runs a plan, whatever its axis types. Sharding
+constraints may only name Auto axes, while ``jax.make_mesh`` makes Explicit
+ones by default, so the jitted program works on the mesh's Auto twin (the same
+devices in the same order, every axis Auto: ``auto_twin``) and its results are
+returned on the mesh the caller gave, with the planned specs. Both meshes lay
+out a shard on the same device, so crossing between them moves no data.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -27,17 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from autoshard.ir.graph import Op, OpGraph
 from autoshard.ir.spec import Spec
 from autoshard.meshes.logical import LogicalMesh
-
-
-@dataclass(frozen=True)
-class Annotations:
-    input_specs: tuple[Spec, ...]
-    output_specs: tuple[Spec, ...]
-    op_out_specs: Mapping[int, tuple[Spec, ...]]  # op index -> spec of each output
-    # op index -> {input position: layouts to pin in order, the last being the spec the op reads}
-    op_in_reshards: Mapping[int, Mapping[int, tuple[Spec, ...]]]
-    # flat output index -> layouts to pin before returning (state written back to its storage layout)
-    output_reshards: Mapping[int, tuple[Spec, ...]] = field(default_factory=dict)
+from autoshard.plans.annotations import Annotations
 
 
 def partition_spec(spec: Spec) -> PartitionSpec:
@@ -50,7 +47,8 @@ def named_sharding(spec: Spec, mesh: Mesh) -> NamedSharding:
 
 def make_jax_mesh(logical: LogicalMesh | tuple[int, ...], axis_names: Sequence[str] | None = None,
                   devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A jax Mesh with Auto axis types (GSPMD-style planning; see JAX-NOTES) over ``devices``."""
+    """A jax Mesh with Auto axis types over ``devices`` (the planned layouts are GSPMD sharding constraints,
+    which name Auto axes only; ``jax.make_mesh`` would make Explicit ones)."""
     if isinstance(logical, LogicalMesh):
         shape, names = logical.shape, logical.axis_names
     else:
@@ -62,9 +60,24 @@ def make_jax_mesh(logical: LogicalMesh | tuple[int, ...], axis_names: Sequence[s
     return Mesh(grid, tuple(names), axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
 
 
+def auto_twin(mesh: Mesh) -> Mesh:
+    """``mesh`` itself when every axis is Auto, else the same devices and axis names with every axis Auto:
+    what the planned sharding constraints run on (module docstring)."""
+    auto = jax.sharding.AxisType.Auto
+    if all(t == auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(auto,) * len(mesh.axis_names))
+
+
 def pin(value: Any, chain: Sequence[Spec], mesh: Mesh) -> Any:
     """``value`` constrained through the layouts of ``chain`` in order (``with_sharding_constraint``): how a
-    planned op output or a planned reshard reaches XLA."""
+    planned op output or a planned reshard reaches XLA.
+
+    On a one-device mesh nothing is pinned: every layout there is the whole array, and a constraint only
+    stands between XLA and its simplifications (it kept converts of a mixed-precision step from folding), so
+    the program is the one ``jax.jit`` compiles for the step."""
+    if mesh.size == 1:
+        return value
     for spec in chain:
         value = jax.lax.with_sharding_constraint(value, named_sharding(spec, mesh))
     return value
@@ -87,17 +100,23 @@ def pin_op_outputs(vals: list[Any], specs: Sequence[Spec | None] | None, mesh: M
 class SpmdStep:
     """A planned train step: call it like the original function."""
 
-    def __init__(self, graph: OpGraph, annotations: Annotations, mesh: Mesh, *, donate: bool = True) -> None:
+    def __init__(self, graph: OpGraph, annotations: Annotations, mesh: Mesh, *, donate: bool = True,
+                 compiler_options: Mapping[str, Any] | None = None) -> None:
+        """``mesh``: the caller's, any axis types; arguments are placed and results returned on it.
+        ``compiler_options``: XLA's, as ``jax.jit``'s (None: its defaults)."""
         self.graph, self.annotations, self.mesh = graph, annotations, mesh
+        self.inner_mesh = auto_twin(mesh)  # what the jitted program's shardings and constraints name
         self.in_shardings = tuple(named_sharding(s, mesh) for s in annotations.input_specs)
         self.out_shardings = tuple(named_sharding(s, mesh) for s in annotations.output_specs)
         carried = {i for i in (graph.carried or ()) if i is not None}
         self.donate_argnums = tuple(sorted(carried)) if donate else ()
-        self.jitted = jax.jit(self._flat_step, in_shardings=self.in_shardings, out_shardings=self.out_shardings,
-                              donate_argnums=self.donate_argnums)
+        self.inner_in_shardings = tuple(named_sharding(s, self.inner_mesh) for s in annotations.input_specs)
+        self.jitted = jax.jit(self._flat_step, in_shardings=self.inner_in_shardings, out_shardings=self.out_shardings,
+                              donate_argnums=self.donate_argnums,
+                              compiler_options=dict(compiler_options) if compiler_options else None)
 
     def _flat_step(self, *flat: Any) -> list[Any]:
-        ann, mesh = self.annotations, self.mesh
+        ann, mesh = self.annotations, self.inner_mesh
 
         def before(op: Op, vals: list[Any]) -> list[Any]:
             return pin_op_inputs(vals, ann.op_in_reshards.get(op.id), mesh)
@@ -125,9 +144,10 @@ class SpmdStep:
         return jax.tree_util.tree_unflatten(self.graph.out_tree, out)
 
     def call_placed(self, args: Sequence[Any]) -> Any:
-        """Call with ``args`` moved to the planned input shardings first where they are elsewhere."""
+        """Call with ``args`` moved to the planned input shardings first where they are elsewhere (an argument
+        already there on the caller's mesh is only relabelled onto its Auto twin: the same buffers)."""
         placed = [x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
-                  for x, s in zip(self.flatten_args(args), self.in_shardings)]
+                  for x, s in zip(self.flatten_args(args), self.inner_in_shardings)]
         return jax.tree_util.tree_unflatten(self.graph.out_tree, self.jitted(*placed))
 
     def lower(self, *args: Any) -> Any:

@@ -1,7 +1,7 @@
-"""Where a pipeline stage runs and how its arrays are laid out on its sub-mesh (``runtime/pipeline.py``)."""
+"""What a pipeline runs (``runtime/pipeline.py``): each stage's place and layouts (:class:`StageLayout`), the
+step at one microbatch with the plan's stages on it (:class:`PipelineRun`), and the runtime's own options."""
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +12,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from autoshard.ir.graph import OpGraph, Role
 from autoshard.ir.spec import Spec
 from autoshard.ir.split import StepParts
+from autoshard.ir.stage_programs import LayerEqns
+from autoshard.plans.annotations import TrainPins
+from autoshard.plans.schedules import PipelineSchedule
+from autoshard.plans.stage_plan import batch_split_spec
 from autoshard.runtime.spmd import named_sharding
 
 
@@ -27,7 +31,9 @@ class StageLayout:
     param_specs: Mapping[int, Spec] = field(default_factory=dict)  # loss-argument leaf -> storage spec
     grad_specs: Mapping[int, Spec] = field(default_factory=dict)  # loss-argument leaf -> accumulator spec
     input_specs: Mapping[int, Spec] = field(default_factory=dict)  # flat step input (params, optimizer state)
-    batch_axes: tuple[str, ...] | None = None  # axes splitting data and activations; None: every axis
+    # axes splitting data and activations at the stage's boundary (``split_axes``); None: every axis (a layout
+    # without a plan is data parallel)
+    batch_axes: tuple[str, ...] | None = None
     recompute: bool = False  # the backward re-runs the stage's forward from its input (keeps no residuals)
     # the stage's intra-op plan per forward equation (``runtime/stage_pins.py``): the spec of each output
     # (None: not pinned) and, per input position, the layouts it is resharded through first
@@ -37,9 +43,9 @@ class StageLayout:
     # activations crossing between layer plans: (forward equation, 0: an input / 1: an output, position) ->
     # (the spec the value is pinned to going forward, the spec its cotangent is pinned to coming back)
     edge_pins: Mapping[tuple[int, int, int], tuple[Spec, Spec]] = field(default_factory=dict)
-    # layer -> its train-graph plan (``runtime/stage_train.TrainPins``): with one for every layer the stage runs
+    # layer -> its train-graph plan (``plans/annotations.TrainPins``): with one for every layer the stage runs
     # its layers' train graphs pinned op by op, the backward as planned; without, jax.vjp of the pinned forward
-    train_pins: Mapping[int, Any] = field(default_factory=dict)
+    train_pins: Mapping[int, TrainPins] = field(default_factory=dict)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -49,17 +55,43 @@ class StageLayout:
     def names(self) -> tuple[str, ...]:
         return self.axis_names or ("dp",)
 
+    @property
+    def split_axes(self) -> tuple[str, ...]:
+        """The axes the stage splits its batch leaves and boundary activations over, as the planner prices them
+        and the runtime places them (``plans/stage_plan.batch_split_spec``)."""
+        return self.names if self.batch_axes is None else self.batch_axes
+
+
+@dataclass(frozen=True, eq=False)
+class PipelineRun:
+    """What a ``PipelineStep`` runs: the step at one microbatch and the plan's stages on it."""
+
+    parts: StepParts  # the step traced at one microbatch (batch leaves cut to 1/B: ``ir/split.microbatch_shapes``)
+    layers: tuple[LayerEqns, ...]  # the forward equation indices of each layer
+    layouts: tuple[StageLayout, ...]  # per stage: its layer range, devices and layouts
+    num_microbatches: int
+    schedule: PipelineSchedule
+    split_inputs: tuple[bool, ...]  # per flat step input: a batch leaf, cut into num_microbatches slices
+    in_tree: Any = None  # the step's argument and output pytrees (None: called on flat lists only)
+    out_tree: Any = None
+    out_paths: tuple[str, ...] = ()  # the step outputs' pytree paths, for messages
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How the runtime runs a pipeline, beside what the plan says."""
+
+    recompute: bool = False  # every stage's backward re-runs its forward (keeps no residuals), whatever planned
+    compiler_options: Mapping[str, Any] | None = None  # XLA options for every stage executable
+
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def split_leading(mesh: Mesh, shape: Sequence[int], axes: Sequence[str] | None = None) -> NamedSharding:
-    axes = tuple(a for a in (mesh.axis_names if axes is None else axes) if mesh.shape[a] > 1)
-    n = math.prod(mesh.shape[a] for a in axes)
-    if len(shape) >= 1 and n > 1 and shape[0] % n == 0:
-        return NamedSharding(mesh, PartitionSpec(axes if len(axes) > 1 else axes[0]))
-    return replicated(mesh)
+def split_leading(mesh: Mesh, shape: Sequence[int], axes: Sequence[str]) -> NamedSharding:
+    """A batch leaf or an activation at a stage's boundary, as the planner priced it (``batch_split_spec``)."""
+    return planned_sharding(mesh, batch_split_spec(shape, axes, dict(mesh.shape)), shape)
 
 
 def planned_sharding(mesh: Mesh, spec: Spec | None, shape: Sequence[int]) -> NamedSharding:

@@ -2,25 +2,21 @@
 
 The intra-op pass prices a stage from each layer's *train graph* (one
 microbatch's forward and backward with the gradient accumulated,
-:func:`train_graph`) and plans every op of it: the backward's ops too, each with
+``ir/train_graph.py``) and plans every op of it: the backward's ops too, each with
 its own strategy and the reshards between them. Running the stage as ``jax.vjp``
 of its pinned forward equations would leave the backward to XLA: its collectives
 would be XLA's, not the plan's, and could not be checked against it. So a stage
-whose layers carry their train-graph plans (:class:`TrainPins`, from
+whose layers carry their train-graph plans (``plans.annotations.TrainPins``, from
 ``passes/stage_costs.py``) runs those graphs instead, with every op output
 pinned to its planned spec and every planned reshard run as its pinned chain
 (the SPMD runtime's ``pin_op_inputs`` / ``pin_op_outputs``).
 
 A train graph is one program; a pipeline stage runs it in two executables, the
 forward when the microbatch passes and the backward when its cotangents come
-back. :func:`split_phases` cuts it: the *forward* is what the activations
-leaving the layer need and reads neither the gradient accumulator nor a
-cotangent; everything else is the *backward* (the derivative factors the JVP
-rules compute from forward values included: made in the backward, they are not
-kept between the two). The *residuals* are the forward's values the backward
-reads; the forward returns them with its outputs and the runtime keeps them
-per microbatch in flight (a stage that recomputes, and the last stage, which
-fuses the two, runs both halves in one executable and keeps nothing).
+back, cut by ``ir/train_graph.split_phases``; the forward returns the residuals
+its backward reads and the runtime keeps them per microbatch in flight (a stage
+that recomputes, and the last stage, which fuses the two, runs both halves in
+one executable and keeps nothing).
 
 Layers chain inside a stage (:class:`StageRunner`): each layer's forward reads
 the activations the earlier layers (or the stage's input) made; the backward
@@ -37,142 +33,20 @@ layer without pins, runs the ``jax.vjp`` path (:func:`stage_runner` says why).
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 from jax.sharding import Mesh
 
-from autoshard.ir.graph import Op, OpGraph, Role, ValueId
+from autoshard.ir.graph import Op, OpGraph, ValueId
 from autoshard.ir.spec import Spec
 from autoshard.ir.split import Forward
-from autoshard.ir.trace import trace
-from autoshard.runtime.spmd import Annotations, pin, pin_op_inputs, pin_op_outputs
-from autoshard.runtime.stage_programs import LayerEqns, StageProgram, stage_programs
-
-Unit = tuple[int, int]  # ops [start, stop): one op, or a whole top-level loop region
-
-
-@dataclass(frozen=True)
-class TrainPins:
-    """One layer class's train-graph plan on a stage's logical mesh: the SPMD annotations of every op."""
-
-    key: str  # the layer structure hash (``Layer.structure``)
-    num_ops: int  # ops of the graph it was planned on (a runtime graph with another count is not pinned)
-    annotations: Annotations
-
-
-# ---------------------------------------------------------------------------
-# The train graph and its two halves
-
-
-def struct_of(forward: Forward, var: Any) -> jax.ShapeDtypeStruct:
-    """A forward variable as a ShapeDtypeStruct."""
-    aval = forward.avals[var]
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
-
-
-def train_graph(forward: Forward, program: StageProgram) -> tuple[OpGraph, tuple[int, int, int, int, int]]:
-    """The train graph of a (one-layer) program and its input groups::
-
-        layer_step(acc, params, data, acts_in, cts_out) -> (acc + dparams, acts_out, dacts_in)
-
-    Roles: ``acc`` optimizer state (carried: it leaves in its storage layout), ``params`` parameters, ``data``
-    batch, activations and cotangents activations."""
-    run = program.function(forward)
-    params = [struct_of(forward, forward.invars[k]) for k in program.param_leaves]
-    data = [struct_of(forward, forward.invars[k]) for k in program.data_leaves]
-    acts = [struct_of(forward, v) for v in program.in_acts]
-    cts = [struct_of(forward, v) for v in program.out_acts]
-
-    def layer_step(acc: list[Any], pr: list[Any], d: list[Any], ac: list[Any], ct: list[Any]) -> Any:
-        out, pullback = jax.vjp(lambda p_, a_: run(p_, d, a_), pr, ac)
-        dparams, dacts = pullback(ct)
-        return [a + g for a, g in zip(acc, dparams)], out, dacts
-
-    graph = trace(layer_step, params, params, data, acts, cts)
-    groups = (len(params), len(params), len(data), len(acts), len(cts))
-    roles = ([Role.OPT_STATE] * groups[0] + [Role.PARAM] * groups[1] + [Role.BATCH] * groups[2]
-             + [Role.ACTIVATION] * (groups[3] + groups[4]))
-    values = dict(graph.values)
-    for vid, role in zip(graph.inputs, roles):
-        values[vid] = dataclasses.replace(values[vid], role=role)
-    carried = tuple(k if k < groups[0] else None for k in range(len(graph.outputs)))
-    return dataclasses.replace(graph, values=values, carried=carried), groups
-
-
-def one_layer_programs(forward: Forward, layers: Sequence[LayerEqns]) -> list[StageProgram]:
-    """Each layer as a program of its own (the leaves and activations its train graph's inputs stand for)."""
-    return stage_programs(forward, layers, [(i, i) for i in range(len(layers))])
-
-
-@dataclass(frozen=True)
-class Phases:
-    """A train graph cut into the forward and the backward executables (module docstring)."""
-
-    forward: tuple[Unit, ...]
-    backward: tuple[Unit, ...]
-    residuals: tuple[ValueId, ...]  # forward values the backward reads (or returns)
-    input_residuals: tuple[int, ...]  # positions among the entering activations the backward reads
-
-    def forward_ops(self) -> frozenset[int]:
-        return frozenset(t for a, b in self.forward for t in range(a, b))
-
-
-def units(graph: OpGraph) -> list[Unit]:
-    """The graph's ops in order, a top-level loop region (scan, while, cond) as one unit."""
-    regions = sorted((r.start, r.stop) for r in graph.loops)
-    top = [r for r in regions if not any(o != r and o[0] <= r[0] and r[1] <= o[1] for o in regions)]
-    starts = dict(top)
-    out, t = [], 0
-    while t < len(graph.ops):
-        stop = starts.get(t, t + 1)
-        out.append((t, stop))
-        t = stop
-    return out
-
-
-def _unit_io(graph: OpGraph, unit: Unit) -> tuple[set[ValueId], set[ValueId]]:
-    made = {v for t in range(*unit) for v in graph.ops[t].outputs}
-    reads = {v for t in range(*unit) for v in graph.ops[t].inputs if v not in made}
-    return reads, made
-
-
-def split_phases(graph: OpGraph, groups: Sequence[int]) -> Phases:
-    """The forward: the units the leaving activations need that read no accumulator and no cotangent
-    (transitively); the backward: the rest (module docstring)."""
-    na, npar, nd, nact, nct = groups
-    inputs = graph.inputs
-    acts_in = inputs[na + npar + nd:na + npar + nd + nact]
-    tainted = set(inputs[:na]) | set(inputs[na + npar + nd + nact:])
-    all_units = units(graph)
-    io = [_unit_io(graph, u) for u in all_units]
-    clean = []
-    for reads, made in io:
-        dirty = bool(reads & tainted)
-        if dirty:
-            tainted |= made
-        clean.append(not dirty)
-    needed = set(graph.outputs[na:na + nct])
-    forward = [False] * len(all_units)
-    for u in reversed(range(len(all_units))):
-        reads, made = io[u]
-        if clean[u] and made & needed:
-            forward[u] = True
-            needed |= reads
-    fwd_made = {v for u, (_, made) in enumerate(io) if forward[u] for v in made}
-    back_reads = {v for u, (reads, _) in enumerate(io) if not forward[u] for v in reads}
-    back_reads |= set(graph.outputs[:na]) | set(graph.outputs[na + nct:])
-    return Phases(
-        forward=tuple(u for u, f in zip(all_units, forward) if f),
-        backward=tuple(u for u, f in zip(all_units, forward) if not f),
-        residuals=tuple(sorted(fwd_made & back_reads)),
-        input_residuals=tuple(i for i, v in enumerate(acts_in) if v in back_reads))
-
+from autoshard.ir.stage_programs import StageProgram
+from autoshard.ir.train_graph import Groups, Unit, split_phases, train_graph
+from autoshard.plans.annotations import TrainPins
+from autoshard.runtime.spmd import pin, pin_op_inputs, pin_op_outputs
 
 # ---------------------------------------------------------------------------
 # Running one layer's graph, pinned
@@ -331,7 +205,7 @@ def _signature(forward: Forward, program: StageProgram) -> tuple[Any, ...]:
 
 def stage_runner(forward: Forward, program: StageProgram, layer_programs: Sequence[StageProgram],
                  pins: Mapping[int, TrainPins], first: int, last: int, mesh: Mesh,
-                 graphs: dict[Any, tuple[OpGraph, tuple[int, int, int, int, int]]] | None = None
+                 graphs: dict[Any, tuple[OpGraph, Groups]] | None = None
                  ) -> tuple[StageRunner | None, str]:
     """The runner of the stage over layers ``first..last``, or (None, why not). ``graphs`` caches the traced
     train graph per layer class and input signature (tied and repeated layers trace once; a layer of the

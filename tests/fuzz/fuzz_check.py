@@ -2,11 +2,10 @@
 
 ``check(program, mesh_name)`` returns an :class:`Outcome`: ``ok``, ``refused`` (a ``PlanningError``
 that names what autoshard does not plan: allowed, and counted), ``crash`` (any other exception) or
-``mismatch`` (the sharded step's numbers differ from one device's). Tolerances follow JAX-NOTES
-("Comparing a sharded step with one device"): loss, SGD parameters and Adam's moments at 1e-4 of the
-leaf's scale (a reordered fp32 sum, not a wrong plan, is the only allowed difference); AdamW
-parameters within 3x the learning rate, since Adam divides rounding noise by its own magnitude where
-a gradient is zero in theory.
+``mismatch`` (the sharded step's numbers differ from one device's). Tolerances: loss, SGD parameters
+and Adam's moments at 1e-4 of the leaf's scale (a reordered fp32 sum, not a wrong plan, is the only
+allowed difference); AdamW parameters within 3x the learning rate, since Adam divides rounding noise
+by its own magnitude where a gradient is zero in theory.
 
 The planner prices on one of two clusters: ``cpu-8`` (latency-bound: tiny programs stay mostly
 replicated) or ``COMPUTE_BOUND`` (slow compute, fast free links: the ILP shards everything it can),
@@ -25,6 +24,7 @@ import autoshard
 from autoshard.errors import PlanningError
 from autoshard.meshes.cluster import PRESETS, ClusterSpec, LinkLevel
 from autoshard.passes.intra_op import IntraOpOptions
+from compiled_examples import FAST_COMPILE  # only the numbers of each step are compared
 
 from fuzz_programs import LEARNING_RATE, Program, build
 
@@ -66,7 +66,7 @@ def reference(program: Program):
     """The step on one device: (params, opt_state, loss) after one step, as numpy."""
     step, params, opt_state, batch = build(program)
     with jax.default_device(jax.devices()[0]):
-        out = jax.jit(step)(*_copy((params, opt_state)), batch)
+        out = jax.jit(step, compiler_options=FAST_COMPILE)(*_copy((params, opt_state)), batch)
     return jax.tree.map(np.asarray, out)
 
 
@@ -136,7 +136,7 @@ def check(program: Program, mesh_name: str, cluster_name: str, *, time_limit_s: 
         return Outcome("crash", program, mesh_name, cluster_name, _trace(err))
     sharded = any(not s.is_replicated for s in plan.input_specs.values())
     try:
-        got = plan.apply(step, mesh)(*_copy((params, opt_state)), batch)
+        got = autoshard.apply(plan, step, mesh, compiler_options=FAST_COMPILE)(*_copy((params, opt_state)), batch)
         got = jax.tree.map(np.asarray, got)
     except Exception as err:  # noqa: BLE001
         return Outcome("crash", program, mesh_name, cluster_name, _trace(err), sharded)

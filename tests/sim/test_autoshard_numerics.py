@@ -2,8 +2,7 @@
 
 Parameters are compared after SGD steps (relative error <= 1e-5 per leaf). With the examples' own AdamW
 the loss and Adam's first moment are compared tightly: Adam divides rounding noise by its own magnitude
-where a gradient is zero in theory (attention key biases), which makes its parameters a poor yardstick
-(JAX-NOTES, "Comparing a sharded step with one device").
+where a gradient is zero in theory (attention key biases), which makes its parameters a poor yardstick.
 """
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import pytest
 
 import autoshard
 from autoshard.passes.intra_op import IntraOpOptions
-from compiled_examples import planned_example, sgd_reference
+from compiled_examples import FAST_COMPILE, planned_example, sgd_reference
 
 FAST = IntraOpOptions(time_limit_s=1.0)  # local search finds these plans; CP-SAT only polishes
 CASES = [(model, mesh) for model in ("gpt", "moe") for mesh in ((2, 4), (1, 8), (8, 1), (2, 3))]
@@ -30,7 +29,7 @@ def _rel(a, b) -> float:
 def test_sgd_steps_match_one_device(model, mesh, devices8):
     ref = sgd_reference(model)  # the one-device run, once per model (test_expert_parallel.py's too)
     batch = ref.work.args[2]
-    step = autoshard.autoshard(ref.step_fn, mesh=mesh, options=FAST)
+    step = autoshard.autoshard(ref.step_fn, mesh=mesh, options=FAST, compiler_options=FAST_COMPILE)
     state = ref.fresh_state()
     for ref_loss in ref.losses:
         *state, loss = step(*state, batch)
@@ -55,12 +54,14 @@ def _first_moment(opt_state):
     raise AssertionError("no Adam state in opt_state")
 
 
+@pytest.mark.xdist_group("planned_examples")  # runs test_fidelity.py's {model}-2x4 plan: on its worker
 @pytest.mark.parametrize("model", ["gpt", "moe"])
 def test_adamw_steps_match_one_device(model, devices8):
     """Loss over 3 AdamW steps; the first moment after the first step (the gradient, scaled) tightly."""
     work = importlib.import_module(f"examples.{model}").workload("small")
     params, opt_state, batch = work.args
-    ref_params, ref_opt, _ = jax.jit(work.step)(*jax.tree.map(lambda x: x.copy(), (params, opt_state)), batch)
+    reference = jax.jit(work.step, compiler_options=FAST_COMPILE)
+    ref_params, ref_opt, _ = reference(*jax.tree.map(lambda x: x.copy(), (params, opt_state)), batch)
     # the same step planned the same way (options FAST) as test_fidelity.py's {model}-2x4 case: run its plan
     sharded = planned_example(model, (2, 4), time_limit_s=FAST.time_limit_s).step
     new_params, new_opt, _ = sharded(params, opt_state, batch)
@@ -70,7 +71,6 @@ def test_adamw_steps_match_one_device(model, devices8):
     for got, want in zip(mu_got, mu_want):
         err = float(np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))))
         assert err / max(float(np.max(np.abs(np.asarray(want)))), floor) <= 1e-5
-    reference = jax.jit(work.step)
     ref, state = (ref_params, ref_opt), (new_params, new_opt)
     for _ in range(2):
         *ref, ref_loss = reference(*ref, batch)
@@ -91,7 +91,8 @@ def test_step_with_a_prng_key_matches_one_device(devices8):
         return w - 0.1 * grad, value
 
     w, batch, key = jnp.linspace(0, 1, 16 * 8).reshape(16, 8), jnp.ones((32, 16)), jax.random.key(0)
-    want_w, want_loss = jax.jit(step)(w, batch, key)
-    got_w, got_loss = autoshard.autoshard(step, mesh=(2, 4), options=FAST)(w, batch, key)
+    want_w, want_loss = jax.jit(step, compiler_options=FAST_COMPILE)(w, batch, key)
+    sharded = autoshard.autoshard(step, mesh=(2, 4), options=FAST, compiler_options=FAST_COMPILE)
+    got_w, got_loss = sharded(w, batch, key)
     assert _rel(got_loss, want_loss) <= 1e-6
     assert _rel(got_w, want_w) <= 1e-6

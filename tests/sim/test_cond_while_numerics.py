@@ -16,11 +16,13 @@ import pytest
 import autoshard
 from autoshard.ir.spec import Spec
 from autoshard.passes.intra_op import IntraOpOptions
+from compiled_examples import FAST_COMPILE
 
 FAST = IntraOpOptions(time_limit_s=1.0)
 # planned for 1x8-a100 under a per-device budget that replicated state overflows (~78 KiB replicated): the plans
 # split parameters and activations, so the numerics cover sharded bodies and branches, not a replicated copy
-PLAN = dict(mesh=(2, 4), cluster="1x8-a100", memory_budget=40 * 1024, num_stages=1, options=FAST)
+PLAN = dict(mesh=(2, 4), cluster="1x8-a100", memory_budget=40 * 1024, num_stages=1, options=FAST,
+            compiler_options=FAST_COMPILE)
 LAYERS, WIDTH, BATCH = 3, 32, 16
 
 
@@ -101,7 +103,7 @@ def _sgd_step(loss_fn):
 
 
 def _three_steps(step, sharded, params, opt_state, batches):
-    reference = jax.jit(step)
+    reference = jax.jit(step, compiler_options=FAST_COMPILE)
     ref = (jax.tree.map(np.copy, params), jax.tree.map(np.copy, opt_state))
     state = (params, opt_state)
     for batch in batches:
@@ -169,7 +171,8 @@ def test_hlo_reader_counts_a_conditional_as_its_costliest_branch(devices8):
         return jnp.broadcast_to(jnp.sum(a, axis=0, keepdims=True), a.shape)
 
     def count(heavy):
-        f = jax.jit(lambda p, a: jax.lax.cond(p, cheap, heavy, a), in_shardings=(None, rows), out_shardings=rows)
+        f = jax.jit(lambda p, a: jax.lax.cond(p, cheap, heavy, a), in_shardings=(None, rows), out_shardings=rows,
+                    compiler_options=FAST_COMPILE)  # only its collectives are read
         text = f.lower(True, jnp.ones((64, 128))).compile().as_text()
         assert "conditional" in text
         return sum(c.count for c in read_hlo_collectives(text) if c.kind == "all-reduce")
@@ -197,6 +200,7 @@ def test_nested_while_and_switch_re_emit_exactly(devices8):
     assert sorted(r.kind for r in graph.loops) == ["cond", "cond", "cond", "while", "while"]
     rng = np.random.RandomState(0)
     x, w = rng.standard_normal((8, 8)).astype(np.float32), (rng.standard_normal((8, 8)) / 3).astype(np.float32)
-    again, direct = jax.jit(lambda *a: graph.evaluate(list(a))[0]), jax.jit(f)
+    again = jax.jit(lambda *a: graph.evaluate(list(a))[0], compiler_options=FAST_COMPILE)
+    direct = jax.jit(f, compiler_options=FAST_COMPILE)
     for i in range(3):
         np.testing.assert_allclose(again(np.int32(i), x, w), direct(np.int32(i), x, w), rtol=1e-6, atol=1e-6)

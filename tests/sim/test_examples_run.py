@@ -1,7 +1,7 @@
 """The example workloads run: one jitted step per small config, the loss falls, routing keeps capacity.
 
-Steps are compiled with XLA:CPU's backend optimizations off: the tests check
-numerics and structure, and compile time dominates on this machine.
+Steps are compiled with ``FAST_COMPILE`` (XLA:CPU's backend optimizations and fusion emitters off): the tests
+check numerics and structure, and compile time dominates on this machine.
 """
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import optax
 import pytest
 
+from compiled_examples import FAST_COMPILE
 from examples import Workload, common, convnet, gpt, is_abstract, mlp, moe, moe_topk
 
 MODULES: dict[str, ModuleType] = {"mlp": mlp, "gpt": gpt, "moe": moe, "moe_topk": moe_topk, "convnet": convnet}
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 @functools.cache

@@ -16,7 +16,10 @@ import pytest
 
 import autoshard
 from autoshard.passes.intra_op import IntraOpOptions
-from compiled_examples import planned_example, sgd_reference
+from compiled_examples import FAST_COMPILE, planned_example, sgd_reference
+
+# one pytest-xdist worker for every test that reads compiled_examples.planned_example's shared plans
+pytestmark = pytest.mark.xdist_group("planned_examples")
 
 FAST = IntraOpOptions(time_limit_s=1.0)
 STYLES = ["moe", "moe_topk"]
@@ -37,7 +40,8 @@ def _expert_specs(plan):
 def test_expert_parallel_steps_match_one_device(model, devices8):
     ref = sgd_reference(model)  # the one-device run (moe's is test_autoshard_numerics.py's too)
     work, batch = ref.work, ref.work.args[2]
-    sharded = autoshard.autoshard(ref.step_fn, mesh=(2, 4), cluster="cpu-8", num_stages=1, options=FAST)
+    sharded = autoshard.autoshard(ref.step_fn, mesh=(2, 4), cluster="cpu-8", num_stages=1, options=FAST,
+                                  compiler_options=FAST_COMPILE)
     state = ref.fresh_state()
     for ref_loss in ref.losses:
         *state, loss = sharded(*state, batch)
@@ -54,7 +58,7 @@ def test_expert_parallel_steps_match_one_device(model, devices8):
 
 @pytest.mark.parametrize("model", STYLES)
 def test_expert_parallel_all_to_all_matches_compiled_hlo(model, devices8):
-    shared = planned_example(model, (2, 4), cluster="cpu-8", num_stages=1, time_limit_s=FAST.time_limit_s)
+    shared = planned_example(model, (2, 4), cluster="cpu-8", num_stages=1)  # test_fidelity's moe-2x4 plan
     assert all(spec.dims[0] for spec in _expert_specs(shared.step.plan).values())
     report = shared.report  # moe's is test_fidelity.py's moe-2x4 FLOP/HBM case too
     a2a = report.row("all-to-all bytes")

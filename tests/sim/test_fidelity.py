@@ -1,9 +1,12 @@
-"""The plan's predicted collectives agree with the HLO XLA compiles for it (JAX-NOTES: reading HLO)."""
+"""The plan's predicted collectives agree with the HLO XLA compiles for it (compiler/hlo.py reads it)."""
 from __future__ import annotations
 
 import pytest
 
 from compiled_examples import planned_example
+
+# one pytest-xdist worker for every test that reads compiled_examples.planned_example's shared plans
+pytestmark = pytest.mark.xdist_group("planned_examples")
 
 CASES = [("mlp", (2, 4)), ("gpt", (2, 4)), ("gpt", (1, 8)), ("moe", (2, 4))]
 

@@ -16,11 +16,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from autoshard.compiler.hlo import (
     HloCollective,
     collective_bytes_by_kind,
-    group_size_of,
     read_hlo_collectives,
     shape_nbytes,
     summarize_compiled,
 )
+from autoshard.compiler.hlo_parse import group_size_of
+from compiled_examples import FAST_COMPILE
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +29,12 @@ def mesh(devices8):
     return jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
-def _compile(mesh, fn, args, in_specs, out_spec):
+def _compile(mesh, fn, args, in_specs, out_spec, compiler_options=FAST_COMPILE):
+    """Compiled for reading its collectives (``FAST_COMPILE``: the same collectives); pass None where a test
+    reads memory or cost figures."""
     shard = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     out = jax.tree.map(shard, out_spec, is_leaf=lambda s: isinstance(s, P))
-    jitted = jax.jit(fn, in_shardings=tuple(map(shard, in_specs)), out_shardings=out)
+    jitted = jax.jit(fn, in_shardings=tuple(map(shard, in_specs)), out_shardings=out, compiler_options=compiler_options)
     return jitted.lower(*args).compile()
 
 
@@ -143,7 +146,7 @@ def test_nested_loops_multiply(mesh):
 
 
 def test_summarize_compiled_reads_memory_and_flops(mesh):
-    compiled = _compile(mesh, _matmul, (X, W), [P(None, "y"), P("y", None)], P(None, "y"))
+    compiled = _compile(mesh, _matmul, (X, W), [P(None, "y"), P("y", None)], P(None, "y"), compiler_options=None)
     summary = summarize_compiled(compiled)
     mem = compiled.memory_analysis()
     # Arguments: [16,8] + [8,64] f32 per device; output [16,16] f32.

@@ -2,7 +2,8 @@
 
 An 8-layer GPT (small width) is cut into 2 stages (GPipe) and 4 stages (1F1B) with B = 1, 2, 4
 microbatches. Parameters are compared after SGD steps; with the example's AdamW, the loss over three
-steps and Adam's first moment after the first (JAX-NOTES, "Comparing a sharded step with one device").
+steps and Adam's first moment after the first (Adam divides rounding noise by its own magnitude where a
+gradient is zero in theory, which makes its parameters a poor yardstick).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import optax
 import pytest
 
 import autoshard
+from compiled_examples import FAST_COMPILE
 from examples import gpt
 from pipeline_helpers import assert_adamw_steps_match, assert_leaves_close, marked_step, rel
 
@@ -33,7 +35,7 @@ def sgd_reference(work):
     """Losses and parameters of 3 SGD steps on one device (computed once for every case)."""
     params, _, batch = work.args
     tx = optax.sgd(0.1)
-    reference = jax.jit(marked_step(work.loss_fn, tx))
+    reference = jax.jit(marked_step(work.loss_fn, tx), compiler_options=FAST_COMPILE)
     state, losses = (params, tx.init(params)), []
     for _ in range(3):
         *state, loss = reference(*state, batch)
@@ -47,7 +49,7 @@ def test_sgd_pipeline_matches_one_device(work, sgd_reference, stages, schedule, 
     params, _, batch = work.args
     tx, ref_losses, ref_params = sgd_reference
     piped = autoshard.autoshard(marked_step(work.loss_fn, tx), num_stages=stages, num_microbatches=microbatches,
-                                schedule=schedule)
+                                schedule=schedule, compiler_options=FAST_COMPILE)
     state = (params, tx.init(params))
     for ref_loss in ref_losses:
         *state, loss = piped(*state, batch)
@@ -64,7 +66,7 @@ def test_adamw_pipeline_loss_and_first_moment(work, devices8):
     params, opt_state, batch = work.args
     tx = optax.adamw(CONFIG.learning_rate, weight_decay=CONFIG.weight_decay)
     step = marked_step(work.loss_fn, tx)
-    piped = autoshard.autoshard(step, num_stages=2, num_microbatches=2, schedule="1f1b")
+    piped = autoshard.autoshard(step, num_stages=2, num_microbatches=2, schedule="1f1b", compiler_options=FAST_COMPILE)
     assert_adamw_steps_match(piped, step, params, opt_state, batch)
 
 

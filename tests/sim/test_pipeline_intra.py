@@ -18,12 +18,13 @@ import optax
 import pytest
 
 import autoshard
-from autoshard.compiler.pipeline_driver import plan_pipeline, trace_at
-from autoshard.compiler.pipeline_plan import state_specs
+from autoshard.compiler.pipeline_context import PipelineRequest
+from autoshard.compiler.pipeline_driver import plan_pipeline
 from autoshard.ir.spec import Spec
-from autoshard.ir.split import microbatch_shapes, split_step
 from autoshard.passes.classic import largest_dim_spec
-from autoshard.runtime.pipeline import PipelineStep, StageLayout
+from autoshard.runtime.pipeline import PipelineStep
+from autoshard.runtime.stage_layout import PipelineRun, StageLayout, StepOptions, state_specs
+from compiled_examples import FAST_COMPILE
 from examples import gpt
 from pipeline_helpers import assert_adamw_steps_match, assert_leaves_close, marked_step, rel
 
@@ -38,9 +39,9 @@ def setup():
     tx = optax.sgd(0.1)
     step = marked_step(work.loss_fn, tx)
     params, _, batch = work.args
-    piped = plan_pipeline(step, (params, tx.init(params), batch), cluster="cpu-8", num_stages=2,
-                          num_microbatches=2, num_layers=4)
-    reference = jax.jit(step)
+    piped = plan_pipeline(step, (params, tx.init(params), batch), PipelineRequest(
+        cluster="cpu-8", num_stages=2, num_microbatches=2, num_layers=4)).chosen
+    reference = jax.jit(step, compiler_options=FAST_COMPILE)
     state, losses = (params, tx.init(params)), []
     for _ in range(3):
         *state, loss = reference(*state, batch)
@@ -58,7 +59,7 @@ def _spec(shape, kind: str, names, sizes) -> Spec:
 
 
 def _layouts(piped, num_stages: int, kind: str) -> list[StageLayout]:
-    fwd = piped.parts.forward
+    fwd = piped.context.parts.forward
     per_stage = len(piped.layers) // num_stages
     n = 8 // num_stages
     shape = (2, n // 2) if n >= 4 else (n,)
@@ -72,7 +73,7 @@ def _layouts(piped, num_stages: int, kind: str) -> list[StageLayout]:
         batch_axes = names if kind == "fsdp" else names[:-1]
         out.append(StageLayout(first, last, tuple(range(s * n, (s + 1) * n)), mesh_shape=shape, axis_names=names,
                                param_specs=specs, grad_specs=specs,
-                               input_specs=state_specs(piped.graph, piped.parts, specs, specs),
+                               input_specs=state_specs(piped.context.traced.graph, piped.context.parts, specs, specs),
                                batch_axes=batch_axes))
     return out
 
@@ -84,10 +85,11 @@ def test_sharded_stages_match_one_device(setup, stages, schedule, microbatches, 
     params, _, batch = work.args
     layouts = _layouts(piped, stages, kind)
     assert any(not spec.is_replicated for lay in layouts for spec in lay.param_specs.values())
-    small = trace_at(step, piped.in_tree, microbatch_shapes(piped.arg_leaves, piped.split_inputs, microbatches))
-    run = PipelineStep(split_step(small.jaxpr), [layer.eqns for layer in piped.layers], layouts, microbatches,
-                       schedule, split_inputs=piped.split_inputs, in_tree=piped.in_tree, out_tree=piped.out_tree,
-                       out_paths=piped.out_paths)
+    traced = piped.context.traced
+    run = PipelineStep(PipelineRun(traced.at_microbatches(microbatches), tuple(layer.eqns for layer in piped.layers),
+                                   tuple(layouts), microbatches, schedule, traced.split_inputs, traced.in_tree,
+                                   traced.graph.out_tree, traced.graph.output_paths),
+                       options=StepOptions(compiler_options=FAST_COMPILE))
     assert [m.devices.shape for m in run.meshes] == [lay.shape for lay in layouts]
     state = (params, tx.init(params))
     for ref_loss in ref_losses:
@@ -110,7 +112,8 @@ def test_memory_bound_pipeline_shards_inside_stages(devices8):
     # Replicated, a stage holds params + grads + AdamW's two moments: 4 x its params. Of two stages one holds
     # at least half the parameters, so 4 x P / 2 = 2 P; a budget of P leaves no replicated stage a fit.
     budget = float(param_bytes)
-    piped = autoshard.autoshard(step, cluster="cpu-8", memory_budget=budget, num_stages=2, num_microbatches=2)
+    piped = autoshard.autoshard(step, cluster="cpu-8", memory_budget=budget, num_stages=2, num_microbatches=2,
+                                compiler_options=FAST_COMPILE)
     assert_adamw_steps_match(piped, step, params, opt_state, batch)
     plan = piped.plan
     assert len(plan.stages) == 2

@@ -13,6 +13,7 @@ import optax
 import pytest
 
 import autoshard
+from compiled_examples import FAST_COMPILE
 
 WIDTH, BATCH, DEPTH = 8, 16, 4
 TX = optax.sgd(0.3)
@@ -39,8 +40,9 @@ SCHEDULES = [pytest.param("1f1b", 2, id="1f1b-2"), pytest.param("gpipe", 4, id="
 
 def _run(step, state, batch, outputs=1, schedule="1f1b", microbatches=2):
     """3 steps pipelined and on one device, compared after each step; returns the decorated step."""
-    piped = autoshard.autoshard(step, num_stages=2, num_microbatches=microbatches, schedule=schedule)
-    reference = jax.jit(step)
+    piped = autoshard.autoshard(step, num_stages=2, num_microbatches=microbatches, schedule=schedule,
+                                compiler_options=FAST_COMPILE)
+    reference = jax.jit(step, compiler_options=FAST_COMPILE)
     ref = got = state
     for _ in range(3):
         *ref, ref_out = (lambda r: (r[:-outputs], r[-outputs:]))(reference(*ref, batch))

@@ -8,6 +8,7 @@ import numpy as np
 import optax
 
 import autoshard
+from compiled_examples import FAST_COMPILE
 from mlp_steps import mlp_loss, train_step
 
 
@@ -16,8 +17,8 @@ def _step(loss_fn, tx):
 
 
 def _compare(step, params, tx, batch, **options):
-    piped = autoshard.autoshard(step, **options)
-    reference = jax.jit(step)
+    piped = autoshard.autoshard(step, **options, compiler_options=FAST_COMPILE)
+    reference = jax.jit(step, compiler_options=FAST_COMPILE)
     ref = state = (params, tx.init(params))
     for _ in range(3):
         *ref, ref_loss = reference(*ref, batch)

@@ -6,7 +6,7 @@ are sharded (storage specs and the per-equation specs the stage executables pin)
 pipeline (GPipe or 1F1B, B = 1, 2, 4) against the same steps on one device: fp32 losses within 1e-5 at every
 step and AdamW's first moment (the averaged gradients) after the first step within 1e-5. Parameters are not
 compared: Adam divides rounding noise by tiny second moments where a gradient is zero in theory (attention
-key biases, JAX-NOTES).
+key biases).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import optax
 import pytest
 
 import autoshard
+from compiled_examples import FAST_COMPILE
 from examples import gpt
 from pipeline_helpers import assert_leaves_close, marked_step, rel
 
@@ -44,8 +45,8 @@ def test_planner_sharded_stages_match_one_device(stages, schedule, microbatches,
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     budget = fraction * param_bytes
     piped = autoshard.autoshard(step, cluster="cpu-8", memory_budget=budget, num_stages=stages,
-                                num_microbatches=microbatches, schedule=schedule)
-    reference = jax.jit(step)
+                                num_microbatches=microbatches, schedule=schedule, compiler_options=FAST_COMPILE)
+    reference = jax.jit(step, compiler_options=FAST_COMPILE)
     ref, state = (params, opt_state), (params, opt_state)
     for k in range(3):
         *ref, ref_loss = reference(*ref, batch)
@@ -83,12 +84,12 @@ def test_planned_stage_collectives_match_compiled_hlo(recompute, devices8):
     residuals kept between forward and backward, and with the forward recomputed in the backward. Each stage
     runs its layers' train graphs pinned op by op (``runtime/stage_train.py``), so the backward rows are
     checked like the others."""
-    from autoshard.compiler.pipeline_driver import finish_pipeline, price_pipeline
+    from autoshard.compiler.pipeline_context import PipelineRequest, pipeline_context
+    from autoshard.compiler.pipeline_pricing import finish_pipeline, price_pipeline
     from autoshard.compiler.target import resolve_target
     from autoshard.compiler.verify_pipeline import verify_pipeline
     from autoshard.ir.split import split_step
     from autoshard.ir.trace import trace
-    from autoshard.passes.layers import cluster_layers
     from autoshard.passes.stage_costs import StageCostOptions
     from autoshard.passes.stages import solve_stages
     from autoshard.runtime.pipeline_lower import lower_pipeline
@@ -103,13 +104,12 @@ def test_planned_stage_collectives_match_compiled_hlo(recompute, devices8):
     graph = trace(step, *args)
     parts = split_step(graph.jaxpr)
     target = resolve_target(None, "cpu-8", 2.6 * param_bytes)
-    layers = cluster_layers(parts.forward, None)
+    ctx = pipeline_context(step, args, PipelineRequest(name="fidelity"), graph, parts, target, {})
     # "lean": every layer's state pinned fully sharded (FSDP), as a stage of many layers needs when memory binds
     options = StageCostOptions(num_stages=2, num_microbatches=2, memory_budget_bytes=target.memory_budget_bytes,
                                recompute=(recompute,), modes=("lean",), time_limit_s=0.05)
-    priced, programs = price_pipeline(step, args, graph, parts, layers, options, target.cluster, target.num_devices)
-    piped = finish_pipeline(step, args, graph, parts, layers, solve_stages(priced.problem), priced, programs,
-                            target, {}, "fidelity", None)
+    priced = price_pipeline(ctx, options)
+    piped = finish_pipeline(ctx, priced, solve_stages(priced.stages.problem), None)
     plan = piped.plan
     assert len(plan.stages) == 2 and all(st.recompute == recompute for st in plan.stages)
     assert any(not s.is_replicated for st in plan.stages for s in [*st.param_specs.values(), *st.grad_specs.values()])

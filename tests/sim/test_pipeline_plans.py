@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 import autoshard
 from autoshard.errors import PlanMismatchError
+from compiled_examples import FAST_COMPILE
 from mlp_steps import train_step
 
 TX = optax.sgd(0.3)
@@ -30,23 +31,29 @@ def _args(width=16, batch=16, depth=4):
 
 
 def _reference_losses(step, args, steps=3):
-    reference, state, losses = jax.jit(step), args[:2], []
+    reference, state, losses = jax.jit(step, compiler_options=FAST_COMPILE), args[:2], []
     for _ in range(steps):
         *state, loss = reference(*state, args[2])
         losses.append(float(loss))
     return losses, state
 
 
-def test_pipeline_plan_saved_loaded_and_applied_on_reversed_devices(tmp_path, devices8):
+@pytest.fixture(scope="module")
+def planned():
+    """The MLP step and its 2-stage 1F1B plan (B = 2), planned once for the tests that read it."""
     step = train_step(TX)
+    return step, autoshard.plan(step, *_args(), num_stages=2, num_microbatches=2, schedule="1f1b")
+
+
+def test_pipeline_plan_saved_loaded_and_applied_on_reversed_devices(planned, tmp_path, devices8):
+    step, plan = planned
     args = _args()
-    plan = autoshard.plan(step, *args, num_stages=2, num_microbatches=2, schedule="1f1b")
     assert len(plan.stages) == 2 and plan.pipeline.layer_eqns
     plan.save(tmp_path / "pipe.json")
     loaded = autoshard.load_plan(tmp_path / "pipe.json")
     assert loaded.stages == plan.stages and loaded.pipeline == plan.pipeline
     reversed_mesh = Mesh(np.asarray(jax.devices()[::-1]), ("devices",))
-    run = loaded.apply(step, reversed_mesh)
+    run = autoshard.apply(loaded, step, reversed_mesh, compiler_options=FAST_COMPILE)
     ref_losses, ref_state = _reference_losses(step, args)
     state = args[:2]
     for want in ref_losses:
@@ -61,14 +68,13 @@ def test_pipeline_plan_saved_loaded_and_applied_on_reversed_devices(tmp_path, de
     assert set(leaf.devices()) <= {jax.devices()[::-1][i] for i in first}
 
 
-def test_pipeline_plan_on_a_changed_model_says_what_differs(tmp_path, devices8):
-    step = train_step(TX)
-    plan = autoshard.plan(step, *_args(), num_stages=2, num_microbatches=2)
+def test_pipeline_plan_on_a_changed_model_says_what_differs(planned, tmp_path, devices8):
+    step, plan = planned
     plan.save(tmp_path / "pipe.json")
     loaded = autoshard.load_plan(tmp_path / "pipe.json")
     with pytest.raises(PlanMismatchError, match=r"argument \[0\]\['w'\]\[0\]: plan has float32\[16, 16\], "
                                                 r"function has float32\[16, 32\]"):
-        loaded.apply(step, jax.devices())(*_wider())
+        autoshard.apply(loaded, step, jax.devices())(*_wider())
 
     def deeper(params, batch):  # same shapes, one more tanh per layer: other equations
         x = batch["x"]
@@ -77,14 +83,14 @@ def test_pipeline_plan_on_a_changed_model_says_what_differs(tmp_path, devices8):
         return jnp.mean((x - batch["y"]) ** 2)
 
     with pytest.raises(PlanMismatchError, match="operations, the plan was made for"):
-        loaded.apply(train_step(TX, deeper), jax.devices())(*_args())
+        autoshard.apply(loaded, train_step(TX, deeper), jax.devices())(*_args())
 
     # a plan whose stage boundaries were edited: the stage reads parameters the plan does not give it
     first, second = loaded.stages
     moved = dataclasses.replace(loaded, stages=(dataclasses.replace(first, last_layer=first.last_layer + 1),
                                                 dataclasses.replace(second, first_layer=second.first_layer + 1)))
     with pytest.raises(PlanMismatchError, match=r"stage 0 \(layers .*\) reads parameters \[\"\[0\]\['w'\]"):
-        moved.apply(step, jax.devices())(*_args())
+        autoshard.apply(moved, step, jax.devices())(*_args())
 
 
 def _wider():
@@ -148,11 +154,12 @@ def test_verify_reports_each_stage_executable_predicted_vs_compiled(devices8):
 
 
 def test_applied_pipeline_with_recompute_lowers_and_runs(devices8):
-    from autoshard.plans.applied_pipeline import AppliedPipeline
+    from autoshard.runtime.applied_pipeline import AppliedPipeline
+    from autoshard.runtime.stage_layout import StepOptions
 
     step, args = train_step(TX), _args()
     plan = autoshard.plan(step, *args, num_stages=2, num_microbatches=2, schedule="gpipe")
-    run = AppliedPipeline(plan, step, jax.devices(), recompute=True)
+    run = AppliedPipeline(plan, step, jax.devices(), options=StepOptions(recompute=True))
     lowered = run.lower(*args)
     assert lowered.names[:2] == ("stage 0 forward", "stage 0 backward")
     assert all("HloModule" in text for text in lowered.compile().as_text().values())

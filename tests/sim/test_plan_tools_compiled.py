@@ -5,7 +5,8 @@
 - ``autoshard verify`` on GPT and MoE plans prints predicted vs compiled;
 - ``autoshard compare`` on GPT, mesh (2, 4), presets 1x8-a100 and 2x8-a100:
   autoshard and the six classic strategies with time, memory and batch
-  ceiling, autoshard no slower than any that fits.
+  ceiling, autoshard no slower than any that fits (compiled, priced from the
+  HLO, with the default --check compiled; modeled with --check none).
 
 The ILP runs with a short time limit: these tests check the tools, not the
 solver's quality (tests/unit/test_ilp.py does that).
@@ -21,16 +22,18 @@ import jax
 import numpy as np
 import pytest
 
+import autoshard
 from autoshard import cli
 from autoshard.compiler.baselines import Baseline, plan_baseline
 from autoshard.compiler.ceiling import BatchProbe, args_at_batch, batch_ceiling, batch_multiple
 from autoshard.compiler.driver import plan_step
-from autoshard.plans.applied import annotations_for
+from autoshard.runtime.applied import annotations_for
 from autoshard.plans.plan import load_plan
 from autoshard.runtime.spmd import make_jax_mesh
 from autoshard.ir.trace import trace
 from autoshard.passes.intra_op import IntraOpOptions, memory_profile
 from autoshard.runtime.spmd import SpmdStep
+from compiled_examples import FAST_COMPILE
 from examples import gpt
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -58,9 +61,10 @@ def test_round_trip_apply_on_a_second_mesh_gives_the_same_numbers(gpt_planned, d
     host = jax.device_get(work.args)  # numpy copies: each run places (and donates) its own buffers
     first = make_jax_mesh((2, 4), ("x", "y"), devices8)
     second = make_jax_mesh((2, 4), ("x", "y"), devices8[::-1])  # another Mesh object, other device order
-    original = SpmdStep(planned.graph, annotations_for(planned.plan, planned.graph), first)
+    original = SpmdStep(planned.graph, annotations_for(planned.plan, planned.graph), first,
+                        compiler_options=FAST_COMPILE)
     want = original(*original.place(*host))
-    got = load_plan(path).apply(work.step, second)(*host)
+    got = autoshard.apply(load_plan(path), work.step, second, compiler_options=FAST_COMPILE)(*host)
     assert jax.tree.structure(want) == jax.tree.structure(got)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
@@ -97,25 +101,31 @@ def test_verify_moe_target_reports_predicted_vs_compiled(capsys):
     assert {"all collective", "peak memory"} <= set(rows) and status in (0, 1)
 
 
-@pytest.mark.parametrize("cluster", ["1x8-a100", "2x8-a100"])
-def test_compare_gpt_autoshard_no_slower_than_any_baseline_that_fits(cluster, tmp_path, capsys):
+@pytest.mark.parametrize("cluster,check", [("1x8-a100", "compiled"), ("2x8-a100", "none")])
+def test_compare_gpt_autoshard_no_slower_than_any_baseline_that_fits(cluster, check, tmp_path, capsys):
+    """With --check compiled (the default) no slower compiled, priced from the HLO; with none, modeled."""
     out_path = tmp_path / "plan.json"
     assert cli.main(["compare", str(EXAMPLES / "gpt.py"), "--config", "tiny", "--mesh", "2x4", "--cluster", cluster,
-                     "--time-limit", str(TIME_LIMIT_S), "--out", str(out_path)]) == 0
+                     "--time-limit", str(TIME_LIMIT_S), "--check", check, "--out", str(out_path)]) == 0
     out = capsys.readouterr().out
-    rows = _table_rows(out)
+    rows = _table_rows(out.split("compiled arbitration:")[0])  # the comparison, not the contest table after it
     assert set(rows) == set(STRATEGIES)
-    for name, cells in rows.items():  # step, peak memory, fits, batch ceiling, speedup
+    for name, cells in rows.items():  # step, [compiled step, compiled speedup,] peak memory, fits, ceiling, speedup
+        if check == "compiled":
+            assert re.fullmatch(r"[\d.]+ (ms|µs|s)", cells[1]), cells
+            cells = cells[:1] + cells[2 + (name != "autoshard"):]
         assert re.fullmatch(r"[\d.]+ (ms|µs|s)", cells[0]) and re.fullmatch(r"[\d.]+ (B|KiB|MiB|GiB)", cells[1])
         assert cells[2] in ("yes", "no") and re.fullmatch(r"[\d,]+|unbounded", cells[3])
     assert "fallback (best classic that fits)" in out
     figures = load_plan(out_path).baselines
     assert set(figures) == set(STRATEGIES)
-    auto = figures["autoshard"]["step_s"]
+    key = "compiled_step_s" if check == "compiled" else "step_s"
+    auto = figures["autoshard"][key]
     for name, row in figures.items():
         if row["fits"]:
-            assert auto <= row["step_s"] * (1 + 1e-9), f"autoshard {auto} s slower than {name} {row['step_s']} s"
+            assert auto <= row[key] * (1 + 1e-9), f"autoshard {auto} s slower than {name} {row[key]} s ({key})"
     assert json.loads(out_path.read_text())["explanations"]  # autoshard's plan keeps its explanations
+    assert bool(load_plan(out_path).arbitration) == (check == "compiled")
 
 
 def test_batch_ceiling_fits_and_the_next_batches_do_not():

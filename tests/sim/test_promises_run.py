@@ -23,6 +23,7 @@ import autoshard
 from autoshard.errors import PlanMismatchError
 from autoshard.passes.intra_op import IntraOpOptions
 from autoshard.runtime.spmd import make_jax_mesh
+from compiled_examples import FAST_COMPILE
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = IntraOpOptions(time_limit_s=0.5)
@@ -51,7 +52,7 @@ def test_applied_plan_called_later_with_another_batch_size_says_so(devices8):
     step, params, opt_state = _step()
     batch = jnp.ones((32, 16), jnp.float32)
     plan = autoshard.plan(step, params, opt_state, batch, mesh=(2, 4), cluster="cpu-8", num_stages=1, options=FAST)
-    run = plan.apply(step, make_jax_mesh((2, 4), plan.axis_names))
+    run = autoshard.apply(plan, step, make_jax_mesh((2, 4), plan.axis_names), compiler_options=FAST_COMPILE)
     run(params.copy(), opt_state, batch)
     with pytest.raises(PlanMismatchError, match=r"argument \[2\]: plan has float32\[32, 16\], the call passes "
                                                 r"float32\[24, 16\]"):

@@ -13,9 +13,14 @@ import optax
 import pytest
 
 import autoshard
-from autoshard.compiler.hlo import summarize_compiled
+from autoshard.compiler.baselines import plan_baseline
+from autoshard.compiler.compile_plans import compile_here
+from autoshard.compiler.hlo import read_hlo_collectives, summarize_compiled
 from autoshard.compiler.verify import compare, compiled_price
+from autoshard.ir.trace import trace
+from autoshard.passes.classic import Baseline
 from autoshard.passes.intra_op import IntraOpOptions
+from compiled_examples import FAST_COMPILE
 from examples import gpt, gpt_scan
 from examples.common import make_train_step
 
@@ -33,9 +38,9 @@ def _check_three_steps(step_fn, params, batch, mesh):
     """3 SGD steps sharded and on one device: loss and every parameter leaf within 1e-5 relative."""
     tx = optax.sgd(0.1)
     step = make_train_step(step_fn, tx)
-    reference = jax.jit(step)
+    reference = jax.jit(step, compiler_options=FAST_COMPILE)
     ref = (jax.tree.map(lambda x: x.copy(), params), tx.init(params))
-    sharded = autoshard.autoshard(step, mesh=mesh, options=FAST)
+    sharded = autoshard.autoshard(step, mesh=mesh, options=FAST, compiler_options=FAST_COMPILE)
     state = (params, tx.init(params))
     for _ in range(3):
         *ref, ref_loss = reference(*ref, batch)
@@ -62,6 +67,9 @@ def test_scanned_gpt_and_unrolled_twin_match_one_device(mesh, devices8):
 
 # A GPT big enough that its plan shards (d_model 512, 4 layers, 32 x 128 tokens; ~13M parameters), small
 # enough to compile twice here in about a minute. Planned on 1x8-a100 from shapes; compiled for 8 CPU devices.
+# HiGHS's LP of this GPT (about 100k columns) takes 5-50 s on two loaded cores: a limit it meets, so both
+# plans are the solver's optimum and not the fallback start
+SOLVE_S = 120.0
 COMPARED = gpt.Config(vocab_size=2048, seq_len=128, d_model=512, num_heads=8, num_layers=4, batch_size=32)
 
 
@@ -78,7 +86,7 @@ def _plans_compared() -> dict[str, tuple]:
     for name, module in (("scanned", gpt_scan), ("unrolled", gpt)):
         work = module.workload(COMPARED, abstract=True)
         step = autoshard.autoshard(work.step, mesh=(2, 4), cluster="1x8-a100", num_stages=1,
-                                   options=IntraOpOptions(time_limit_s=2.0))
+                                   options=IntraOpOptions(time_limit_s=SOLVE_S))
         compiled = step.lower(*work.args).compile()
         one_device = jax.jit(work.step).lower(*work.args).compile()
         summary = summarize_compiled(compiled)
@@ -134,3 +142,54 @@ def test_scanned_plans_extra_time_is_the_compiled_programs(compared):
 def test_scanned_plan_step_matches_the_unrolled_plan(compared):
     scan_s, flat_s = compared["scanned"][0], compared["unrolled"][0]
     assert abs(scan_s / flat_s - 1) <= 0.10, f"modeled step {scan_s * 1e3:.3f} vs {flat_s * 1e3:.3f} ms"
+
+
+# ---- issue 25, item 1: one reduction per stacked gradient, the scanned step as fast as the unrolled one
+
+REDUCTIONS = ("all-reduce", "reduce-scatter")
+
+
+def _reduction_runs(hlo_text: str) -> tuple[int, list[str]]:
+    """Runs per step of the program's reduce collectives (XLA combines an unrolled step's gradient reductions
+    into one; a collective in a loop body runs once per iteration), and those that run in a loop body."""
+    found = [c for c in read_hlo_collectives(hlo_text) if c.kind in REDUCTIONS]
+    return sum(c.count for c in found), [str(c) for c in found if c.count > 1]
+
+
+@pytest.mark.xfail(strict=True, reason="measured: the backward loop's body reduce-scatters the stacked gradients "
+                   "of every iteration (one combined reduce-scatter of 12.6 MB run 4 times, 7 reduction runs per "
+                   "step against the unrolled twin's 2): a loop-carried stack holds no pending partial sum, so XLA "
+                   "reduces in the body (tests/sim/test_scan_partial_sums.py); planning and emitting the partial "
+                   "sums on an explicit mesh-sized axis, reduced after the loop, is not built yet")
+def test_scanned_gradients_are_reduced_once_per_step(compared):
+    """No reduction runs in a loop body of the scanned step (its one body on the plan's (2, 4) mesh holds no
+    reduction but the weights' gradients'), and the step runs no more reductions than its unrolled twin."""
+    scan_runs, in_loops = _reduction_runs(compared["scanned"][3])
+    flat_runs, flat_in_loops = _reduction_runs(compared["unrolled"][3])
+    assert not flat_in_loops
+    assert not in_loops, f"reductions run in a loop body: {in_loops}"
+    assert scan_runs <= flat_runs, f"{scan_runs} reduction runs per step against the unrolled twin's {flat_runs}"
+
+
+@pytest.fixture(scope="module")
+def unrolled_dp_compiled_s(devices8) -> float:
+    """The unrolled twin's data-parallel plan priced from its compiled program on 1x8-a100 (``compiled_price``)."""
+    work = gpt.workload(COMPARED, abstract=True)
+    graph = trace(work.step, *work.args)
+    planned = plan_baseline(graph, Baseline.DP, mesh=(2, 4), cluster="1x8-a100",
+                            options=IntraOpOptions(time_limit_s=SOLVE_S), explain=False)
+    compiled = compile_here(graph, planned.plan)
+    assert compiled.summary is not None, compiled.error
+    return compiled_price(planned.plan, compiled.summary).step_s
+
+
+@pytest.mark.xfail(strict=True, reason="measured x1.54: the scanned plan's compiled program 2.16 ms against the "
+                   "unrolled twin's plan, 1.40 ms (both proven optimal under the model; the unrolled DP plan 1.68 ms). "
+                   "The gap is mostly HBM bytes (per-iteration slices of the weight stacks, stacked residuals copied "
+                   "before the backward loop, 2.76e9 against 1.98e9 bytes with DP); the per-iteration gradient "
+                   "reductions add about 0.1 ms")
+def test_scanned_step_compiles_within_15_percent_of_its_unrolled_twin(compared, unrolled_dp_compiled_s):
+    """The scanned plan's compiled price against the better of its unrolled twin's plan and DP plan: <= 1.15x."""
+    scanned_s = compared["scanned"][5]
+    unrolled_s = min(compared["unrolled"][5], unrolled_dp_compiled_s)
+    assert scanned_s / unrolled_s <= 1.15, f"compiled {scanned_s * 1e3:.3f} vs {unrolled_s * 1e3:.3f} ms"

@@ -10,14 +10,17 @@ import jax
 import numpy as np
 import optax
 import pytest
+from compiled_examples import FAST_COMPILE
 from pipeline_helpers import marked_step
 
 from autoshard.ir.spec import Spec
 from autoshard.ir.split import split_step
 from autoshard.ir.trace import trace
 from autoshard.passes.layers import cluster_layers
-from autoshard.runtime.spmd import Annotations, make_jax_mesh
-from autoshard.runtime.stage_train import LayerRunner, TrainPins, one_layer_programs, split_phases, train_graph
+from autoshard.ir.train_graph import one_layer_programs, split_phases, train_graph
+from autoshard.plans.annotations import Annotations, TrainPins
+from autoshard.runtime.spmd import make_jax_mesh
+from autoshard.runtime.stage_train import LayerRunner
 from examples import gpt
 
 
@@ -57,7 +60,7 @@ def test_the_two_halves_compute_what_the_whole_graph_does(layer_graph):
     args = [rng.standard_normal(graph.values[v].shape).astype(graph.values[v].dtype)
             if np.issubdtype(np.dtype(graph.values[v].dtype), np.floating)
             else np.zeros(graph.values[v].shape, graph.values[v].dtype) for v in graph.inputs]
-    want = jax.jit(graph.evaluate)(args)
+    want = jax.jit(graph.evaluate, compiler_options=FAST_COMPILE)(args)
     mesh = make_jax_mesh((1,), ("x",))
     rep = [Spec.replicated(graph.values[v].rank) for v in graph.inputs]
     out_rep = [Spec.replicated(graph.values[v].rank) for v in graph.outputs]
@@ -71,7 +74,7 @@ def test_the_two_halves_compute_what_the_whole_graph_does(layer_graph):
         acc, dacts = runner.backward(params, data, kept, cts, acc)
         return [*acc, *out, *dacts]
 
-    got = jax.jit(both)(params, data, acts, cts, acc)
+    got = jax.jit(both, compiler_options=FAST_COMPILE)(params, data, acts, cts, acc)
     assert len(got) == len(want)
     for k, (g, w) in enumerate(zip(got, want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6, err_msg=f"output {k}")

@@ -1,9 +1,12 @@
 """A smoke run of the benchmark runner's pieces on the tiny MLP and GPT, so benchmarks/ does not rot (< 60 s).
 
-The fidelity compile and the full default set are left to ``python -m benchmarks.run``.
+Nothing here compiles: the cells run with ``compiled=False`` and the targets are judged on rows whose compiled
+prices are given (tests/sim/test_benchmark_compiled.py runs a compiled cell). The full default set is left to
+``python -m benchmarks.run``.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,8 +14,9 @@ import pytest
 from autoshard.passes.intra_op import IntraOpOptions
 from benchmarks import planning_scaling, run
 from benchmarks.machine import describe
+from benchmarks.compiled import CompiledRow, ObjectiveRow
 from benchmarks.quality import Cell, CellResult, StrategyRow, WorkloadCache, geomean, run_cell
-from benchmarks.tables import quality_table, render_markdown, render_rich
+from benchmarks.tables import baselines_table, contest_table, quality_table, render_markdown, render_rich
 from benchmarks.targets import evaluate
 
 FAST = IntraOpOptions(time_limit_s=0.2)
@@ -44,7 +48,7 @@ def test_default_set_covers_the_issue():
 
 
 def test_tiny_cell_scaling_and_report():
-    result = run_cell(Cell("mlp", "tiny", "1x8-a100"), WorkloadCache(), FAST)
+    result = run_cell(Cell("mlp", "tiny", "1x8-a100", compiled=False), WorkloadCache(), FAST)
     assert result.error is None
     assert result.autoshard is not None and result.autoshard.fits
     assert {b.name for b in result.baselines} >= {"DP", "FSDP/ZeRO-3", "Megatron TP", "DP x TP"}
@@ -56,8 +60,9 @@ def test_tiny_cell_scaling_and_report():
     assert len(points) == 1 and points[0].error is None
     assert points[0].total_s > 0 and points[0].total_cpu_s > 0 and math.isfinite(points[0].other_s)
 
+    assert result.contest == () and result.autoshard.compiled is None and result.compiled_speedup is None
     targets = evaluate([result], points)
-    assert [t.met for t in targets][0] is True
+    assert targets[0].met is None and "not compiled" in targets[0].detail  # rated on compiled prices only
     render_rich(quality_table([result]))
     settings = run.RunSettings(0.2, 0.2, 1, 1.0, "mean 1.0", 1.0)
     text = run.markdown(describe(["run.py", "--quick"]), settings, [result], points, targets)
@@ -74,8 +79,12 @@ def test_hotspots_name_autoshard_functions():
     assert [h.cumulative_s for h in spots] == sorted((h.cumulative_s for h in spots), reverse=True)
 
 
-def _row(name: str, step_s: float, *, fits: bool = True) -> StrategyRow:
-    return StrategyRow(name, step_s, 1e9, fits, 64, step_s / 2, step_s / 4, step_s / 4)
+def _row(name: str, step_s: float, *, fits: bool = True, compiled: float | None = None,
+         cross_node: int = 0) -> StrategyRow:
+    """A strategy row; its compiled step is ``compiled`` (default: the modeled one)."""
+    c = compiled if compiled is not None else step_s
+    return StrategyRow(name, step_s, 1e9, fits, 64, step_s / 2, step_s / 4, step_s / 4,
+                       CompiledRow(c, c * 0.8, c * 0.2, 0.01, 0.05, True, cross_node))
 
 
 def _cell(model: str, cluster: str, auto: StrategyRow, *baselines: StrategyRow, params: int = 10**9) -> CellResult:
@@ -83,36 +92,74 @@ def _cell(model: str, cluster: str, auto: StrategyRow, *baselines: StrategyRow, 
                       30.0, None)
 
 
-def test_targets_judge_speedups_budgets_and_toys():
+def test_targets_judge_compiled_speedups_budgets_and_toys():
     fast = _cell("gpt", "2x8-a100", _row("autoshard", 1.0), _row("DP", 2.0), _row("FSDP/ZeRO-3", 3.0))
-    assert fast.speedup == pytest.approx(2.0)
+    assert fast.speedup == pytest.approx(2.0) and fast.compiled_speedup == pytest.approx(2.0)
+    # modeled and compiled disagree: the targets follow the compiled programs
+    fooled = _cell("gpt", "1x8-a100", _row("autoshard", 1.0, compiled=3.0), _row("DP", 2.0, compiled=2.4))
+    assert fooled.speedup == pytest.approx(2.0) and fooled.compiled_speedup == pytest.approx(0.8)
     # a faster classic plan that does not fit does not count
     unfit = _cell("moe", "1x8-a100", _row("autoshard", 1.0), _row("DP", 0.5, fits=False), _row("FSDP/ZeRO-3", 1.1))
-    assert unfit.speedup == pytest.approx(1.1)
+    assert unfit.compiled_speedup == pytest.approx(1.1)
     over = _cell("gpt", "1x8-a100", _row("autoshard", 1.0, fits=False), _row("FSDP/ZeRO-3", 1.2))
-    assert over.speedup is None and over.over_budget
+    assert over.compiled_speedup is None and over.over_budget
     toy = _cell("gpt", "2x8-a100", _row("autoshard", 1.0), _row("DP", 20.0), params=300_000)
 
-    minimum, moe, two_node = evaluate([fast, unfit, toy], [])[:3]
-    assert minimum.met is True
+    minimum, nodes, _over_dp, moe, two_node = evaluate([fast, unfit, toy], [])[:5]
+    assert minimum.met is True and "compiled" in minimum.name
+    assert nodes.met is True and "1.10x" in nodes.name
     assert moe.met is False and "1.10x" in moe.detail
     assert two_node.met is True and two_node.caveat is None  # fast alone reaches 2.0x
 
     slow = _cell("gpt", "2x8-a100", _row("autoshard", 1.0), _row("DP", 1.01))
-    two_node = evaluate([slow, toy], [])[2]
+    two_node = evaluate([slow, toy], [])[4]
     assert two_node.met is True and two_node.caveat and "1.01x" in two_node.caveat
     assert two_node.verdict == "met, with a caveat"
 
+    minimum = evaluate([fast, fooled], [])[0]
+    assert minimum.met is False and "0.80x compiled (2.00x modeled)" in minimum.detail
     minimum = evaluate([fast, over], [])[0]
     assert minimum.met is False and "over the memory budget" in minimum.detail
+    uncompiled = dataclasses.replace(fast, autoshard=dataclasses.replace(fast.autoshard, compiled=None))
+    assert evaluate([uncompiled], [])[0].met is None
+
+
+def test_gpt_medium_on_two_nodes_is_rated_against_data_parallel_compiled():
+    medium = CellResult(Cell("gpt", "medium", "2x8-a100"), 3 * 10**8, 16, 80 * 2**30,
+                        _row("autoshard", 1.0, compiled=0.9, cross_node=40),
+                        (_row("DP", 1.1, compiled=1.05, cross_node=3), _row("FSDP/ZeRO-3", 1.3)), 0.01, 1.0, 2.0,
+                        30.0, None)
+    target = next(t for t in evaluate([medium], []) if "data parallel" in t.name)
+    assert target.met is True and target.detail.startswith("1.17x")  # 1.05 / 0.9, compiled
+    assert "collectives crossing nodes: autoshard 40, DP 3" in target.detail
+    worse = dataclasses.replace(medium, autoshard=_row("autoshard", 1.0, compiled=1.0))
+    assert next(t for t in evaluate([worse], []) if "data parallel" in t.name).met is False
+    assert next(t for t in evaluate([], []) if "data parallel" in t.name).met is None
+
+
+def test_tables_show_compiled_prices_the_contest_and_the_objective_check():
+    from benchmarks.compiled import ContestRow
+
+    cell = _cell("gpt", "2x8-a100", _row("autoshard", 1.0, compiled=0.9, cross_node=2), _row("DP", 2.0))
+    cell = dataclasses.replace(
+        cell, objective=ObjectiveRow(1e-3, 1e-3, 1e-3, True), arbitration_s=12.0,
+        contest=(ContestRow("autoshard", 1.0, 1.2, True, False), ContestRow("autoshard next-best 1", 1.1, 0.9,
+                                                                          True, True),
+                 ContestRow("DP", 2.0, None, True, False, "RuntimeError: boom")))
+    quality = render_markdown(quality_table([cell]))
+    assert "900 ms" in quality and "DP 2 s" in quality and "2.22x" in quality and "agree: 1 ms / 1 ms / 1 ms" in quality
+    contest = render_markdown(contest_table([cell]))
+    assert contest.count("\n") == 6 and "did not compile: RuntimeError: boom" in contest and "-16.7%" in contest
+    assert "| 2 |" in render_markdown(baselines_table([cell]))  # autoshard's collectives crossing nodes
 
 
 def test_planning_targets_name_the_slow_and_the_superlinear_pass():
     def point(layers: int) -> planning_scaling.ScalingPoint:
         other = 0.05 * layers**1.5  # decode + memory grows faster than depth: 47 s at 96 layers
         intra = 10.0 + 0.1 * layers + other
-        return planning_scaling.ScalingPoint(layers, "1x8-a100", (2, 4), 0, 0, 0.1 * layers, intra, 0.1 * layers,
-                                             10.0, 1, 1, 1, 1, 1, "feasible", 0.1, 0.1 * layers, intra)
+        trace = 0.05 * layers  # 24 layers: 19.5 s in all, within the 20 s target
+        return planning_scaling.ScalingPoint(layers, "1x8-a100", (2, 4), 0, 0, trace, intra, 0.1 * layers,
+                                             10.0, 1, 1, 1, 1, 1, "feasible", 0.1, trace, intra)
 
     targets = evaluate([], [point(n) for n in planning_scaling.DEPTHS])
     by_depth = {t.name.split(" ")[0]: t for t in targets}
@@ -154,3 +201,4 @@ def test_pipeline_columns_rate_the_pipeline_against_every_other_row():
     assert over.pipeline_speedup is None
     assert all(c.pipeline for c in run.default_cells() if c.model == "gpt" and c.cluster == "2x8-a100")
     assert any(c.pipeline for c in run.quick_cells())
+

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from autoshard.meshes.calibrate import cluster_from, collective_fit, fit_line, link_from
-from autoshard.meshes.cluster import ClusterSpec, LinkLevel
+from autoshard.meshes.cluster import PRESETS, ClusterSpec, LinkLevel, get_cluster
 from autoshard.meshes.cost import ring_all_gather_s, ring_all_reduce_s
 
 SIZES = [4096 * 4 ** k for k in range(6)]
@@ -61,6 +61,22 @@ def test_a_cluster_spec_from_fits_loads_and_prices_like_its_links(tmp_path):
     assert ClusterSpec.load(path) == spec
     one_node = cluster_from("one", 1, 8, inside, {"float32": 1e12}, 2e12, 2**30)
     assert one_node.inter_node.bandwidth_bytes_per_s == one_node.intra_node.bandwidth_bytes_per_s
+    assert one_node.inter_node.unmeasured and not one_node.intra_node.unmeasured
     with pytest.raises(ValueError, match="no collective was measured"):
         cluster_from("none", 1, 1, [], {"float32": 1e12}, 2e12, 2**30)
     assert math.isfinite(link_from(inside, "l").bandwidth_bytes_per_s)
+
+
+def test_one_device_marks_its_links_unmeasured_or_takes_a_presets(tmp_path):
+    alone = cluster_from("one-gpu", 1, 1, [], {"bfloat16": 9e14}, 4.8e12, 140 * 2**30, placeholder=PRESETS["1x8-h100"])
+    assert alone.intra_node.unmeasured and alone.inter_node.unmeasured
+    assert alone.intra_node.bandwidth_bytes_per_s == PRESETS["1x8-h100"].intra_node.bandwidth_bytes_per_s
+    assert alone.unmeasured_links(1) == ()  # one device crosses nothing
+    assert get_cluster(alone, num_devices=8).unmeasured_links(8) == ("intra-node",)  # resized, the mark stays
+    path = tmp_path / "one.json"
+    alone.save(path)
+    assert ClusterSpec.load(path) == alone  # the mark survives the file
+    preset = PRESETS["1x8-h100"]
+    named = cluster_from("one-gpu", 1, 1, [], {"bfloat16": 9e14}, 4.8e12, 140 * 2**30,
+                         links=(preset.intra_node, preset.inter_node))
+    assert named.intra_node == preset.intra_node and named.unmeasured_links(16) == ()

@@ -87,6 +87,21 @@ def test_missing_evidence_says_where_the_cluster_numbers_come_from(graph):
     assert any("'optimal' means optimal within the search space" in m for m in preset.missing_evidence)
 
 
+def test_a_plan_that_crosses_an_unmeasured_link_says_so(graph):
+    plan = hand_plan(graph)  # (2, 4) on one node of 1x8-a100: the intra-node link only
+    blind = LinkLevel("not measured (profiled on one device)", 1e9, 1e-5, unmeasured=True)
+    profiled = dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, name="one-gpu", intra_node=blind,
+                                                                     inter_node=blind))
+    said = [m for m in plan_caveats(profiled).missing_evidence if "link was not measured" in m]
+    assert said == ["the intra-node link was not measured in ClusterSpec 'one-gpu' (profiled on fewer devices "
+                    "than the plan spans): its collectives are priced with placeholder numbers; `autoshard "
+                    "profile` on the devices the plan spans measures them, or `--links PRESET` takes a preset's"]
+    assert said[0] in str(profiled)
+    assert not [m for m in plan_caveats(plan).missing_evidence if "link was not measured" in m]
+    alone = dataclasses.replace(profiled, mesh_shape=(1, 1))  # one device crosses no link
+    assert not [m for m in plan_caveats(alone).missing_evidence if "link was not measured" in m]
+
+
 def test_invariants_say_whether_numerics_were_checked(graph):
     plan = hand_plan(graph)
     assert "the global batch (24) and the optimizer update" in plan_caveats(plan).invariants[0]

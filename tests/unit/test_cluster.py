@@ -148,6 +148,16 @@ def test_non_numeric_link_value():
         ClusterSpec.from_dict(data)
 
 
+def test_the_unmeasured_mark_is_optional_and_a_boolean():
+    data = PRESETS["cpu-8"].to_dict()
+    assert data["intra_node"]["unmeasured"] is False
+    del data["intra_node"]["unmeasured"]  # a file written before the mark existed
+    assert ClusterSpec.from_dict(data) == PRESETS["cpu-8"]
+    data["intra_node"]["unmeasured"] = "yes"
+    with pytest.raises(ClusterSpecError, match=r"intra_node\.unmeasured must be true or false, got 'yes'"):
+        ClusterSpec.from_dict(data)
+
+
 @pytest.mark.parametrize("suffix,text", [(".json", '{"name": "x",'), (".toml", "name = \n"),
                                          (".json", "[1, 2]")])
 def test_broken_file(tmp_path, suffix, text):

@@ -9,7 +9,7 @@ import pytest
 
 from autoshard.errors import InfeasibleMemoryError, PlanningError
 from autoshard.passes.ilp import IlpProblem, brute_force, evaluate, local_search, min_peak_memory, solve
-from autoshard.passes.ilp.problem import SharedCharge
+from autoshard.passes.ilp.problem import SharedCharge, SharedReshard
 
 MS = 1e-3
 INF = np.inf
@@ -141,11 +141,23 @@ def _outcome(run, problem: IlpProblem):
         return error
 
 
-def test_random_problems_match_brute_force() -> None:
+def _solved_as_brute_force(problem: IlpProblem, instance: int):
+    """The solver's outcome, asserted to be brute force's (the same error, or the same objective); None on
+    an error."""
+    expected, got = _outcome(brute_force, problem), _outcome(solve, problem)
+    assert type(got) is type(expected), (instance, expected, got)
+    if isinstance(expected, PlanningError):
+        return None
+    assert got.objective_s == pytest.approx(expected.objective_s, rel=1e-6, abs=1e-12), instance
+    return got
+
+
+@pytest.mark.parametrize("backend", ["mip", "cpsat"])
+def test_random_problems_match_brute_force(backend: str) -> None:
     rng = np.random.default_rng(2024)
     kinds = {"solved": 0, "memory": 0, "forbidden": 0}
     for instance in range(60):
-        problem = _random_problem(rng)
+        problem = dataclasses.replace(_random_problem(rng), solver=backend)
         lowest = None  # brute force's minimum peak
         try:
             brute_force(dataclasses.replace(problem, memory_budget_bytes=-1.0))
@@ -191,8 +203,9 @@ def _medium_problem(seed: int) -> IlpProblem:
     )
 
 
-def test_same_problem_same_answer() -> None:
-    problem = _medium_problem(seed=7)
+@pytest.mark.parametrize("backend", ["mip", "cpsat"])
+def test_same_problem_same_answer(backend: str) -> None:
+    problem = dataclasses.replace(_medium_problem(seed=7), solver=backend)
     first, second = solve(problem), solve(problem)
     assert first.status == "optimal"  # so the time limit played no part
     assert first.choices.tolist() == second.choices.tolist()
@@ -201,8 +214,9 @@ def test_same_problem_same_answer() -> None:
     assert first.num_variables > problem.num_nodes and first.num_constraints > problem.num_nodes
 
 
-def test_never_worse_than_the_hint() -> None:
-    problem = _medium_problem(seed=3)
+@pytest.mark.parametrize("backend", ["mip", "cpsat"])
+def test_never_worse_than_the_hint(backend: str) -> None:
+    problem = dataclasses.replace(_medium_problem(seed=3), solver=backend)
     hint = np.zeros(problem.num_nodes, dtype=np.int64)
     hint_s = evaluate(dataclasses.replace(problem, memory_budget_bytes=None), hint).objective_s
     for time_limit_s in (1e-3, 0.05, 10.0):  # a time-out returns the hint rather than failing
@@ -224,13 +238,15 @@ def test_hint_beats_a_plan_that_only_wins_by_rounding() -> None:
                     np.array([0, 1.0])),
         edges=(), edge_costs=(),
         memory_points=(((0, np.array([1.0, 0.0])), (1, np.array([1.0, 0.0])), (2, np.array([2.0, 0.0]))),),
-        memory_budget_bytes=2.0,
+        memory_budget_bytes=2.0, solver="cpsat",
     )
     assert solve(problem).choices.tolist() == [0, 0, 1, 0]  # the rounded model's optimum: 1.4 ticks
     assert brute_force(problem).objective_s == pytest.approx(1.2 * tick)
     hinted = solve(dataclasses.replace(problem, hint=np.array([1, 1, 0, 0])))
     assert hinted.choices.tolist() == [1, 1, 0, 0]
     assert hinted.objective_s == pytest.approx(1.2 * tick)
+    # HiGHS prices in floating point: it finds the float optimum without the hint
+    assert solve(dataclasses.replace(problem, solver="mip")).choices.tolist() == [1, 1, 0, 0]
 
 
 def test_forbidden_everywhere_names_the_node() -> None:
@@ -295,7 +311,8 @@ def test_local_search_sees_shared_charges() -> None:
     assert list(local_search(problem, np.array([1, 1, 1]), iterations=0)) == [1, 1, 1]
 
 
-def test_random_problems_with_charges_match_brute_force() -> None:
+@pytest.mark.parametrize("backend", ["mip", "cpsat"])
+def test_random_problems_with_charges_match_brute_force(backend: str) -> None:
     rng = np.random.default_rng(7)
     for instance in range(30):
         base = _random_problem(rng)
@@ -304,9 +321,50 @@ def test_random_problems_with_charges_match_brute_force() -> None:
             members = rng.choice(base.num_nodes, size=int(rng.integers(1, base.num_nodes + 1)), replace=False)
             charges.append(SharedCharge(f"c{k}", float(rng.uniform(0, 1.5)), tuple(
                 (int(i), rng.random(len(base.node_costs[i])) < 0.5) for i in members)))
-        problem = dataclasses.replace(base, charges=tuple(charges))
-        expected, got = _outcome(brute_force, problem), _outcome(solve, problem)
-        assert type(got) is type(expected), (instance, expected, got)
-        if isinstance(expected, PlanningError):
+        _solved_as_brute_force(dataclasses.replace(base, charges=tuple(charges), solver=backend), instance)
+
+
+@pytest.mark.parametrize("backend", ["mip", "cpsat"])
+def test_random_problems_with_shared_reshards_match_brute_force(backend: str) -> None:
+    """A shared reshard pays each distinct layout its readers choose once: brute force, both backends and
+    the local search's moves agree on it."""
+    rng = np.random.default_rng(5)
+    for instance in range(30):
+        base = _random_problem(rng)
+        groups = []
+        for k in range(int(rng.integers(1, 3))):
+            producer = int(rng.integers(base.num_nodes))
+            others = [i for i in range(base.num_nodes) if i != producer]
+            readers = rng.choice(others, size=min(len(others), int(rng.integers(1, 4))), replace=False)
+            layouts = int(rng.integers(1, 4))
+            groups.append(SharedReshard(f"r{k}", producer,
+                                        rng.uniform(0, 1, size=(len(base.node_costs[producer]), layouts)),
+                                        tuple((int(r), rng.integers(-1, layouts, size=len(base.node_costs[r])))
+                                              for r in readers)))
+        problem = dataclasses.replace(base, reshards=tuple(groups), solver=backend)
+        got = _solved_as_brute_force(problem, instance)
+        if got is None:
             continue
-        assert got.objective_s == pytest.approx(expected.objective_s, rel=1e-6, abs=1e-12), instance
+        check = evaluate(problem, got.choices)
+        assert check.violations == () and check.reshard_s >= 0
+        hinted = solve(dataclasses.replace(problem, hint=got.choices))
+        assert hinted.objective_s == pytest.approx(got.objective_s, rel=1e-6, abs=1e-12), instance
+    one = SharedReshard("made once", 0, np.array([[0.0, 5.0], [1.0, 0.0]]), ((1, np.array([1, 0])),
+                                                                            (2, np.array([1, -1]))))
+    # producer 0 (layout 0 free, layout 1 costs 5); readers 1 and 2 both read layout 1: paid once
+    assert one.cost_s(np.array([0, 0, 0])) == 5.0
+    # producer 1: reader 1 reads layout 0 (costs 1), reader 2 layout 1 (free from there)
+    assert one.cost_s(np.array([1, 1, 0])) == 1.0
+
+
+def test_a_pair_that_pays_a_reshard_wins_over_the_restricted_lp() -> None:
+    """The MIP backend solves the LP without the pairs that pay a reshard first (``mip._solve_lp``): here
+    every free pair costs more than reading a reshard, so the restricted optimum (both nodes in one layout,
+    4 ms) is not the answer and the whole LP's (u in A, v in B, 1 + 1 + 0.5 ms) is."""
+    problem = IlpProblem(
+        node_names=("u", "v"), node_costs=(np.array([1.0, 3.0]) * MS, np.array([3.0, 1.0]) * MS),
+        edges=((0, 1),), edge_costs=(np.array([[0.0, 0.5], [0.5, 0.0]]) * MS,), memory_points=(),
+    )
+    result = solve(problem)
+    assert list(result.choices) == [0, 1] and result.status == "optimal"
+    assert result.objective_s == pytest.approx(2.5 * MS)

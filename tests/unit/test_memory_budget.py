@@ -2,10 +2,13 @@
 compare() never keeps an over-budget plan while a classic one fits."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import autoshard
 from autoshard.compiler.baselines import compare, plan_baseline
+from autoshard.compiler.target import state_floor_bytes
 from autoshard.errors import InfeasibleMemoryError
 from autoshard.ir.trace import trace
 from autoshard.passes.classic import Baseline
@@ -44,7 +47,62 @@ def test_compare_keeps_no_plan_over_budget(work):
     fsdp = plan_baseline(trace(work.step, *work.args), Baseline.FSDP, mesh=(2, 4), cluster="cpu-8", options=OPTIONS)
     budget = fsdp.plan.ledger.peak_memory_bytes * 1.01  # FSDP fits; data parallelism, replicating state, not
     tight = compare(work.step, work.args, mesh=(2, 4), cluster="cpu-8", memory_budget=budget, options=OPTIONS,
-                    baselines=(Baseline.DP, Baseline.FSDP))
+                    baselines=(Baseline.DP, Baseline.FSDP), check=None)
     assert tight.fallback is not None
     assert tight.autoshard.fits and tight.autoshard.peak_bytes <= budget
     assert tight.autoshard.step_s <= tight.fallback.step_s * (1 + 1e-9)
+
+
+def _mlp12():
+    """The issue's 12-layer MLP (H 2048, batch 4096, Adam): refused at 567 MiB with "472 MiB fits" once."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    width, batch, depth = 2048, 4096, 12
+    tx = optax.adam(1e-3)
+
+    def loss_fn(params, data):
+        x = data["x"]
+        for w in params:
+            x = jax.nn.relu(x @ w)
+        return jnp.mean((x - data["y"]) ** 2)
+
+    def step(params, opt_state, data):
+        loss, grads = jax.value_and_grad(loss_fn)(params, data)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = [jax.ShapeDtypeStruct((width, width), jnp.float32) for _ in range(depth)]
+    data = {k: jax.ShapeDtypeStruct((batch, width), jnp.float32) for k in ("x", "y")}
+    return step, (params, jax.eval_shape(tx.init, params), data), (1, 4), "1x8-a100"
+
+
+def _gpt_tiny():
+    work = gpt.workload("tiny", abstract=True)
+    return work.step, work.args, (2, 4), "cpu-8"
+
+
+@pytest.mark.parametrize("model", [pytest.param(_mlp12, marks=pytest.mark.slow), _gpt_tiny])
+def test_every_budget_at_or_above_the_named_smallest_plans(model):
+    """The infeasibility search and the error agree: the smallest budget an InfeasibleMemoryError names
+    plans, and so does every larger budget, each plan within its budget."""
+    step, args, mesh, cluster = model()
+
+    def plan(budget):  # the promise holds at any solver limit: a short one keeps the sweep's ~40 solves quick
+        return autoshard.plan(step, *args, mesh=mesh, cluster=cluster, memory_budget=budget, num_stages=1,
+                              options=IntraOpOptions(time_limit_s=2.0))
+
+    free = plan(None).ledger.peak_memory_bytes
+    # just above what the parameters and optimizer state need split over every device (below it the budget
+    # is refused before any search, without a smallest budget: compiler/target.check_budget_floor)
+    floor = state_floor_bytes(trace(step, *args), math.prod(mesh))
+    with pytest.raises(InfeasibleMemoryError) as refused:
+        plan(floor * 1.2)
+    smallest = refused.value.smallest_budget_bytes
+    assert 0 < smallest <= free * (1 + 1e-9)
+    for factor in (1.0, 1.03, 1.2, 1.5):
+        budget = min(smallest * factor, free)
+        got = plan(budget)
+        assert got.ledger.peak_memory_bytes <= budget * (1 + 1e-9), (factor, budget)
+    assert plan(567 * 2**20) if model is _mlp12 else True  # the issue's budget plans

@@ -17,6 +17,7 @@ import pytest
 from rich.console import Console
 from plan_helpers import hand_plan
 
+import autoshard
 from autoshard import cli
 from autoshard.passes.classic import Baseline, baseline_pins, batch_spec, divisible_axes, largest_dim_spec, node_axes
 from autoshard.compiler.ceiling import BatchProbe, MemoryModel, args_at_batch
@@ -80,9 +81,9 @@ def _pipeline_stages(graph) -> tuple:
 
 
 def test_pipeline_plan_file_round_trip(gpt_tiny, tmp_path):
-    from autoshard.plans.stage_plan import PipelineSummary
+    from autoshard.plans.stage_plan import PipelinePlan
 
-    summary = PipelineSummary(num_microbatches=4, schedule="1f1b", step_s=0.02, first_microbatch_latency_s=6e-3,
+    summary = PipelinePlan(num_microbatches=4, schedule="1f1b", step_s=0.02, first_microbatch_latency_s=6e-3,
                               bottleneck_s=3e-3, bubble_fraction=0.2, layers=2, cost_model="roofline",
                               intra_stage="data parallel", spmd_step_s=0.03, spmd_mesh="2x4", notes=("n",))
     plan = dataclasses.replace(hand_plan(gpt_tiny[1]), stages=_pipeline_stages(gpt_tiny[1]), pipeline=summary,
@@ -100,7 +101,7 @@ def test_loading_a_plan_for_a_wider_model_names_the_parameter_and_both_shapes(tm
     small = gpt.workload("small", abstract=True)
     hand_plan(trace(small.step, *small.args)).save(tmp_path / "plan.json")
     wider = gpt.workload(dataclasses.replace(gpt.CONFIGS["small"], d_model=100), abstract=True)  # one step wider
-    applied = load_plan(tmp_path / "plan.json").apply(wider.step, _mesh())
+    applied = autoshard.apply(load_plan(tmp_path / "plan.json"), wider.step, _mesh())
     with pytest.raises(PlanMismatchError) as err:
         applied.lower(*wider.args)
     text = str(err.value)
@@ -283,7 +284,7 @@ def test_validate_catches_a_plan_over_the_memory_budget(gpt_tiny):
     assert bad.check == "memory"
     assert "peak 3 GiB per device" in bad.message and "exceeds the 2 GiB budget (small-gpus's device memory) by 1 GiB" \
         in bad.message
-    assert "re-plan with --memory-budget-gib 2" in bad.fix and "at least 3 GiB" in bad.fix
+    assert "re-plan with --memory-budget 2GiB" in bad.fix and "at least 3 GiB" in bad.fix
     too_few = dataclasses.replace(small, devices_per_node=4, name="four")
     assert any(f.check == "devices" and f.failed and "needs 8 devices; cluster four has 4" in f.message
                for f in validate_plan(plan, cluster=too_few))
@@ -295,8 +296,8 @@ def test_validate_cli_exit_status_and_message(gpt_tiny, tmp_path, capsys):
     assert cli.main(["validate", str(path), "--cluster", "1x8-a100"]) == 0
     assert cli.main(["validate", str(path), "--cluster", "2x8-a100", "--mesh", "2x8"]) == 1
     out = capsys.readouterr().out
-    assert "plan.apply refuses" in out and "1 check(s) failed: mesh" in out
-    assert cli.main(["validate", str(path), "--memory-budget-gib", "0.001"]) == 1
+    assert "autoshard.apply refuses" in out and "1 check(s) failed: mesh" in out
+    assert cli.main(["validate", str(path), "--memory-budget", "0.001GiB"]) == 1
     assert "exceeds the 1.02 MiB budget" in capsys.readouterr().out
 
 
@@ -352,7 +353,9 @@ def test_explain_cli_tables_and_pictures(gpt_tiny, tmp_path, capsys):
     html, png = tmp_path / "report.html", tmp_path / "report.png"
     assert cli.main(["explain", str(path), "--op", "3", "--html", str(html), "--png", str(png)]) == 0
     out = capsys.readouterr().out
-    assert "blocks.#.attn.q.kernel" in out and "0-1" in out and "modeled step" in out
+    # a pipeline plan's parameters as each stage keeps them (these stages hold the first two arrays)
+    assert "parameters by path and pipeline stage" in out and "blocks.#.attn.k.kernel" in out
+    assert "modeled step" in out and "why this plan" in out and "legend" in out
     assert "op 3 has no recorded alternatives" in out
     assert "best classic: FSDP/ZeRO-3; fallback (best classic that fits): DP" in out
     page = html.read_text()
@@ -360,7 +363,7 @@ def test_explain_cli_tables_and_pictures(gpt_tiny, tmp_path, capsys):
     for caption in ("comparison", "tensor layouts", "memory per device", "pipeline schedule"):
         assert f'alt="{caption}"' in page
     assert 'alt="time per layer"' not in page  # a hand-built plan has no per-layer times
-    assert "modeled step" in html.read_text() and "blocks.#.attn.q.kernel" in html.read_text()
+    assert "modeled step" in html.read_text() and "blocks.#.attn.k.kernel" in html.read_text()
 
 
 def test_verify_flags_figures_off_by_more_than_ten_percent():

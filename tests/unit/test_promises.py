@@ -118,9 +118,9 @@ def test_validate_cli_refuses_an_overflowing_plan_file_in_one_line(plan_file):
 def test_validate_refuses_another_mesh_shape_as_apply_does(plan_file):
     plan = load_plan(plan_file)
     with pytest.raises(PlanMismatchError, match="mesh axis 'x' has 4 devices, the plan needs 2"):
-        plan.apply(lambda *a: a, jax.make_mesh((4, 2), ("x", "y")))
+        autoshard.apply(plan, lambda *a: a, jax.make_mesh((4, 2), ("x", "y")))
     [bad] = [f for f in validate_plan(plan, mesh_shape=(4, 2)) if f.failed]
-    assert bad.check == "mesh" and "plan.apply refuses a mesh of shape 4x2" in bad.message
+    assert bad.check == "mesh" and "autoshard.apply refuses a mesh of shape 4x2" in bad.message
     assert "autoshard plan TARGET --mesh 4x2" in bad.fix
     proc = cli("validate", str(plan_file), "--mesh", "4x2")
     assert proc.returncode == 1 and "1 check(s) failed: mesh" in proc.stdout and "Traceback" not in proc.stderr
@@ -130,7 +130,7 @@ def test_apply_refuses_per_op_layouts_that_do_not_fit_the_traced_ops(gpt_tiny, p
     work, graph = gpt_tiny
     dot = next(op for op in graph.ops if op.primitive == "dot_general")
     _edit(plan_file, lambda d: d["op_out_specs"].update({str(dot.id): [[["x"]]]}))  # rank 1 for a rank-3 output
-    applied = load_plan(plan_file).apply(work.step, jax.make_mesh((2, 4), ("x", "y")))
+    applied = autoshard.apply(load_plan(plan_file), work.step, jax.make_mesh((2, 4), ("x", "y")))
     with pytest.raises(PlanMismatchError, match=rf"op {dot.id} \(dot_general\) outputs: specs S\(x\) do not fit"):
         applied.lower(*work.args)
 
@@ -202,12 +202,40 @@ def test_the_default_cluster_is_the_cpu_preset_it_describes(gpt_tiny, tmp_path):
     (["plan", "examples/gpt.py", "--config", "nope"], r"unknown --config 'nope' .*choose one of tiny, small"),
     (["plan", "no_such_module"], r"cannot import 'no_such_module'"),
     (["plan", "examples.gpt:no_such_function"], r"examples.gpt has no function 'no_such_function'"),
-    (["plan", "examples/gpt.py", "--memory-budget-gib", "0"], r"--memory-budget-gib: must be a positive number"),
+    (["plan", "examples/gpt.py", "--memory-budget", "0GiB"], r"--memory-budget must be a positive size"),
+    (["plan", "examples/gpt.py", "--memory-budget", "1000"], r"--memory-budget '1000' has no unit: .*1000GiB"),
+    (["plan", "examples/gpt.py", "--memory-budget", "3 parsecs"], r"unknown unit 'parsecs'"),
+    (["plan", "examples/gpt.py", "--memory-budg", "1GiB"], r"unrecognized arguments: --memory-budg"),  # no prefixes
+    (["plan", "examples/gpt.py", "--memory-budget-gib", "40"], r"--memory-budget-gib is gone.*--memory-budget 40GiB"),
+    (["plan", "examples/gpt.py", "--stages", "9", "--cluster", "cpu-8"], r"--stages 9 is more stages than the 8"),
+    (["plan", "examples/gpt.py", "--cluster", "a1OO"], r"--cluster: unknown cluster 'a1OO'"),
+    (["plan", "examples/gpt.py", "--mesh", "2x4", "--devices", "4"], r"--devices 4 contradicts --mesh 2x4"),
+    (["plan", "examples.gpt:init_params"], r"examples.gpt:init_params takes arguments \(config, key\).*returns a "
+                                           r"Workload"),
     (["plan", "examples/gpt.py", "--time-limit", "0"], r"--time-limit: must be a positive number"),
     (["plan", "examples/gpt.py", "--mesh", "2xfour"], r"--mesh takes sizes like 2x4"),
 ])
 def test_cli_bad_targets_and_flags_fail_in_one_line(argv, pattern):
     assert_one_line_error(cli(*argv), pattern)
+
+
+def test_cli_mesh_beyond_the_cluster_fails_in_one_line_at_once():
+    """A 3x3 mesh on the 8-device preset was planned as 9 devices ("of cpu-8[1x9]"); now refused before the
+    target is even loaded."""
+    start = time.perf_counter()
+    proc = cli("plan", "examples/gpt.py", "--mesh", "3x3", "--cluster", "cpu-8")
+    seconds = time.perf_counter() - start
+    assert_one_line_error(proc, r"--mesh 3x3 needs 9 devices but --cluster cpu-8 has 8: use a mesh of at most 8")
+    assert seconds < 2 and "loading" not in proc.stderr, f"{seconds:.2f}s"
+
+
+def test_cli_impossible_budget_is_known_before_the_search_and_names_the_flag():
+    """The floor (parameters and optimizer state split over every device) refuses 1 KiB as soon as the step is
+    traced; the error names the flag typed (the API's says memory_budget)."""
+    proc = cli("plan", "examples/mlp.py", "--config", "tiny", "--mesh", "2x4", "--memory-budget", "1KiB")
+    assert_one_line_error(proc, r"no plan fits 1 KiB per device: the parameters and optimizer state alone take "
+                                r".* raise --memory-budget above")
+    assert "solving" not in proc.stderr and "memory_budget" not in proc.stderr
 
 
 def test_cli_unwritable_outputs_fail_before_any_work(plan_file, tmp_path):

@@ -10,6 +10,7 @@ import pytest
 
 import autoshard
 from autoshard.compiler.baselines import plan_uniform_gpipe
+from autoshard.compiler.pipeline_context import PipelineRequest
 from autoshard.compiler.pipeline_driver import plan_pipeline
 from autoshard.passes.stage_costs import logical_shapes, stage_submeshes
 from autoshard.passes.stages import StageInfeasibleError, evaluate_stages, solve_stages
@@ -29,7 +30,8 @@ def _plan(num_layers: int, config=BASE, **kwargs):
 
     kwargs.setdefault("num_stages", 2)
     kwargs.setdefault("num_microbatches", 2)
-    return plan_pipeline(step, work.args, cluster="cpu-8", num_devices=8, num_layers=num_layers, **kwargs)
+    return plan_pipeline(step, work.args, PipelineRequest(cluster="cpu-8", num_devices=8, num_layers=num_layers,
+                                                          **kwargs)).chosen
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +129,28 @@ def test_uniform_gpipe_baseline_is_equal_data_parallel_stages():
     for stage in plan.stages:
         assert all(spec.is_replicated for spec in stage.param_specs.values())
         assert stage.intra_op.startswith("DP on") and not stage.recompute
+
+
+def test_stage_counts_and_cuts_reuse_one_solve_per_key(shallow):
+    """One intra-op solve per (layer class, sub-mesh and logical shape, microbatch size, mode): pricing the same
+    step again for other stage counts solves nothing new, and its variants read the very same solves."""
+    from autoshard.compiler.pipeline_pricing import price_pipeline, stage_cost_options
+
+    ctx, first = shallow.context, shallow.priced
+    kept = dict(ctx.solves.costs)
+    keys = [key for _, key in kept]
+    classes = set(first.layer_keys)
+    # B is given: one microbatch size (8 sequences / 2); no budget: the fast mode only
+    assert {k.microbatch for k in keys} == {ctx.traced.global_batch // 2} == {4}
+    assert {k.mode for k in keys} == {"fast"}
+    assert {k.layer_class for k in keys} == classes
+    assert {(k.submesh, k.mesh_shape) for k in keys} == {(v.submesh, v.mesh_shape) for v in first.variants}
+    assert first.num_solves == len(kept) == ctx.solves.solves == len(classes) * len(first.meshes)
+    options = stage_cost_options(ctx)
+    for num_stages in (3, None):  # another stage count, and the count searched: the same solves
+        again = price_pipeline(ctx, dataclasses.replace(options, num_stages=num_stages,
+                                                        min_stages=2 if num_stages is None else 1)).stages
+        assert again.num_solves == 0 and ctx.solves.solves == len(kept)
+        assert again.costs.keys() == first.costs.keys()
+        assert all(again.costs[k][1] is first.costs[k][1] for k in again.costs)
+        assert solve_stages(again.problem).stages  # the DP runs on them unchanged

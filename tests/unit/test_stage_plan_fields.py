@@ -1,6 +1,6 @@
 """The per-stage intra-op fields of a pipeline plan file: optimizer-state layouts, per-equation specs and
 predicted collectives and train-graph pins round-trip; a file written before them still loads (the fields come back empty, and
-``plans/applied_pipeline.stage_layouts`` then rebuilds the state layouts by rule); a bad spec in them fails
+``runtime/applied_pipeline.stage_layouts`` then rebuilds the state layouts by rule); a bad spec in them fails
 naming the field."""
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ from autoshard.ir.spec import Spec
 from autoshard.ir.trace import trace
 from autoshard.plans.plan import load_plan
 from autoshard.plans.planfile import PlanFileError
-from autoshard.plans.stage_plan import PipelineStage, PipelineSummary, StageMemory
-from autoshard.runtime.spmd import Annotations
-from autoshard.runtime.stage_train import TrainPins
+from autoshard.plans.stage_plan import PipelineStage, PipelinePlan, StageMemory
+from autoshard.plans.annotations import Annotations, TrainPins
 from examples import gpt
 
 
@@ -46,7 +45,7 @@ def staged_plan():
         collective_bytes={"forward": {"all-gather": 1024.0}, "backward": {"reduce-scatter": 2048.0}, "apply": {}},
         train_pins={s: TRAIN_PINS, s + 2: TRAIN_PINS})  # two layers of one class: its plan is stored once
         for s in range(2))
-    summary = PipelineSummary(num_microbatches=2, schedule="1f1b", step_s=0.02, first_microbatch_latency_s=6e-3,
+    summary = PipelinePlan(num_microbatches=2, schedule="1f1b", step_s=0.02, first_microbatch_latency_s=6e-3,
                               bottleneck_s=3e-3, bubble_fraction=0.2, layers=2, cost_model="intra-op",
                               intra_stage="per stage")
     return dataclasses.replace(hand_plan(graph), stages=stages, pipeline=summary, num_microbatches=2, schedule="1f1b")

@@ -2,7 +2,8 @@
 
 Exact: every plan keeps its objective; only impossible choices go. P1 arc consistency, P2 constants
 folded into their neighbours, P3 parallel edges summed and row/column minima moved into node costs,
-P4 node costs shifted so each node's cheapest strategy costs 0. Liveness-point bytes are rounded up to
+P4 node costs shifted so each node's cheapest strategy costs 0. Shared reshards keep their nodes (fixed
+ones too) over the allowed strategies. Liveness-point bytes are rounded up to
 whole bytes with their fixed part moved into the point constants; shared charges keep the members that
 can still incur them (one a fixed node incurs is a constant and leaves the model).
 """
@@ -29,6 +30,43 @@ class Reduced:
     # shared charges still open: (seconds, [(node, bool over allowed)]) with some free member choice incurring
     # it and none fixed on it (a charge a fixed node incurs is a constant; one no allowed choice incurs is gone)
     charges: list[tuple[float, list[tuple[NodeIndex, np.ndarray]]]] = dataclasses.field(default_factory=list)
+    # shared reshards over allowed strategies: (producer, costs [allowed of producer, layouts], readers
+    # [(node, layout per allowed strategy)]); nodes fixed by presolve stay named (one allowed strategy)
+    reshards: list[tuple[NodeIndex, np.ndarray, list[tuple[NodeIndex, np.ndarray]]]] = dataclasses.field(
+        default_factory=list)
+
+
+_ROW_WEIGHTS = np.random.default_rng(0).uniform(0.5, 1.5, size=4096)  # fingerprints of edge-matrix rows
+
+
+def identical_lines(lines: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(group per row, first row of each group): equal rows of an edge matrix share a group (inf rows too)."""
+    key = np.where(np.isfinite(lines), lines, -1.0) + 0.0  # R >= 0, so -1 marks inf; + 0.0 drops -0.0
+    if key.shape[1] <= len(_ROW_WEIGHTS):  # fast path: group by a fingerprint, then check it exactly
+        _, first, group = np.unique(key @ _ROW_WEIGHTS[:key.shape[1]], return_index=True, return_inverse=True)
+        if np.array_equal(key[first][group.ravel()], key):
+            return group.ravel(), first
+    seen: dict[bytes, int] = {}
+    group = np.array([seen.setdefault(line.tobytes(), len(seen)) for line in key], dtype=np.int64)
+    return group, np.unique(group, return_index=True)[1]
+
+
+def exclusion_cuts(excluded: tuple[tuple[np.ndarray, ...], ...], allowed: list[np.ndarray],
+                   free: np.ndarray) -> list[list[tuple[int, np.ndarray]]] | None:
+    """The no-good cuts (``IlpProblem.excluded``) over the reduced problem: per cut, the free nodes it names
+    (those with marked and unmarked strategies left, ``free[i]``: node i is still a choice) with their marked
+    positions among ``allowed``; a cut some node cannot take is left out (every plan satisfies it). None when
+    a cut excludes every plan left (a cut whose marked strategies are the only ones left everywhere)."""
+    cuts = []
+    for masks in excluded:
+        marked = [np.asarray(m, dtype=bool)[a] for m, a in zip(masks, allowed)]
+        if not all(m.any() for m in marked):
+            continue
+        nodes = [i for i, m in enumerate(marked) if free[i] and not m.all()]
+        if not nodes:
+            return None
+        cuts.append([(i, np.flatnonzero(marked[i])) for i in nodes])
+    return cuts
 
 
 def no_strategy_error(problem: IlpProblem, node: int) -> PlanningError:
@@ -104,4 +142,11 @@ def presolve(problem: IlpProblem) -> Reduced:
         members = [(node, mask) for node, mask in members if mask.any()]
         if members and not any(len(allowed[node]) == 1 for node, _ in members):
             charges.append((float(charge.cost_s), members))
-    return Reduced(allowed, node_cost, edges, point_terms, point_const, charges)
+    reshards = []
+    for group in problem.reshards:
+        readers = [(node, np.asarray(layout, dtype=np.int64)[allowed[node]]) for node, layout in group.readers]
+        readers = [(node, layout) for node, layout in readers if (layout >= 0).any()]
+        costs = np.asarray(group.costs, dtype=np.float64)[allowed[group.producer]]
+        if readers and costs.any():
+            reshards.append((group.producer, costs, readers))
+    return Reduced(allowed, node_cost, edges, point_terms, point_const, charges, reshards)

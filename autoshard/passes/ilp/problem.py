@@ -3,20 +3,20 @@
 An :class:`IlpProblem` holds, per node, a cost per strategy; per edge, a cost
 matrix over the two nodes' strategies; per liveness point, the bytes each
 node's choice keeps alive. :func:`solve` picks one strategy per node with
-CP-SAT; :func:`evaluate` recomputes any choice's cost and lists its
+HiGHS or CP-SAT; :func:`evaluate` recomputes any choice's cost and lists its
 violations from the problem alone (tests call it on every solve);
 :func:`brute_force` enumerates small problems; :func:`min_peak_memory` is the
 smallest budget under which a plan exists.
 
 This module is the solver boundary: the problem and solution types, their
-validation, ``evaluate``, ``brute_force`` and the memory error. The CP-SAT model
-(one builder per constraint family (a)-(f), the objective and its scaling, the
-hint, the min-peak model) and the entry points ``solve`` and ``min_peak_memory``
-live in ``passes/ilp/cpsat.py``, whose docstring writes out the formulation and
-its legend; the presolve P1-P4 in ``passes/ilp/presolve.py``.
+validation, ``evaluate``, ``brute_force`` and the memory error. The two backends
+(HiGHS in ``passes/ilp/mip.py``, the default; CP-SAT in ``passes/ilp/cpsat.py``,
+whose docstring writes out the formulation and its legend) sit behind the entry
+points ``solve`` and ``min_peak_memory`` of ``passes/ilp/solvers.py``; the presolve
+P1-P4 in ``passes/ilp/presolve.py``.
 
 ``solve`` first improves the hint by local search (``passes/ilp/search.py``) and
-gives it to CP-SAT; if it evaluates better than the solver's plan, or the solver
+gives it to the backend; if it evaluates better than the solver's plan, or the solver
 found none in time, the hint is returned: the result is never worse than the hint.
 """
 from __future__ import annotations
@@ -31,8 +31,9 @@ import numpy as np
 
 from autoshard.errors import InfeasibleMemoryError, PlanningError
 
-__all__ = ["Evaluation", "IlpProblem", "IlpSolution", "SharedCharge", "brute_force", "evaluate", "format_bytes",
-           "memory_error"]
+__all__ = ["Evaluation", "IlpProblem", "IlpSolution", "SharedCharge", "SharedReshard", "brute_force", "evaluate",
+           "exhaustive",
+           "format_bytes", "memory_error"]
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,32 @@ class SharedCharge:
 
     def active(self, choices: np.ndarray) -> bool:
         return any(bool(mask[choices[node]]) for node, mask in self.members)
+
+
+ReshardReader: TypeAlias = tuple[NodeIndex, np.ndarray]  # (node, layout index per strategy; -1: reads no copy)
+
+
+@dataclass(frozen=True, eq=False)
+class SharedReshard:
+    """A value read by several nodes, each in the layout its strategy needs: every distinct layout they read
+    it in is made once from the producer's (XLA's common-subexpression elimination), however many read it.
+
+    Cost = sum over the distinct layouts l the readers' choices name of ``costs[producer's choice, l]``."""
+
+    name: str
+    producer: NodeIndex
+    costs: np.ndarray  # [len(node_costs[producer]), num_layouts] seconds to make layout l from strategy a
+    readers: tuple[ReshardReader, ...]
+
+    def layouts(self, choices: np.ndarray) -> set[int]:
+        return {int(layout[choices[node]]) for node, layout in self.readers if layout[choices[node]] >= 0}
+
+    def cost_s(self, choices: np.ndarray) -> float:
+        return float(sum(self.costs[choices[self.producer], l] for l in self.layouts(choices)))
+
+
 SolveStatus: TypeAlias = Literal["optimal", "feasible", "least-memory", "start"]
+SolverName: TypeAlias = Literal["mip", "cpsat"]
 
 _BRUTE_FORCE_LIMIT = 1_000_000
 _BYTES_REL_TOL = 1e-12  # float summation slack when comparing bytes with the budget
@@ -68,9 +94,19 @@ class IlpProblem:
     memory_constant_bytes: tuple[float, ...] = ()  # per point, bytes no choice changes; () = zeros
     hint: np.ndarray | None = None  # one strategy per node, e.g. the data-parallel plan
     charges: tuple[SharedCharge, ...] = ()  # costs paid once when any member choice is taken
+    reshards: tuple[SharedReshard, ...] = ()  # values read by several nodes: each distinct layout made once
     time_limit_s: float = 30.0  # CP-SAT wall-clock limit
     seed: int = 0  # CP-SAT random seed
     num_workers: int = 1  # CP-SAT workers; 1 is deterministic, >1 runs CP-SAT's portfolio (not)
+    solver: SolverName = "mip"  # "mip": HiGHS (passes/ilp/mip.py); "cpsat": OR-Tools CP-SAT (passes/ilp/cpsat.py)
+    # no-good cuts: each a bool mask per node over its strategies; a plan choosing a marked strategy at every
+    # node is excluded (passes/ilp/candidates.py: the next-best plans)
+    excluded: tuple[tuple[np.ndarray, ...], ...] = ()
+
+    def excluded_by(self, choices: np.ndarray) -> int | None:
+        """The index of the first cut that excludes ``choices`` (None: none does)."""
+        return next((k for k, masks in enumerate(self.excluded)
+                     if all(bool(m[int(c)]) for m, c in zip(masks, choices))), None)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -97,12 +133,13 @@ class IlpSolution:
 
 @dataclass(frozen=True)
 class Evaluation:
-    objective_s: float  # node_s + edge_s + charge_s; inf if a choice is forbidden or out of range
+    objective_s: float  # node_s + edge_s + charge_s + reshard_s; inf if a choice is forbidden or out of range
     node_s: float
     edge_s: float
     memory_bytes: tuple[float, ...]  # per liveness point, constant included
     violations: tuple[str, ...]  # human-readable; empty when the choice is a valid plan
     charge_s: float = 0.0  # shared charges incurred
+    reshard_s: float = 0.0  # shared reshards: each distinct layout a value is read in, made once
 
 
 def _validate(problem: IlpProblem) -> None:
@@ -146,8 +183,24 @@ def _validate(problem: IlpProblem) -> None:
         for node, mask in charge.members:
             if not 0 <= node < n or np.shape(mask) != (len(problem.node_costs[node]),):
                 raise ValueError(f"charge {charge.name!r}: member {node} must be a node with one flag per strategy")
+    for group in problem.reshards:
+        costs = np.asarray(group.costs)
+        if not 0 <= group.producer < n or costs.ndim != 2 or costs.shape[0] != len(problem.node_costs[group.producer]) \
+                or not np.isfinite(costs).all() or (costs < 0).any():
+            raise ValueError(f"shared reshard {group.name!r}: costs must be finite, >= 0, one row per strategy of "
+                             f"its producer, got shape {costs.shape}")
+        for node, layout in group.readers:
+            if not 0 <= node < n or np.shape(layout) != (len(problem.node_costs[node]),) \
+                    or (np.asarray(layout) >= costs.shape[1]).any():
+                raise ValueError(f"shared reshard {group.name!r}: reader {node} needs one layout index per strategy "
+                                 f"below {costs.shape[1]}")
+    if any(len(masks) != n or any(np.shape(m) != np.shape(c) for m, c in zip(masks, problem.node_costs))
+           for masks in problem.excluded):
+        raise ValueError("each excluded set needs one mask per node, with one flag per strategy")
     if problem.time_limit_s <= 0 or problem.num_workers < 1:
         raise ValueError("time_limit_s must be > 0 and num_workers >= 1")
+    if problem.solver not in ("mip", "cpsat"):
+        raise ValueError(f"solver must be 'mip' or 'cpsat', got {problem.solver!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,10 +251,14 @@ def evaluate(problem: IlpProblem, choices: np.ndarray) -> Evaluation:
         if budget is not None and _over_budget(total, budget):
             violations.append(f"over budget at liveness point {p} by {total - budget:.0f} bytes "
                               f"({format_bytes(total)} > {format_bytes(budget)})")
-    charge_s = 0.0
+    charge_s = reshard_s = 0.0
+    if all(in_range) and (cut := problem.excluded_by(choices)) is not None:
+        violations.append(f"the plan is excluded by no-good cut {cut}")
     if all(in_range):
         charge_s = float(sum(c.cost_s for c in problem.charges if c.active(choices)))
-    return Evaluation(node_s + edge_s + charge_s, node_s, edge_s, tuple(memory), tuple(violations), charge_s)
+        reshard_s = float(sum(group.cost_s(choices) for group in problem.reshards))
+    return Evaluation(node_s + edge_s + charge_s + reshard_s, node_s, edge_s, tuple(memory), tuple(violations),
+                      charge_s, reshard_s)
 
 
 def brute_force(problem: IlpProblem, max_combinations: int = _BRUTE_FORCE_LIMIT) -> IlpSolution:
@@ -228,6 +285,12 @@ def brute_force(problem: IlpProblem, max_combinations: int = _BRUTE_FORCE_LIMIT)
             for node, mask in charge.members:
                 active |= np.asarray(mask, dtype=bool)[choices[:, node]]
             objective = objective + charge.cost_s * active
+        objective = objective + _reshard_costs(problem, choices)
+        for masks in problem.excluded:
+            hit = np.ones(len(idx), dtype=bool)
+            for i, mask in enumerate(masks):
+                hit &= np.asarray(mask, dtype=bool)[choices[:, i]]
+            objective = np.where(hit, np.inf, objective)
         peak = np.full(len(idx), -np.inf if problem.memory_points else 0.0)
         for p, terms in enumerate(problem.memory_points):
             point = np.full(len(idx), problem.point_constant(p))
@@ -252,6 +315,103 @@ def brute_force(problem: IlpProblem, max_combinations: int = _BRUTE_FORCE_LIMIT)
         raise memory_error(problem, budget, lowest[0], lowest[1])
     choices = best[1].astype(np.int64)
     return IlpSolution(choices, evaluate(problem, choices).objective_s, "optimal", 0.0,
+                       time.perf_counter() - start, 0, 0)
+
+
+def _reshard_costs(problem: IlpProblem, choices: np.ndarray) -> np.ndarray:
+    """Per row of ``choices`` (combinations x nodes), the shared reshards' seconds."""
+    total = np.zeros(len(choices))
+    for group in problem.reshards:
+        used = np.zeros((len(choices), group.costs.shape[1]), dtype=bool)
+        for node, layout in group.readers:
+            picked = np.asarray(layout)[choices[:, node]]
+            rows = np.flatnonzero(picked >= 0)
+            used[rows, picked[rows]] = True
+        total += (np.asarray(group.costs)[choices[:, group.producer]] * used).sum(axis=1)
+    return total
+
+
+def exhaustive(problem: IlpProblem, max_combinations: int = _BRUTE_FORCE_LIMIT) -> IlpSolution:
+    """The exact optimum without a memory budget, by enumeration; for tests of problems ``brute_force``
+    cannot enumerate whole. An independent set of nodes free of charges ("leaves": no edge between two
+    of them, no shared reshard they produce, at most one of them reading any shared reshard) is not
+    enumerated: given every other node's strategy, each leaf's best strategy depends on its own cost,
+    its edges and what its reads add to the shared reshards alone, so taking it per combination is
+    exact. Ties go to the first."""
+    start = time.perf_counter()
+    if problem.memory_budget_bytes is not None:
+        raise ValueError("exhaustive() is for problems without a memory budget; use brute_force()")
+    blocked = {node for c in problem.charges for node, _mask in c.members}
+    blocked |= {group.producer for group in problem.reshards}
+    neighbours: list[set[int]] = [set() for _ in problem.node_costs]
+    for u, v in problem.edges:
+        neighbours[u].add(v)
+        neighbours[v].add(u)
+    for group in problem.reshards:  # two readers of one group are not both leaves
+        members = {r for r, _ in group.readers}
+        for r in members:
+            neighbours[r] |= members - {r}
+    leaves: list[int] = []
+    for node in sorted(range(problem.num_nodes), key=lambda i: -len(problem.node_costs[i])):
+        if node not in blocked and not neighbours[node] & set(leaves):
+            leaves.append(node)
+    leaf_set = set(leaves)
+    enumerated = [i for i in range(problem.num_nodes) if i not in leaf_set]
+    sizes = tuple(len(problem.node_costs[i]) for i in enumerated)
+    total = math.prod(sizes)
+    if total > max_combinations:
+        raise ValueError(f"exhaustive search over {total:.3g} combinations refused (limit {max_combinations})")
+    position = {node: k for k, node in enumerate(enumerated)}
+    best: tuple[float, np.ndarray | None] = (np.inf, None)
+    for lo in range(0, total, 1 << 14):
+        idx = np.arange(lo, min(lo + (1 << 14), total))
+        picked = (np.stack(np.unravel_index(idx, sizes), axis=1) if sizes
+                  else np.zeros((len(idx), 0), dtype=np.int64))
+        choices = np.zeros((len(idx), problem.num_nodes), dtype=np.int64)
+        choices[:, enumerated] = picked
+        objective = np.zeros(len(idx))
+        for node in enumerated:
+            objective = objective + np.asarray(problem.node_costs[node], dtype=np.float64)[choices[:, node]]
+        leaf_cost = {leaf: np.broadcast_to(np.asarray(problem.node_costs[leaf], dtype=np.float64),
+                                           (len(idx), len(problem.node_costs[leaf]))).copy() for leaf in leaves}
+        for (u, v), matrix in zip(problem.edges, problem.edge_costs):
+            matrix = np.asarray(matrix, dtype=np.float64)
+            if u in position and v in position:
+                objective = objective + matrix[choices[:, u], choices[:, v]]
+            elif u in position:
+                leaf_cost[v] += matrix[choices[:, u], :]
+            else:
+                leaf_cost[u] += matrix[:, choices[:, v]].T
+        for group in problem.reshards:
+            costs = np.asarray(group.costs, dtype=np.float64)[choices[:, group.producer]]  # [combinations, layouts]
+            used = np.zeros(costs.shape, dtype=bool)
+            for node, layout in group.readers:
+                if node in position:
+                    picked_layout = np.asarray(layout)[choices[:, node]]
+                    rows = np.flatnonzero(picked_layout >= 0)
+                    used[rows, picked_layout[rows]] = True
+            objective = objective + (costs * used).sum(axis=1)
+            for node, layout in group.readers:  # a leaf reader adds its layout when no one else reads it
+                if node in leaf_set:
+                    layout = np.asarray(layout)
+                    extra = np.where(layout >= 0, costs[:, np.maximum(layout, 0)], 0.0)
+                    fresh = ~used[:, np.maximum(layout, 0)] & (layout >= 0)
+                    leaf_cost[node] += extra * fresh
+        for leaf, table in leaf_cost.items():
+            choices[:, leaf] = np.argmin(table, axis=1)
+            objective = objective + table[np.arange(len(idx)), choices[:, leaf]]
+        for charge in problem.charges:
+            active = np.zeros(len(idx), dtype=bool)
+            for node, mask in charge.members:
+                active |= np.asarray(mask, dtype=bool)[choices[:, node]]
+            objective = objective + charge.cost_s * active
+        j = int(np.argmin(objective))
+        if objective[j] < best[0]:
+            best = (float(objective[j]), choices[j].copy())
+    if best[1] is None:
+        raise PlanningError(f"no combination of strategies for the {problem.num_nodes} nodes avoids every "
+                            "forbidden choice and pair; the strategy rules are inconsistent")
+    return IlpSolution(best[1], evaluate(problem, best[1]).objective_s, "optimal", 0.0,
                        time.perf_counter() - start, 0, 0)
 
 

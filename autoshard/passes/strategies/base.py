@@ -31,6 +31,7 @@ from typing import Any, Literal, TypeAlias
 import numpy as np
 
 from autoshard.ir.graph import Op, Value
+from autoshard.ir.primitives import CONTRACTIONS
 from autoshard.ir.spec import Collective, MeshAxes, Spec
 from autoshard.meshes import cost
 from autoshard.meshes.logical import LogicalMesh
@@ -94,6 +95,19 @@ def register(*primitives: str) -> Callable[[Rule], Rule]:
     return _register_into(RULES, "strategy rule", primitives)
 
 
+# Primitives without a rule on purpose, with the reason (passes/strategies/replicated.py): planned replicated,
+# and the one warning for each says why. A primitive in neither table warns as unknown.
+REPLICATED: dict[str, str] = {}
+
+
+def declare_replicated(reason: str, *primitives: str) -> None:
+    """Plan ``primitives`` replicated because of ``reason`` (a clause the warning quotes)."""
+    for name in primitives:
+        if name in RULES or name in REPLICATED:
+            raise ValueError(f"{name!r} is declared replicated but already has a rule or a declaration")
+        REPLICATED[name] = reason
+
+
 class UnsupportedPrimitiveWarning(UserWarning):
     """A primitive has no strategy rule; it is planned replicated."""
 
@@ -111,9 +125,11 @@ def strategies_for(op: Op, ins: Sequence[Value], outs: Sequence[Value], mesh: Lo
     if rule is None:
         if op.primitive not in _warned:
             _warned.add(op.primitive)
+            why = REPLICATED.get(op.primitive)
+            because = f" ({why})" if why else ""
             warnings.warn(
-                f"autoshard has no strategy rule for primitive {op.primitive!r}; it is planned replicated "
-                f"(correct, maybe slower). Register one with autoshard.passes.strategies.register.",
+                f"autoshard has no strategy rule for primitive {op.primitive!r}{because}; it is planned "
+                f"replicated (correct, maybe slower). Register one with autoshard.passes.strategies.register.",
                 UnsupportedPrimitiveWarning, stacklevel=2,
             )
         found: list[Strategy] = []
@@ -149,7 +165,7 @@ def op_dtype(op: Op, ins: Sequence[Value], outs: Sequence[Value]) -> str:
     operands' dtype (bf16 dots at the bf16 peak, even with an f32 result), a float32 one at
     ``"tfloat32"`` unless it asks for ``precision=HIGHEST`` (the cluster falls back to float32 when it
     has no TF32 rate); any other op at its result's dtype."""
-    if op.primitive in ("dot_general", "conv_general_dilated") and ins:
+    if op.primitive in CONTRACTIONS and ins:
         dtype = ins[0].dtype
         if dtype == "float32" and not _highest_precision(op):
             return "tfloat32"

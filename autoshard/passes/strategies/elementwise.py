@@ -1,37 +1,25 @@
 """Elementwise rules: every output dim is a parallel factor, shared by each input that has it.
 
-Unary math, binary arithmetic, comparisons, logic, bit ops and special
-functions all run shard by shard: any split of the output that divides it is
-valid, and the inputs follow it (scalar and size-1 broadcast inputs stay
-replicated). ``pointwise_rule`` is reused by shape.py for the elementwise ops
-that the brief files under shape (select_n, convert_element_type, copy,
-stop_gradient) and by reduce.py for reduce_precision.
+Unary math, binary arithmetic, comparisons, logic, bit ops, special functions, n-ary ones (clamp,
+polynomial), selects, casts and copies all run shard by shard: any split of the output that divides it is
+valid, and the inputs follow it (scalar and size-1 broadcast inputs stay replicated). ``pointwise_rule``
+is registered for the elementwise family of the primitive table (``ir/primitives.py``): a primitive is
+made elementwise there, once.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from autoshard.ir.graph import Op, Value
+from autoshard.ir.primitives import ELEMENTWISE
 from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes.strategies.base import Factor, Strategy, elementwise_factors, factor_strategies, register
 
-UNARY = (
-    "abs", "neg", "sign", "floor", "ceil", "round", "is_finite", "not", "population_count", "clz",
-    "exp", "exp2", "expm1", "log", "log1p", "sqrt", "rsqrt", "cbrt", "square", "integer_pow", "logistic",
-    "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh",
-    "erf", "erfc", "erf_inv", "lgamma", "digamma", "bessel_i0e", "bessel_i1e",
-    "real", "imag", "conj",
-)
-BINARY = (
-    "add", "add_any", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2", "nextafter", "complex",
-    "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "xor",
-    "shift_left", "shift_right_logical", "shift_right_arithmetic", "mulhi",
-    "igamma", "igammac", "igamma_grad_a", "polygamma", "zeta",
-)
-TERNARY = ("clamp", "regularized_incomplete_beta")
+# every elementwise primitive of the table but bitcast_convert_type, whose rule is its own (below)
+POINTWISE = tuple(sorted(ELEMENTWISE - {"bitcast_convert_type"}))
 
 
-@register(*UNARY, *BINARY, *TERNARY)
+@register(*POINTWISE)
 def pointwise_rule(op: Op, ins: Sequence[Value], outs: Sequence[Value], mesh: LogicalMesh) -> list[Strategy]:
     return factor_strategies(op, ins, outs, mesh, elementwise_factors(ins, outs[0]))
 

@@ -17,14 +17,11 @@ from typing import Any
 from autoshard.ir.graph import Op, Value
 from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes.strategies.base import Factor, Reduction, Strategy, factor_strategies, register
-from autoshard.passes.strategies.elementwise import pointwise_rule
 
 REDUCE_KINDS: dict[str, Reduction] = {
     "reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min", "reduce_prod": "prod",
     "reduce_and": "and", "reduce_or": "or", "reduce_xor": "xor",
 }
-
-register("reduce_precision")(pointwise_rule)
 
 
 def reduce_factors(x: Value, reduced: Sequence[int], *, splittable: bool) -> list[Factor]:

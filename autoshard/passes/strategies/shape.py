@@ -1,11 +1,11 @@
-"""Shape rules: broadcast, reshape, transpose, squeeze, slicing, padding, joining, iota, and type/identity ops.
+"""Shape rules: broadcast, reshape, transpose, squeeze, slicing, padding, joining and iota.
 
 Only dims a shard computes on its own split: a dim that slice/pad/rev/
 concatenate/split/tile touches stays whole, as does iota's counting dim; a
 reshape splits a merged or split group only through its major dims, when the
 split divides both (then the flat order of the group keeps each shard
 contiguous). Broadcast dims split freely: each shard makes its own piece.
-select_n, convert_element_type, copy and stop_gradient are elementwise.
+select_n, convert_element_type, copy and stop_gradient are elementwise (elementwise.py).
 """
 from __future__ import annotations
 
@@ -17,9 +17,6 @@ from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes.strategies.base import (
     Factor, Shape, Strategy, factor_strategies, register, register_localizer,
 )
-from autoshard.passes.strategies.elementwise import pointwise_rule
-
-register("select_n", "convert_element_type", "copy", "stop_gradient")(pointwise_rule)
 
 
 @register("broadcast_in_dim")

@@ -2,14 +2,17 @@
 
 ``PipelineSchedule`` names the two schedules the planner and runtime know:
 GPipe (every forward, then every backward) and 1F1B (warm-up forwards, then one
-forward and one backward in turn). The stage DP (``passes/stages.py``) prices
-them; the pipeline runtime runs ``schedule_actions``.
+forward and one backward in turn). Plan data, below both users: the stage DP
+(``passes/stages.py``) prices them, the pipeline runtime (``runtime/pipeline.py``)
+runs ``schedule_actions``. A new schedule adds its name to ``SCHEDULES`` and its
+order here, its in-flight count in ``passes/stage_problem.in_flight``.
 """
 from __future__ import annotations
 
 from typing import Literal, TypeAlias
 
 PipelineSchedule: TypeAlias = Literal["1f1b", "gpipe"]
+SCHEDULES: tuple[PipelineSchedule, ...] = ("1f1b", "gpipe")
 Action: TypeAlias = tuple[Literal["F", "B"], int, int]  # (kind, stage, microbatch)
 
 

@@ -1,5 +1,8 @@
 """Stage programs: which forward equations each pipeline stage runs, what crosses each boundary, and
-which stage owns each output of the optimizer update (split out of ``runtime/pipeline.py``)."""
+which stage owns each output of the optimizer update.
+
+Plain functions of a split step (``ir/split.py``) and a cut into layers: the planner prices the programs
+(one per layer, ``ir/train_graph.py``), the runtime runs one per stage (``runtime/pipeline.py``)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -9,15 +12,11 @@ from typing import Any, TypeAlias
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from autoshard.errors import PlanningError
+from autoshard.errors import PipelineError
 from autoshard.ir.split import EqnHook, Forward, StepParts, VarId
 
 
 LayerEqns: TypeAlias = tuple[int, ...]  # the forward equation indices of one layer
-
-
-class PipelineError(PlanningError):
-    """The step cannot run as a pipeline; the message says why and what to change."""
 
 
 # ---------------------------------------------------------------------------

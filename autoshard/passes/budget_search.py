@@ -1,0 +1,183 @@
+"""Keeping a plan within its memory budget: the ILP's budget is searched until the plan XLA would lay out fits.
+
+The ILP bounds memory at a few liveness points with per-choice terms; resharded and layout copies depend
+on pairs of choices and only the simulation of the decoded plan (``decode.memory_profile``) sees them. So
+``BudgetSearch.plan_within`` solves, decodes, and when the simulated peak exceeds the budget solves
+again with the ILP's budget lowered by the largest gap seen between a plan's simulated peak and the
+ILP's estimate of it; once a plan fits, the ILP's budget is bisected between the highest at which the
+plan fit and the lowest at which it did not, and the fastest plan that fit is kept (``MAX_MEMORY_ROUNDS``
+solves in all). If none fits, the least-memory plans and the search's start are tried.
+``BudgetSearch.smallest_budget`` finds, when nothing fits, a budget at which planning succeeds within
+``BUDGET_PRECISION`` of the least one: the figure an ``InfeasibleMemoryError`` names.
+
+One ``BudgetSearch`` serves one cost graph: it owns the search starts (computed once, budget-free) and
+the budgets already probed.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from autoshard.errors import InfeasibleMemoryError, PlanningError, SolverTimeoutError
+from autoshard.passes.cost_graph import CostGraph
+from autoshard.passes.decode import decode
+from autoshard.passes.ilp import IlpProblem, IlpSolution, evaluate, min_peak_plan, solve
+from autoshard.passes.lowering import build_problem, search_starts_of
+from autoshard.passes.plan_result import IlpStats, IntraOpResult, PassClock
+from autoshard.plans.ledger import fmt_bytes
+
+__all__ = ["BUDGET_PRECISION", "BudgetSearch", "MAX_MEMORY_ROUNDS"]
+
+log = logging.getLogger(__name__)
+
+MAX_MEMORY_ROUNDS = 8  # ILP solves per plan before the least-memory plans decide
+MAX_BUDGET_CHECKS = 3  # replans at the budget an InfeasibleMemoryError is about to name
+MAX_BUDGET_PROBES = 5  # bisection steps towards the least budget it names
+BUDGET_PRECISION = 1.08  # stop when the bracket [fails, succeeds] is this tight
+
+
+@dataclass
+class BudgetSearch:
+    cg: CostGraph
+    start_s: float = field(default_factory=time.perf_counter)  # when planning began (the ILP build time)
+    starts: tuple[np.ndarray, ...] | None = None  # the search starts, once
+    probes: dict[tuple[float, float], float] = field(default_factory=dict)  # smallest budgets already found
+    clock: PassClock = field(default_factory=PassClock)  # seconds per pass (build, solve, decode, memory)
+
+    def problem(self, budget: float) -> IlpProblem:
+        with self.clock.timing("build"):
+            if self.starts is None:
+                self.starts = search_starts_of(self.cg)
+            return build_problem(self.cg, budget, self.starts)
+
+    def solve(self, problem: IlpProblem) -> IlpSolution:
+        with self.clock.timing("solve"):
+            return solve(problem)
+
+    def plan_within(self, budget: float) -> tuple[IntraOpResult | None, list[float], float]:
+        """The plan within ``budget`` (module docstring), or None; the simulated peaks of every plan
+        decoded on the way; the ILP's floor (its least memory of any plan; 0 when not computed)."""
+        problem = self.problem(budget)
+        first_hint = problem.hint
+        build_s = time.perf_counter() - self.start_s
+        margin = 0.0
+        seen: list[float] = []
+        fitting: list[IntraOpResult] = []
+        fits_at, fails_at = None, budget  # ILP budgets: the highest whose plan fit, the lowest whose did not
+        ilp_budget = budget
+        for _ in range(MAX_MEMORY_ROUNDS):
+            try:
+                solution = self.solve(problem)
+            except (InfeasibleMemoryError, SolverTimeoutError):
+                solution = None  # the (tightened) ILP has no plan, or none was found within the time limit
+            if solution is not None:
+                result = self.decoded(problem, solution, build_s)
+                if fits(result.peak_bytes, budget):
+                    if ilp_budget >= budget:
+                        return result, seen, 0.0
+                    fitting.append(result)
+                    fits_at = ilp_budget
+                else:
+                    seen.append(result.peak_bytes)
+                    fails_at = ilp_budget
+                    estimate = max(evaluate(problem, solution.choices).memory_bytes, default=0.0)
+                    margin = max(margin, result.peak_bytes - estimate)
+                    log.info("intra-op on %s: the plan peaks at %s, over the budget %s (the ILP saw %s)",
+                             self.cg.mesh, fmt_bytes(result.peak_bytes), fmt_bytes(budget), fmt_bytes(estimate))
+            elif fits_at is None:
+                break  # nothing below here: the least-memory plans decide
+            if fits_at is None:
+                ilp_budget = fails_at - margin
+            elif fails_at <= fits_at * BUDGET_PRECISION ** 0.5:
+                break
+            else:
+                ilp_budget = (fits_at * fails_at) ** 0.5
+            if ilp_budget <= 0:
+                break
+            problem = self.problem(ilp_budget)
+        if fitting:
+            return min(fitting, key=lambda r: r.step_s), seen, 0.0
+        floor, results = self.least_memory(problem, build_s, first_hint)
+        fitting = [r for r in results if fits(r.peak_bytes, budget)]
+        if fitting:
+            return min(fitting, key=lambda r: r.step_s), seen, floor
+        return None, seen + [r.peak_bytes for r in results], floor
+
+    def smallest_budget(self, candidate: float, floor: float) -> float:
+        """A budget at which planning succeeds, within ~``BUDGET_PRECISION`` of the least one: geometric
+        bisection between the ILP's own floor (no plan needs less by its count) and ``candidate`` (a plan
+        that peaks there was seen), each probe a full plan; the lowest budget a probe succeeded at."""
+        key = (candidate, floor)
+        if key in self.probes:
+            return self.probes[key]
+        hi: float | None = None
+        found: IntraOpResult | None = None
+        for _ in range(MAX_BUDGET_CHECKS):  # first make sure planning at the candidate succeeds
+            found, seen, _floor = self.plan_within(candidate)
+            if found is not None:
+                hi = candidate
+                break
+            candidate = min(seen)
+        if hi is None or found is None:
+            self.probes[key] = candidate
+            return candidate
+        lo, peak = min(floor, hi), found.peak_bytes
+        for _ in range(MAX_BUDGET_PROBES):
+            if hi <= lo * BUDGET_PRECISION:
+                break
+            mid = (lo * hi) ** 0.5
+            found, _seen, _floor = self.plan_within(mid)
+            if found is not None:
+                hi, peak = mid, found.peak_bytes
+            else:
+                lo = mid
+        while peak < hi / BUDGET_PRECISION ** 0.5:  # the plan found needs less than its budget: try its own peak
+            found, _seen, _floor = self.plan_within(peak)
+            if found is None:
+                break
+            hi, peak = peak, found.peak_bytes
+        self.probes[key] = hi
+        return hi
+
+    def decoded(self, problem: IlpProblem, solution: IlpSolution, build_s: float) -> IntraOpResult:
+        cg = self.cg
+        check = evaluate(problem, solution.choices)
+        if check.violations:
+            raise PlanningError("the ILP solution violates its own constraints: " + "; ".join(check.violations))
+        stats = IlpStats(
+            num_nodes=len(cg.strategies), num_classes=cg.classes.num_classes, num_followers=cg.classes.num_followers,
+            num_tied=cg.classes.num_tied, num_variables=solution.num_variables,
+            num_constraints=solution.num_constraints, num_edges=len(problem.edges), status=solution.status,
+            gap=solution.gap, solve_s=solution.solve_s, build_s=build_s, objective_s=check.objective_s,
+        )
+        log.info("intra-op on %s: %d nodes -> %d classes, %d edges; %s in %.2fs (build %.2fs)", cg.mesh,
+                 stats.num_nodes, stats.num_classes, stats.num_edges, stats.status, stats.solve_s, build_s)
+        return decode(cg, solution.choices, stats, self.clock)
+
+    def least_memory(self, problem: IlpProblem, build_s: float,
+                     start_plan: np.ndarray | None) -> tuple[float, list[IntraOpResult]]:
+        """The ILP's floor (least memory of any plan by its count) and, decoded, the fastest plan among
+        those of least ILP memory, the least-memory plan itself, and the search's start (``start_plan``: a
+        fitting baseline when ``compare`` hints with one)."""
+        start = time.perf_counter()
+        with self.clock.timing("solve"):
+            floor, choices = min_peak_plan(problem)
+        fill = replace(problem, memory_budget_bytes=floor, hint=None)
+        candidates = [IlpSolution(choices, evaluate(problem, choices).objective_s, "least-memory", 0.0,
+                                  time.perf_counter() - start, 0, 0)]
+        unbounded = replace(problem, memory_budget_bytes=None)
+        if start_plan is not None and not evaluate(unbounded, start_plan).violations:
+            candidates.append(IlpSolution(np.asarray(start_plan), evaluate(problem, start_plan).objective_s,
+                                          "start", 0.0, 0.0, 0, 0))
+        try:
+            candidates.insert(0, self.solve(fill))
+        except PlanningError:
+            pass
+        return floor, [self.decoded(unbounded, s, build_s) for s in candidates]
+
+
+def fits(peak_bytes: float, budget_bytes: float) -> bool:
+    return peak_bytes <= budget_bytes * (1 + 1e-9)

@@ -1,0 +1,470 @@
+"""The intra-op ILP as a mixed-integer program solved by HiGHS (through SciPy): the default backend.
+
+The same formulation as ``passes/ilp/cpsat.py`` (whose docstring has the legend), built as one sparse
+matrix, with continuous y (integral whenever s is) and the costs in floating point instead of ticks:
+
+    (a) one_hot   sum_a s[i,a] = 1                                      every free node i
+    (b)           s[i,a] has upper bound 0 where c[i,a] = inf
+    (c) rows      sum_B y[e,A,B] - sum_{a in A} s[u,a] = 0               every e, row group A
+    (d) cols      sum_A y[e,A,B] - sum_{b in B} s[v,b] = 0               every e, column group B
+    (e) memory    sum_{i,a} (m[p,i,a] / room[p]) s[i,a] <= 1             every point p that can bind
+    (g) charge    sum_{a in members(k, i)} s[i,a] - z[k] <= 0            every member node i of charge k
+    (h) joint     sum_l y[k,r,A,l] - sum_{a in A} s[P,a] = 0               every shared reshard k, reader r, group A
+    (i)           sum_A y[k,r,A,l] - sum_{b : L[k,r,b] = l} s[r,b] = 0      every k, r, layout l (or "none priced")
+    (j) made      y[k,r,A,l] - t[k,A,l] <= 0                               P the producer of k, A its price groups
+    (k) exclude   sum_{i in F_c} sum_{a in X[c,i]} s[i,a] <= |F_c| - 1      every no-good cut c (``excluded``):
+                  X[c,i] its marked strategies of node i, F_c the free nodes with marked and unmarked ones
+
+    minimize  q (sum c[i,a] s[i,a] + sum R[e,A,B] y[e,A,B] + sum g[k] z[k] + sum G[k,a,l] t[k,a,l])
+
+A shared reshard (``problem.SharedReshard``: a value read by several nodes, each distinct layout made
+once) has t[k,A,l] in [0, 1], paid G[k,A,l], for each group A of the producer's strategies with equal
+prices and each priced layout l, and per reader r the joint y[k,r,A,l] of the producer's group and the
+layout r reads, marginalised on both sides as an edge is: t is at least every reader's y, so a layout
+is paid once however many read it, and with one reader the rows are that edge's own. (A weaker model,
+w[k,l] >= each reader's choice of l and t[k,a,l] <= s[P,a], left the LP relaxation fractional on 295
+of 337 nodes of a 2-layer GPT, its bound useless; this one is integral there.) A fixed producer prices
+w[k,l] >= each reader's choice of l directly; a fixed reader bounds t[k,A,l] by s[P,A].
+
+with q = 1e6 / (the largest finite reduced cost), so the costs are well scaled for HiGHS's tolerances, and
+each memory row divided by its room, so its coefficients lie in [0, 1]. (g) is aggregated per member
+node: with (a), at most one of its strategies is taken, so the row is exact and tighter than one row per
+choice. The min-peak model adds a continuous peak P, rows K[p] + sum m s <= P, and (f) of the CP-SAT
+model for forbidden pairs (it has no y), and minimizes P.
+
+Why a MIP solver: (c)-(d) is the local marginal polytope, whose LP relaxation is nearly always integral on
+these problems (the LP optimum equalled the integer one on GPT-medium, GPT-large and MoE-large on
+2x8-a100): the LP relaxation is solved first and, when integral, is the optimum with its proof; only a
+fractional one goes to HiGHS's MIP (whose presolve and cuts cost more than the LP on these problems).
+CP-SAT, searching without a strong bound, stopped at 37-59% gaps after 10 s. The LP is large (about
+100k columns for a GPT block on a 2-D mesh: 20-30 layouts per 4-D activation, every pair on an edge)
+and takes 5-50 s on two loaded cores. So the LP restricted to the pairs that pay no reshard (an edge's
+free pairs; a shared value read only in layouts free to make) is solved first (``_solve_lp``): a fifth of the columns, a few seconds,
+and its optimum is nearly always integral and close to the whole LP's (equal on the tiny GPT). It is
+the plan when the time limit ends before the whole LP, which then proves or improves it (a plain column
+generation that adds the columns pricing out does not converge in time: these degenerate LPs price out
+thousands of columns in every round at the same objective). HiGHS through SciPy takes no MIP start; the hint
+(the best classic start after local search) is returned whenever HiGHS's plan is not better, so the
+result is never worse than it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import scipy.optimize
+import scipy.sparse
+
+from autoshard.errors import PlanningError, SolverTimeoutError
+from autoshard.passes.ilp.presolve import Reduced, exclusion_cuts, identical_lines, presolve
+from autoshard.passes.ilp.problem import IlpProblem, IlpSolution, evaluate, memory_error
+
+__all__ = ["min_peak_plan_mip", "solve_mip"]
+
+log = logging.getLogger(__name__)
+
+_LARGEST_COST = 1e6  # the largest finite reduced cost after scaling
+_MIP_REL_GAP = 1e-6  # HiGHS stops when its incumbent is this close to its bound
+_REDUCED_COST_TOL = 1e-3  # a left-out column prices out below this reduced cost (costs scaled to _LARGEST_COST)
+
+
+@dataclass
+class _Builder:
+    """Columns and rows of the MIP under construction (COO triplets)."""
+
+    red: Reduced
+    first: np.ndarray  # per node: column of s[i, 0]; -1 for a node fixed by presolve
+    num_cols: int = 0
+    cost: list[np.ndarray] = field(default_factory=list)
+    upper: list[np.ndarray] = field(default_factory=list)
+    integral: list[np.ndarray] = field(default_factory=list)
+    rows: list[np.ndarray] = field(default_factory=list)
+    cols: list[np.ndarray] = field(default_factory=list)
+    vals: list[np.ndarray] = field(default_factory=list)
+    lower_rhs: list[float] = field(default_factory=list)
+    upper_rhs: list[float] = field(default_factory=list)
+    # per column: whether the restricted LP of ``_solve_lp`` leaves it out (a pair that pays a reshard)
+    lazy: list[np.ndarray] = field(default_factory=list)
+    left_out: list[np.ndarray] = field(default_factory=list)  # columns added earlier and left out too
+
+    def add_cols(self, cost: np.ndarray, upper: np.ndarray, integral: bool,
+                 lazy: np.ndarray | None = None) -> int:
+        start = self.num_cols
+        self.num_cols += len(cost)
+        self.cost.append(np.asarray(cost, dtype=float))
+        self.upper.append(np.asarray(upper, dtype=float))
+        self.integral.append(np.full(len(cost), int(integral)))
+        self.lazy.append(np.zeros(len(cost), dtype=bool) if lazy is None else np.asarray(lazy, dtype=bool))
+        return start
+
+    def leave_out(self, columns: np.ndarray) -> None:
+        """Leave ``columns`` out of the restricted LP too (a reshard's y, worth nothing without its t)."""
+        self.left_out.append(np.asarray(columns, dtype=np.int64))
+
+    def restricted(self) -> np.ndarray:
+        """Per column: whether the restricted LP leaves it out."""
+        out = np.concatenate(self.lazy) if self.lazy else np.zeros(0, dtype=bool)
+        for columns in self.left_out:
+            out[columns] = True
+        return out
+
+    def matrix(self) -> scipy.sparse.csr_array:
+        return scipy.sparse.csr_array(
+            (np.concatenate(self.vals) if self.vals else np.zeros(0),
+             (np.concatenate(self.rows) if self.rows else np.zeros(0, dtype=np.int64),
+              np.concatenate(self.cols) if self.cols else np.zeros(0, dtype=np.int64))),
+            shape=(len(self.lower_rhs), self.num_cols))
+
+    def add_row(self, columns: np.ndarray, coeffs: np.ndarray, lower: float, upper: float) -> None:
+        self.rows.append(np.full(len(columns), len(self.lower_rhs)))
+        self.cols.append(np.asarray(columns, dtype=np.int64))
+        self.vals.append(np.asarray(coeffs, dtype=float))
+        self.lower_rhs.append(lower)
+        self.upper_rhs.append(upper)
+
+    def add_pair_rows(self, first: np.ndarray, second: np.ndarray, lower: float, upper: float) -> None:
+        """One row ``first[i] - second[i]`` in [lower, upper] per i, added at once."""
+        count = len(first)
+        rows = len(self.lower_rhs) + np.arange(count)
+        self.rows.append(np.repeat(rows, 2))
+        self.cols.append(np.stack([np.asarray(first, dtype=np.int64), np.asarray(second, dtype=np.int64)],
+                                  axis=1).ravel())
+        self.vals.append(np.tile([1.0, -1.0], count))
+        self.lower_rhs.extend([lower] * count)
+        self.upper_rhs.extend([upper] * count)
+
+    def s(self, node: int, positions: np.ndarray) -> np.ndarray:
+        return self.first[node] + np.asarray(positions, dtype=np.int64)
+
+    def solve(self, time_limit_s: float, relaxed: bool = False) -> scipy.optimize.OptimizeResult:
+        if self.num_cols == 0:  # presolve fixed every node
+            return scipy.optimize.OptimizeResult(status=0, x=np.zeros(0), fun=0.0, mip_dual_bound=0.0,
+                                                 message="fixed by presolve")
+        num_rows = len(self.lower_rhs)
+        matrix = self.matrix()
+        constraints = (scipy.optimize.LinearConstraint(matrix, np.array(self.lower_rhs), np.array(self.upper_rhs)),
+                       ) if num_rows else ()
+        return scipy.optimize.milp(
+            np.concatenate(self.cost), integrality=None if relaxed else np.concatenate(self.integral),
+            bounds=scipy.optimize.Bounds(0.0, np.concatenate(self.upper)), constraints=constraints,
+            options={"time_limit": float(time_limit_s), "mip_rel_gap": _MIP_REL_GAP, "disp": False})
+
+
+def _new(problem: IlpProblem, red: Reduced, ticks: float) -> _Builder:
+    """Columns s and rows (a), (b) for every free node."""
+    b = _Builder(red, np.full(problem.num_nodes, -1, dtype=np.int64))
+    for i, allowed in enumerate(red.allowed):
+        if len(allowed) > 1:
+            cost = red.node_cost[i]
+            finite = np.isfinite(cost)
+            b.first[i] = b.add_cols(np.where(finite, cost, 0.0) * ticks, finite.astype(float), True)
+            b.add_row(b.s(i, np.arange(len(allowed))), np.ones(len(allowed)), 1.0, 1.0)
+    return b
+
+
+def _add_edges(b: _Builder, ticks: float) -> list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray]]:
+    """Columns y and rows (c), (d); per edge (u, v, row group, column group, y columns [A, B] or -1)."""
+    out = []
+    for u, v, matrix in b.red.edges:
+        (rows, first_row), (cols, first_col) = identical_lines(matrix), identical_lines(matrix.T)
+        grouped = matrix[np.ix_(first_row, first_col)]
+        allowed = np.isfinite(grouped)
+        y = np.full(grouped.shape, -1, dtype=np.int64)
+        y[allowed] = b.add_cols(grouped[allowed] * ticks, np.ones(int(allowed.sum())), False,
+                                lazy=grouped[allowed] > 0) + np.arange(int(allowed.sum()))
+        for group, lines, node in ((rows, y, u), (cols, y.T, v)):
+            for g, line in enumerate(lines):
+                ys = line[line >= 0]
+                ss = b.s(node, np.flatnonzero(group == g))
+                b.add_row(np.concatenate([ys, ss]), np.concatenate([np.ones(len(ys)), -np.ones(len(ss))]), 0.0, 0.0)
+        out.append((u, v, rows, cols, y))
+    return out
+
+
+def _add_charges(b: _Builder, ticks: float) -> None:
+    for cost, members in b.red.charges:
+        z = b.add_cols(np.array([cost * ticks]), np.ones(1), False)
+        for node, mask in members:
+            if b.first[node] >= 0:
+                ss = b.s(node, np.flatnonzero(mask))
+                b.add_row(np.append(ss, z), np.append(np.ones(len(ss)), -1.0), -np.inf, 0.0)
+
+
+def _add_reshards(b: _Builder, ticks: float) -> None:
+    """Rows (h)-(j) of the shared reshards (module docstring). With the producer free, each reader r has its
+    joint y[r,A,l] with the producer (A a group of the producer's strategies with equal prices, l a priced
+    layout or "none of them"), marginalised on both sides as an edge is, and t[A,l] >= y[r,A,l] for every
+    reader: layout l made from A once, however many read it. With one reader this is the edge's own
+    marginal polytope, so the LP bound is as tight as without the sharing."""
+    for producer, costs, readers in b.red.reshards:
+        paid = np.flatnonzero(costs.max(axis=0) > 0)
+        if not len(paid):
+            continue
+        if b.first[producer] < 0:
+            _add_reshard_fixed_producer(b, ticks, costs[0], paid, readers)
+            continue
+        group, first_rows = identical_lines(costs[:, paid])
+        prices = costs[np.ix_(first_rows, paid)]  # [A, paid layouts]
+        sources = [b.s(producer, np.flatnonzero(group == a)) for a in range(len(first_rows))]
+        t = np.full(prices.shape, -1, dtype=np.int64)
+        priced = prices > 0
+        t[priced] = b.add_cols(prices[priced] * ticks, np.ones(int(priced.sum())), False,
+                               lazy=np.ones(int(priced.sum()), dtype=bool)) + np.arange(int(priced.sum()))
+        for node, layout in readers:
+            reads = [np.flatnonzero(layout == l) for l in paid]
+            if not any(len(r) for r in reads):
+                continue
+            if b.first[node] < 0:  # a fixed reader: t[A, its layout] >= s[P, A]
+                j = int(np.flatnonzero(paid == layout[0])[0])
+                for a in np.flatnonzero(t[:, j] >= 0):
+                    b.add_row(np.append(sources[a], t[a, j]), np.append(np.ones(len(sources[a])), -1.0),
+                              -np.inf, 0.0)
+                continue
+            targets = [j for j, r in enumerate(reads) if len(r)]
+            rest = np.flatnonzero(~np.isin(layout, paid[targets]))
+            groups = [reads[j] for j in targets] + ([rest] if len(rest) else [])
+            y = b.add_cols(np.zeros(len(sources) * len(groups)), np.ones(len(sources) * len(groups)), False) + \
+                np.arange(len(sources) * len(groups)).reshape(len(sources), len(groups))
+            for a, source in enumerate(sources):  # sum_l y[r,A,l] = s[P,A]
+                b.add_row(np.concatenate([y[a], source]), np.concatenate([np.ones(len(groups)),
+                                                                          -np.ones(len(source))]), 0.0, 0.0)
+            for g, strategies in enumerate(groups):  # sum_A y[r,A,l] = s[r,l]
+                ss = b.s(node, strategies)
+                b.add_row(np.concatenate([y[:, g], ss]), np.concatenate([np.ones(len(sources)),
+                                                                         -np.ones(len(ss))]), 0.0, 0.0)
+            for g, j in enumerate(targets):  # t[A,l] >= y[r,A,l]
+                rows = np.flatnonzero(t[:, j] >= 0)
+                if len(rows):
+                    b.add_pair_rows(y[rows, g], t[rows, j], -np.inf, 0.0)
+                    b.leave_out(y[rows, g])
+
+
+def _add_reshard_fixed_producer(b: _Builder, ticks: float, prices: np.ndarray, paid: np.ndarray,
+                                readers: list[tuple[int, np.ndarray]]) -> None:
+    """A fixed producer: w[l] (priced at its one strategy's price) >= each reader's choice of layout l."""
+    for l in paid:
+        readers_l = [(node, np.flatnonzero(layout == l)) for node, layout in readers]
+        readers_l = [(node, strategies) for node, strategies in readers_l if len(strategies)]
+        if not readers_l:
+            continue
+        w = b.add_cols(np.array([prices[l] * ticks]), np.ones(1), False)
+        for node, strategies in readers_l:
+            if b.first[node] < 0:
+                b.add_row(np.array([w]), np.ones(1), 1.0, np.inf)
+            else:
+                b.add_row(np.append(b.s(node, strategies), w), np.append(np.ones(len(strategies)), -1.0),
+                          -np.inf, 0.0)
+
+
+def _add_exclusions(b: _Builder, excluded: tuple[tuple[np.ndarray, ...], ...]) -> bool:
+    """Rows (k), the no-good cuts (``IlpProblem.excluded``); False when a cut excludes every plan left."""
+    cuts = exclusion_cuts(excluded, b.red.allowed, b.first >= 0)
+    if cuts is None:
+        return False
+    for cut in cuts:
+        columns = np.concatenate([b.s(i, positions) for i, positions in cut])
+        b.add_row(columns, np.ones(len(columns)), -np.inf, float(len(cut) - 1))
+    return True
+
+
+def _add_memory(b: _Builder, budget_bytes: float) -> bool:
+    """Rows (e), each scaled by its room; False if some point is over budget whatever the choices."""
+    budget = math.floor(budget_bytes)
+    for p, terms in enumerate(b.red.point_terms):
+        room = budget - b.red.point_const[p]
+        if room < 0:
+            return False
+        if sum(int(nbytes.max()) for _, nbytes in terms) <= room:
+            continue  # it can never bind
+        columns, coeffs = _memory_row(b, p)
+        if room == 0:
+            b.add_row(columns, np.ones(len(columns)), -np.inf, 0.0)
+        else:
+            b.add_row(columns, coeffs / room, -np.inf, 1.0)
+    return True
+
+
+def _memory_row(b: _Builder, p: int) -> tuple[np.ndarray, np.ndarray]:
+    columns, coeffs = [], []
+    for node, nbytes in b.red.point_terms[p]:
+        nonzero = np.flatnonzero(nbytes)
+        if len(nonzero) and b.first[node] >= 0:
+            columns.append(b.s(node, nonzero))
+            coeffs.append(nbytes[nonzero].astype(float))
+    if not columns:
+        return np.zeros(0, dtype=np.int64), np.zeros(0)
+    return np.concatenate(columns), np.concatenate(coeffs)
+
+
+def _ticks(red: Reduced) -> float:
+    largest = max([float(c[np.isfinite(c)].max(initial=0.0)) for c in red.node_cost]
+                  + [float(m[np.isfinite(m)].max(initial=0.0)) for _, _, m in red.edges]
+                  + [cost for cost, _ in red.charges] + [float(c.max()) for _, c, _ in red.reshards], default=0.0)
+    return _LARGEST_COST / largest if largest > 0 else 1.0
+
+
+def _integral(b: _Builder, x: np.ndarray) -> bool:
+    """Whether every free node's strategy variables in ``x`` are 0 or 1."""
+    columns = np.concatenate([b.s(i, np.arange(len(a))) for i, a in enumerate(b.red.allowed) if b.first[i] >= 0]
+                             or [np.zeros(0, dtype=np.int64)])
+    return bool(np.all(np.minimum(x[columns], 1.0 - x[columns]) <= 1e-6))
+
+
+def _solve_relaxation_first(b: _Builder, time_limit_s: float) -> scipy.optimize.OptimizeResult:
+    """The LP relaxation, and the MIP only when that is fractional: the relaxation of these problems is
+    nearly always integral (module docstring), and an integral LP optimum is the MIP's optimum with its
+    proof, without HiGHS's MIP presolve and cuts, which cost more than the LP itself here."""
+    start = time.perf_counter()
+    lp = _solve_lp(b, time_limit_s)
+    if lp.status == 0 and lp.x is not None and _integral(b, lp.x):
+        lp.mip_dual_bound = lp.fun
+        return lp
+    if lp.status == 2:  # an infeasible relaxation: so is the MIP
+        return lp
+    if lp.status == 1 and lp.x is not None:  # out of time with an integral plan of a restricted LP: no proof
+        return lp
+    return b.solve(max(time_limit_s - (time.perf_counter() - start), 0.1))
+
+
+def _solve_lp(b: _Builder, time_limit_s: float) -> scipy.optimize.OptimizeResult:
+    """The LP relaxation, restricted first: without the priced pairs (``_Builder.restricted``: an edge's pairs
+    that pay a reshard, a shared reshard's t and the y that need it), fixed at 0 and dropped by HiGHS's
+    presolve, the LP is a fifth of the size and its optimum, a plan in which every value is read as it was
+    made where that pays, is nearly always integral and often optimal. When no left-out column has a negative
+    reduced cost there, it is the whole LP's optimum; otherwise the whole LP is solved in the time left for
+    the proof. Adding only the columns that price out (column generation) does not pay here: the duals of
+    these degenerate LPs price thousands of columns in every round while the objective stays. Out of time,
+    the restricted optimum is returned (status 1) when it is integral: a plan without a proof."""
+    if b.num_cols == 0:
+        return b.solve(time_limit_s, relaxed=True)
+    start = time.perf_counter()
+    cost, upper = np.concatenate(b.cost), np.concatenate(b.upper)
+    matrix = b.matrix()
+    lo, hi = np.array(b.lower_rhs, dtype=float), np.array(b.upper_rhs, dtype=float)
+    eq = lo == hi
+    le, ge = ~eq & np.isfinite(hi), ~eq & np.isfinite(lo)
+    a_ub = scipy.sparse.vstack([matrix[le], -matrix[ge]]).tocsr() if (le.any() or ge.any()) else None
+    b_ub = np.concatenate([hi[le], -lo[ge]]) if a_ub is not None else None
+    a_eq, b_eq = (matrix[eq], hi[eq]) if eq.any() else (None, None)
+
+    def lp(opened: np.ndarray) -> scipy.optimize.OptimizeResult:
+        left = max(time_limit_s - (time.perf_counter() - start), 0.05)
+        return scipy.optimize.linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq,
+                                      bounds=np.stack([np.zeros(len(cost)), np.where(opened, upper, 0.0)], axis=1),
+                                      method="highs-ds", options={"time_limit": float(left)})
+
+    opened = ~b.restricted()
+    restricted = lp(opened) if not opened.all() else None
+    incumbent = None
+    if restricted is not None and restricted.status == 0:
+        reduced = np.asarray(restricted.lower.marginals) + np.asarray(restricted.upper.marginals)
+        entering = int((~opened & (reduced < -_REDUCED_COST_TOL)).sum())
+        log.debug("mip: restricted LP %.2fs, %d of %d columns, %d price out", time.perf_counter() - start,
+                  int(opened.sum()), len(cost), entering)
+        if not entering:
+            return restricted
+        if restricted.x is not None and _integral(b, restricted.x):
+            incumbent = restricted
+    full = lp(np.ones(len(cost), dtype=bool))
+    if full.status in (0, 2) or incumbent is None:
+        return full
+    return scipy.optimize.OptimizeResult(status=1, x=incumbent.x, fun=incumbent.fun,
+                                         message="Time limit reached; the plan of the LP restricted to the pairs "
+                                                 "read as made, without a proof")
+
+
+def _decode(b: _Builder, x: np.ndarray) -> np.ndarray:
+    choices = np.empty(len(b.first), dtype=np.int64)
+    for i, (first, allowed) in enumerate(zip(b.first, b.red.allowed)):
+        choices[i] = allowed[0] if first < 0 else allowed[int(np.argmax(x[first:first + len(allowed)]))]
+    return choices
+
+
+def solve_mip(problem: IlpProblem, hint: np.ndarray | None = None) -> IlpSolution:
+    """Pick one strategy per node minimising node + edge seconds under the memory budget, with HiGHS.
+
+    ``hint`` (a plan free of violations, e.g. the local search's) is returned when HiGHS's plan is not
+    cheaper or it found none in time. Raises ``InfeasibleMemoryError`` when no plan fits the budget."""
+    start = time.perf_counter()
+    red = presolve(problem)
+    ticks = _ticks(red)
+    b = _new(problem, red, ticks)
+    _add_edges(b, ticks)
+    _add_charges(b, ticks)
+    _add_reshards(b, ticks)
+    if not _add_exclusions(b, problem.excluded):
+        raise PlanningError(f"the {len(problem.excluded)} no-good cut(s) exclude every plan of the "
+                            f"{problem.num_nodes} nodes")
+    rows = len(b.lower_rhs)
+    if problem.memory_budget_bytes is not None and not _add_memory(b, problem.memory_budget_bytes):
+        raise _infeasible(problem)
+    built = time.perf_counter()
+    left = max(problem.time_limit_s - (built - start), 0.1)
+    # with memory rows that can bind, the plan among equally cheap ones matters to the budget search (the rows
+    # see a few liveness points, the simulation all of them): HiGHS's MIP picks it as it always has
+    res = _solve_relaxation_first(b, left) if len(b.lower_rhs) == rows else b.solve(left)
+    log.debug("mip: %d nodes (%d free), %d edges kept of %d; build %.2fs (%d columns, %d rows), HiGHS %.2fs: %s",
+              problem.num_nodes, int((b.first >= 0).sum()), len(red.edges), len(problem.edges), built - start,
+              b.num_cols, len(b.lower_rhs), time.perf_counter() - built, res.message)
+    if res.status == 2:
+        raise _infeasible(problem)
+    choices = _decode(b, res.x) if res.x is not None else None
+    result = evaluate(problem, choices) if choices is not None else None
+    if result is not None and result.violations:
+        raise RuntimeError("internal error: the MIP plan violates its problem: " + "; ".join(result.violations))
+    # presolve shifts every plan's objective by one constant: the full objective of HiGHS's bound
+    bound = getattr(res, "mip_dual_bound", None)
+    if result is not None and bound is not None and math.isfinite(bound):
+        bound_s = float(bound) / ticks + (result.objective_s - float(res.fun) / ticks)
+    else:
+        bound_s = -math.inf
+    if hint is not None:
+        hinted = evaluate(problem, hint)
+        if not hinted.violations and (result is None or hinted.objective_s < result.objective_s):
+            choices, result = np.asarray(hint, dtype=np.int64).copy(), hinted
+    if choices is None or result is None:
+        raise SolverTimeoutError(f"HiGHS found no plan for {problem.num_nodes} nodes within time_limit_s="
+                                 f"{problem.time_limit_s:g}s ({res.message}); raise time_limit_s")
+    gap = max(0.0, result.objective_s - bound_s) / result.objective_s if result.objective_s > 0 else 0.0
+    optimal = res.status == 0 or gap <= _MIP_REL_GAP
+    return IlpSolution(choices, result.objective_s, "optimal" if optimal else "feasible", 0.0 if optimal else gap,
+                       time.perf_counter() - start, b.num_cols, len(b.lower_rhs))
+
+
+def _infeasible(problem: IlpProblem) -> Exception:
+    if problem.memory_budget_bytes is None:
+        return PlanningError(f"no combination of strategies for the {problem.num_nodes} nodes avoids every forbidden "
+                             "choice and pair (infinite costs); the strategy rules are inconsistent")
+    smallest, choices = min_peak_plan_mip(problem)
+    return memory_error(problem, problem.memory_budget_bytes, smallest, choices)
+
+
+def min_peak_plan_mip(problem: IlpProblem) -> tuple[float, np.ndarray]:
+    """(smallest peak, a plan that reaches it): the least memory any plan free of forbidden choices needs."""
+    red = presolve(problem)
+    b = _new(problem, red, 0.0)
+    for u, v, matrix in red.edges:  # (f): a forbidden pair cannot be taken together
+        for col in np.flatnonzero(~np.isfinite(matrix).all(axis=0)):
+            rows = np.flatnonzero(~np.isfinite(matrix[:, col]))
+            b.add_row(np.append(b.s(u, rows), b.s(v, np.array([col]))), np.ones(len(rows) + 1), -np.inf, 1.0)
+    scale = max([float(red.point_const[p]) + sum(float(n.max()) for _, n in terms)
+                 for p, terms in enumerate(red.point_terms)] + [1.0])
+    peak = b.add_cols(np.array([1.0]), np.array([np.inf]), False)
+    for p in range(len(red.point_terms)):
+        columns, coeffs = _memory_row(b, p)
+        b.add_row(np.append(columns, peak), np.append(coeffs / scale, -1.0), -np.inf, -red.point_const[p] / scale)
+    res = b.solve(problem.time_limit_s)
+    if res.status == 2:
+        raise PlanningError(f"no combination of strategies for the {problem.num_nodes} nodes avoids every forbidden "
+                            "choice and pair (infinite costs); the strategy rules are inconsistent")
+    if res.x is None:
+        raise SolverTimeoutError(f"HiGHS found no plan free of forbidden choices for {problem.num_nodes} nodes "
+                                 f"within time_limit_s={problem.time_limit_s:g}s; raise time_limit_s")
+    choices = _decode(b, res.x)
+    position = [int(np.searchsorted(allowed, c)) for allowed, c in zip(red.allowed, choices)]
+    per_point = [red.point_const[p] + sum(int(nbytes[position[node]]) for node, nbytes in terms)
+                 for p, terms in enumerate(red.point_terms)]
+    return float(max(per_point, default=0)), choices
