@@ -17,6 +17,13 @@ device of either calls (in the same order on each, as any collective):
 
 Processes that hold the destination get the array; the others get ``None``.
 When one process holds both sub-meshes this is just ``jax.device_put``.
+
+At most one cross-process collective is in flight per process: :func:`send` waits
+for its input before the broadcast and for the broadcast before it returns. Under
+XLA:CPU's asynchronous dispatch a broadcast queued behind (or beside) another
+gloo collective or a stage program deadlocked one run in three when the machine
+was loaded (process 1 blocked in the broadcast while process 0 sat in its stage
+backward). The cost is that a send no longer overlaps the next stage program.
 """
 from __future__ import annotations
 
@@ -66,7 +73,7 @@ def send(x: Any, src: Mesh, dst: NamedSharding, shape: Sequence[int], dtype: Any
     me = jax.process_index()
     local: dict[Any, Any] = {}
     if x is not None and holds(src):
-        whole = _relayout(x, NamedSharding(src, PartitionSpec()))
+        whole = jax.block_until_ready(_relayout(jax.block_until_ready(x), NamedSharding(src, PartitionSpec())))
         for shard in whole.addressable_shards:
             local[shard.device] = shard.data.reshape((1, *shape))
     parts = []
@@ -75,7 +82,7 @@ def send(x: Any, src: Mesh, dst: NamedSharding, shape: Sequence[int], dtype: Any
             continue
         parts.append(local[d] if d in local else jax.device_put(jnp.zeros((1, *shape), dtype), d))
     gathered = jax.make_array_from_single_device_arrays((len(union_devices), *shape), slots, parts, dtype=dtype)
-    out = broadcast(gathered)
+    out = jax.block_until_ready(broadcast(gathered))
     if not holds(dst.mesh):
         return None
     mine = {s.device: s.data.reshape(shape) for s in out.addressable_shards}
