@@ -8,7 +8,8 @@ backward with the gradient accumulated, as the pipeline runtime runs it::
 ``acc`` (the gradient accumulator) is carried: it leaves in the layout it is stored in, so the ILP chooses
 the accumulator's storage (ZeRO) beside the parameters' (FSDP), the batch split (DP) and every op's split
 (TP). Roles: ``acc`` optimizer state, ``params`` parameters, ``data`` batch, the activations and cotangents
-activations. Layers with equal structure hashes share one graph (:func:`layer_graphs`).
+activations. Layers with equal structure hashes and equal input signatures share one graph
+(:func:`layer_graphs`).
 
 A train graph is one program; a pipeline stage runs it in two executables, the forward when the microbatch
 passes and the backward when its cotangents come back. :func:`split_phases` cuts it: the *forward* is what
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import jax
+
+from jax.extend import core as jcore
 
 from autoshard.ir.graph import OpGraph, Role, ValueId
 from autoshard.ir.split import Forward
@@ -193,14 +196,41 @@ def align_equations(fwd: Forward, eqns: Sequence[int], graph: OpGraph) -> tuple[
     return tuple(out)
 
 
+def input_signature(forward: Forward, program: StageProgram) -> tuple[Any, ...]:
+    """What a program's train graph takes: the shapes and dtypes of its inputs, group by group. Two layers of
+    one structure hash can differ here (the first block reads the batch leaf, the others an activation: no
+    input cotangent to make), and then their train graphs differ too."""
+    def avals(vs: Sequence[Any]) -> tuple[Any, ...]:
+        return tuple((tuple(forward.avals[v].shape), str(forward.avals[v].dtype)) if not isinstance(v, jcore.Literal)
+                     else ("literal",) for v in vs)
+
+    return (avals([forward.invars[k] for k in program.param_leaves]),
+            avals([forward.invars[k] for k in program.data_leaves]), avals(program.in_acts), avals(program.out_acts))
+
+
+def class_keys(forward: Forward, hashes: Sequence[str], programs: Sequence[StageProgram]) -> list[str]:
+    """Per layer, its class key: its structure hash, with ``/n`` added for the n-th further input signature
+    (:func:`input_signature`) of that hash, so a class's layers all have one train graph."""
+    seen: dict[str, list[tuple[Any, ...]]] = {}
+    keys = []
+    for key, program in zip(hashes, programs):
+        signatures = seen.setdefault(key, [])
+        signature = input_signature(forward, program)
+        if signature not in signatures:
+            signatures.append(signature)
+        n = signatures.index(signature)
+        keys.append(key if n == 0 else f"{key}/{n}")
+    return keys
+
+
 def layer_graphs(fwd: Forward, layers: Sequence[tuple[LayerEqns, str]]
                  ) -> tuple[list[LayerTrainGraph], list[StageProgram]]:
-    """Per layer (its equations and structure hash), its class's train graph (traced once per distinct hash)
-    and its own one-layer program (the leaves its graph's parameter inputs stand for)."""
+    """Per layer (its equations and structure hash), its class's train graph (traced once per class:
+    :func:`class_keys`) and its own one-layer program (the leaves its graph's parameter inputs stand for)."""
     programs = one_layer_programs(fwd, [eqns for eqns, _ in layers])
     cache: dict[str, LayerTrainGraph] = {}
     out = []
-    for (_, key), program in zip(layers, programs):
+    for key, program in zip(class_keys(fwd, [key for _, key in layers], programs), programs):
         if key not in cache:
             cache[key] = layer_graph(fwd, program, key)
         out.append(cache[key])

@@ -44,7 +44,7 @@ from autoshard.ir.graph import Op, OpGraph, ValueId
 from autoshard.ir.spec import Spec
 from autoshard.ir.split import Forward
 from autoshard.ir.stage_programs import StageProgram
-from autoshard.ir.train_graph import Groups, Unit, split_phases, train_graph
+from autoshard.ir.train_graph import Groups, Unit, input_signature, split_phases, train_graph
 from autoshard.plans.annotations import TrainPins
 from autoshard.runtime.spmd import pin, pin_op_inputs, pin_op_outputs
 
@@ -193,16 +193,6 @@ class StageRunner:
         return [jnp.asarray(scale, loss.dtype), *(jnp.zeros_like(a) for a in aux)]
 
 
-def _signature(forward: Forward, program: StageProgram) -> tuple[Any, ...]:
-    """What a program's train graph takes: the shapes and dtypes of its inputs, group by group."""
-    def avals(vs: Sequence[Any]) -> tuple[Any, ...]:
-        return tuple((tuple(forward.avals[v].shape), str(forward.avals[v].dtype)) if not isinstance(v, jcore.Literal)
-                     else ("literal",) for v in vs)
-
-    return (avals([forward.invars[k] for k in program.param_leaves]),
-            avals([forward.invars[k] for k in program.data_leaves]), avals(program.in_acts), avals(program.out_acts))
-
-
 def stage_runner(forward: Forward, program: StageProgram, layer_programs: Sequence[StageProgram],
                  pins: Mapping[int, TrainPins], first: int, last: int, mesh: Mesh,
                  graphs: dict[Any, tuple[OpGraph, Groups]] | None = None
@@ -218,7 +208,7 @@ def stage_runner(forward: Forward, program: StageProgram, layer_programs: Sequen
         if own is None:
             return None, f"layer {layer} has no train-graph plan (a plan file from before they were stored?)"
         own_program = layer_programs[layer]
-        signature = _signature(forward, own_program)
+        signature = input_signature(forward, own_program)
         try:  # layers of one class whose programs take the same inputs share one trace
             if (own.key, signature) not in graphs:
                 graphs[own.key, signature] = train_graph(forward, own_program)

@@ -60,3 +60,29 @@ def test_parameter_read_by_two_stages_sums_its_gradients(devices8):
     tx = optax.sgd(0.5)
     plan = _compare(_step(loss, tx), params, tx, batch, num_stages=2, num_microbatches=2, schedule="1f1b")
     assert len(plan.stages) == 2
+
+
+def test_a_layer_reading_the_batch_runs_its_own_planned_backward(devices8, caplog):
+    """The first block reads the batch leaf (no input cotangent to make: a train graph one op shorter than
+    its class's other layers): it is a class of its own, so every stage runs the backward its plan priced
+    instead of falling back to jax.vjp with collectives no plan predicted."""
+    from autoshard.ir.split import split_step
+    from autoshard.ir.trace import trace
+    from autoshard.ir.train_graph import class_keys, one_layer_programs
+    from autoshard.passes.layers import cluster_layers
+
+    params, batch = _data()
+    params.pop("shared")
+    tx = optax.sgd(0.5)
+    step = _step(mlp_loss, tx)
+    forward = split_step(trace(step, params, tx.init(params), batch).jaxpr).forward
+    layers = cluster_layers(forward, None)
+    programs = one_layer_programs(forward, [layer.eqns for layer in layers])
+    keys = class_keys(forward, [layer.structure for layer in layers], programs)
+    assert len({layer.structure for layer in layers[:3]}) == 1  # the first three blocks: one structure
+    assert keys[0] != keys[1] == keys[2] and keys[0].split("/")[0] == keys[1].split("/")[0]
+
+    with caplog.at_level("WARNING", logger="autoshard"):
+        _compare(step, params, tx, batch, num_stages=2, num_microbatches=2, schedule="1f1b")
+    fallbacks = [r.getMessage() for r in caplog.records if "runs jax.vjp" in r.getMessage()]
+    assert not fallbacks, fallbacks
