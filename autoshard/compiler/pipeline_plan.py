@@ -138,18 +138,29 @@ def boundary_collectives(parts: StepParts, programs: Sequence[StageProgram], pri
     ``passes/resharding`` would run it. A backward that re-runs the forward does not return the forward's
     outputs, so it runs the third figure, not the first; a forward that keeps its residuals for the backward
     returns its outputs in the layouts XLA leaves them in (their move happens in the send), so only a
-    recomputing stage's forward reshards them to the runtime layout; cotangents arrive in it either way."""
+    recomputing stage's forward reshards them to the runtime layout; cotangents arrive in it either way.
+    A value several layers read in one layout is resharded once (XLA CSEs the copies, as the ILP's shared
+    reshards say), and each reader takes a value from the last layer before it that gives it out."""
     mesh = priced.meshes[priced.mesh_of[k]]
     sizes = dict(zip(mesh.axis_names, mesh.shape))
     fwd = parts.forward
     layers = [layer for layer in range(layout.first_layer, layout.last_layer + 1)
               if _matches(priced, layer, k, programs[layer])]
-    made: dict[int, tuple[int, int]] = {}  # var -> (producing layer, its index among that layer's out_acts)
+    # var -> the layers giving it out, in order, with its index among each one's out_acts; a layer that reads a
+    # value and gives it out again (the residual stream through the pieces of a split block) is one of them
+    givers: dict[int, list[tuple[int, int]]] = {}
     for layer in layers:
         for j, v in enumerate(programs[layer].out_acts):
             if not hasattr(v, "val"):
-                made.setdefault(v, (layer, j))
+                givers.setdefault(v, []).append((layer, j))
+
+    def giver(var: int, before: int) -> tuple[int, int] | None:
+        """The last layer before ``before`` that gives ``var`` out (None: it enters the stage)."""
+        found = [(a, j) for a, j in givers.get(var, ()) if a < before]
+        return found[-1] if found else None
+
     out: dict[str, dict[str, float]] = {"forward": {}, "backward": {}, "inside": {}}
+    moved: set[tuple[int, Spec, Spec]] = set()  # forward reshards made once: XLA CSEs a value's equal copies
 
     def move(action: str, var: int, src: Spec, dst: Spec, leaving: bool = False) -> None:
         aval = fwd.avals[var]
@@ -158,6 +169,10 @@ def boundary_collectives(parts: StepParts, programs: Sequence[StageProgram], pri
             shape = (shape[0] // num_microbatches,) + shape[1:]
         if src == dst or src.rank != len(shape) or dst.rank != len(shape):
             return
+        if action == "forward" and not leaving:
+            if (var, src, dst) in moved:
+                return
+            moved.add((var, src, dst))
         for c in reshard(shape, np.dtype(aval.dtype).itemsize, src, dst, mesh).collectives:
             for key in (action, "inside") if action == "forward" and not leaving else (action,):
                 out[key][c.kind] = out[key].get(c.kind, 0.0) + c.nbytes
@@ -176,18 +191,22 @@ def boundary_collectives(parts: StepParts, programs: Sequence[StageProgram], pri
     for layer in layers:
         acts_in, _, _, dacts = specs(layer)
         for i, v in enumerate(programs[layer].in_acts):
-            if v in made and made[v][0] != layer:  # inside the stage
-                a, j = made[v]
+            given = giver(v, layer)
+            if given is not None:  # made (or passed on) inside the stage
+                a, j = given
                 _, cts_in_a, acts_out_a, _ = specs(a)
                 move("forward", v, acts_out_a[j], acts_in[i])
                 move("backward", v, dacts[i], cts_in_a[j])
-            elif v not in made:  # enters the stage
+            else:  # enters the stage
                 here = batch_split_spec(tuple(fwd.avals[v].shape), layout.split_axes, sizes)
                 move("forward", v, here, acts_in[i])
                 move("backward", v, dacts[i], here)
     if not last:
-        leaving = [v for v in programs_out(programs, layout) if v in made]
-        for v, (a, j) in zip(leaving, [made[v] for v in leaving]):
+        for v in programs_out(programs, layout):
+            given = giver(v, layout.last_layer + 1)
+            if given is None:
+                continue
+            a, j = given
             _, cts_in_a, acts_out_a, _ = specs(a)
             here = batch_split_spec(tuple(fwd.avals[v].shape), layout.split_axes, sizes)
             if layout.recompute:  # a stage keeping its residuals returns its outputs as XLA leaves them

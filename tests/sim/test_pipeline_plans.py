@@ -146,11 +146,12 @@ def test_verify_reports_each_stage_executable_predicted_vs_compiled(devices8):
             assert st.collective_bytes and f"stage {s} backward all collective bytes" in names
             assert not any(note.startswith(f"stage {s}: collectives not predicted") for note in report.notes)
     assert "stage 1 forward all collective bytes" not in names  # the last stage's forward runs in its backward
-    # every row but an intra-op stage's forward and backward collectives, which are reported here (asserted,
-    # the forward's, in tests/sim/test_pipeline_planned_layouts.py; this MLP's first stage forward gathers
-    # bytes its layer plans do not predict: a known miss)
-    intra = [f"stage {st.index} {a}" for st in step.plan.stages if st.intra_op for a in ("forward", "backward")]
-    assert all(r.ok for r in report.rows if not any(r.what.startswith(p + " ") for p in intra)), str(report)
+    # every row but the last stage's backward collectives (it runs its forward inside its backward: 64 KiB of
+    # all-gathers predicted against 48 KiB compiled, not found yet); the first stage's forward and backward
+    # are exact since a value read by several layers is resharded once and a layer reading the batch is its
+    # own class (its stage ran jax.vjp before, with collectives no plan predicted)
+    last = f"stage {len(step.plan.stages) - 1} backward "
+    assert all(r.ok for r in report.rows if not r.what.startswith(last)), str(report)
 
 
 def test_applied_pipeline_with_recompute_lowers_and_runs(devices8):
