@@ -33,7 +33,8 @@ from autoshard.ir.step_trace import TracedStep
 from autoshard.passes.intra_op import IntraOpOptions
 from autoshard.passes.layers import Layer, cluster_layers
 from autoshard.passes.layer_solves import LayerSolves
-from autoshard.passes.stage_costs import LayerCost, PricedStages
+from autoshard.passes.layer_cost import LayerCost
+from autoshard.passes.stage_costs import PricedStages, StageCostOptions
 from autoshard.passes.stages import StagePlan
 from autoshard.plans.plan import Plan
 from autoshard.plans.schedules import SCHEDULES, PipelineSchedule
@@ -139,6 +140,8 @@ class PricedPipeline:
 
     stages: PricedStages
     programs: tuple[Any, ...]  # per layer: its ir.stage_programs.StageProgram
+    options: StageCostOptions  # how it was priced (the chosen stages are solved again under the same)
+    leaf_update_s: tuple[tuple[float, ...], ...]  # per layer: the optimizer's seconds per parameter input
 
 
 @dataclass(frozen=True, eq=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import jax
 
@@ -21,7 +22,8 @@ from autoshard.meshes.cluster import ClusterSpec
 from autoshard.passes.hbm_traffic import graph_costs
 from autoshard.passes.inter_op import place_stages
 from autoshard.passes.intra_op import IntraOpOptions
-from autoshard.passes.stage_costs import StageCostOptions, price_stage_variants
+from autoshard.passes.layer_solves import SolveSettings
+from autoshard.passes.stage_costs import StageCostOptions, at_chosen_microbatch, price_stage_variants
 from autoshard.passes.stages import StageInfeasibleError, StagePlan, solve_stages
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ def finish_pipeline(ctx: PipelineContext, priced: PricedPipeline, stage_plan: St
     pool = target.device_indices
     if pool is not None:
         placed = [tuple(pool[i] for i in devs) for devs in placed]
+    priced = at_runtime_microbatch(ctx, priced, stage_plan)
     view = ctx.view()
     layouts = tuple(stage_layout(view.graph, view.parts, priced.programs, priced.stages, st, devs)
                     for st, devs in zip(stage_plan.stages, placed))
@@ -76,11 +79,34 @@ def price_pipeline(ctx: PipelineContext, cost_options: StageCostOptions) -> Pric
     if forced and ratio == num_microbatches:
         big = small  # B is fixed: each layer is solved at that microbatch only
     apply_s = leaf_apply_s(parts, ctx.target.cluster)
+    update_s = tuple(tuple(apply_s[k] for k in prog.param_leaves) for prog in programs)
     priced = price_stage_variants(
-        list(zip(big, small)), [[apply_s[k] for k in prog.param_leaves] for prog in programs],
+        list(zip(big, small)), update_s,
         [layer.out_bytes for layer in ctx.layers], ratio, ctx.target.cluster, ctx.target.num_devices, global_batch,
         opt_ratio, cost_options, progress=ctx.request.progress, solves=ctx.solves)
-    return PricedPipeline(priced, tuple(programs))
+    return PricedPipeline(priced, tuple(programs), cost_options, update_s)
+
+
+def at_runtime_microbatch(ctx: PipelineContext, priced: PricedPipeline, stage_plan: StagePlan) -> PricedPipeline:
+    """``priced`` with the chosen stages' layers planned at the chosen microbatch count, the one the runtime
+    runs (``passes/stage_costs.at_chosen_microbatch``); the step at batch / B is traced once (kept by the
+    context's TracedStep, which the runtime reads too)."""
+    stages, b = priced.stages, stage_plan.num_microbatches
+    if b == stages.ratio:
+        return priced
+    graphs = None
+    if b > 1:
+        small_parts = ctx.microbatch_parts(b)
+        if small_parts is not None:
+            graphs = layer_graphs(small_parts.forward, [(layer.eqns, layer.structure) for layer in ctx.layers])[0]
+        else:
+            log.info("the step traces differently at batch / %d; its stages keep the interpolated plans", b)
+    by_role = ctx.traced.graph.bytes_by_role()
+    settings = SolveSettings(ctx.target.cluster, priced.options.time_limit_s, priced.options.memory_budget_bytes,
+                             by_role.get(Role.OPT_STATE, 0) / max(by_role.get(Role.PARAM, 0), 1))
+    chosen = at_chosen_microbatch(stages, stage_plan, graphs, priced.leaf_update_s, ctx.traced.global_batch,
+                                  priced.options, settings, ctx.solves)
+    return replace(priced, stages=chosen)
 
 
 def leaf_apply_s(parts: StepParts, cluster: ClusterSpec) -> list[float]:

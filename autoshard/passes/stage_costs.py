@@ -59,26 +59,21 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from autoshard.errors import InfeasibleMemoryError
-from autoshard.ir.graph import OpGraph
-from autoshard.ir.spec import Spec
 from autoshard.ir.train_graph import LayerTrainGraph
 from autoshard.meshes.cluster import ClusterSpec
 from autoshard.meshes.logical import LogicalMesh, factorizations, make_logical_mesh
 from autoshard.passes.classic import Baseline, baseline_pins, batch_spec
-from autoshard.passes.emit import annotations_from
-from autoshard.passes.intra_op import IntraOpOptions, IntraOpResult, plan_intra_op
+from autoshard.passes.intra_op import IntraOpOptions, plan_intra_op
+from autoshard.passes.layer_cost import LayerCost, layer_cost
 from autoshard.passes.layer_solves import LayerSolves, SolveKey, SolveSettings
-from autoshard.passes.resharding import reshard
 from autoshard.passes.inter_op import cross_mesh_send_s
-from autoshard.passes.stage_problem import StageProblem, SubmeshShape, microbatch_choices
-from autoshard.plans.annotations import TrainPins
+from autoshard.passes.stage_problem import StagePlan, StageProblem, SubmeshShape, microbatch_choices
 from autoshard.plans.schedules import PipelineSchedule
 
 log = logging.getLogger(__name__)
@@ -98,40 +93,6 @@ class StageVariant:
     def __str__(self) -> str:
         return (f"{self.submesh[0]}x{self.submesh[1]} as {'x'.join(map(str, self.mesh_shape))} {self.mode}"
                 f"{' recompute' if self.recompute else ''}")
-
-
-@dataclass(frozen=True)
-class LayerCost:
-    """The intra-op plan of one layer class on one mesh at one microbatch size (module docstring)."""
-
-    time_s: float
-    forward_s: float
-    state_bytes: float
-    grad_bytes: float  # the gradient accumulators' part of state_bytes
-    opt_bytes: float
-    update_s: float
-    act_bytes: float
-    in_bytes: float
-    extra_bytes: float
-    in_replicated: bool  # the layer takes its input activations replicated
-    input_specs: tuple[Spec, ...]  # storage spec per graph input
-    output_specs: tuple[Spec, ...]  # spec per graph output (accumulators, activations out, their cotangents in)
-    summary: str  # DP / FSDP / ZeRO / TP, as the specs say
-    # per forward equation of the layer's program (LayerTrainGraph.eqn_ops): the planned spec of each output
-    # (None: not matched) and the reshard chains of its inputs, as ``passes/emit.annotations_from`` emits them
-    eqn_out_specs: tuple[tuple[Spec, ...] | None, ...] = ()
-    eqn_in_reshards: tuple[Mapping[int, tuple[Spec, ...]], ...] = ()
-    # per-device bytes by collective kind: per microbatch in its forward and in its backward (with the
-    # accumulation), and once per step in the update (the accumulator resharded to each parameter's layout)
-    forward_collectives: Mapping[str, float] = field(default_factory=dict)
-    backward_collectives: Mapping[str, float] = field(default_factory=dict)
-    apply_collectives: Mapping[str, float] = field(default_factory=dict)
-    # the whole plan, op by op, for a stage that runs the train graph itself (``runtime/stage_train.py``)
-    train_pins: TrainPins | None = None
-    # residuals and temporaries when the forward and the backward run as one program (the last stage, a
-    # recomputing stage): the forward's values the backward reads, by program order
-    fused_act_bytes: float = 0.0
-    fused_extra_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -193,93 +154,6 @@ def logical_shapes(submesh: SubmeshShape) -> list[tuple[int, ...]]:
         return [(nodes, per)]
     two = [s for s in factorizations(per, 2) if len(s) == 2 and min(s) > 1]
     return two or [(per,)]
-
-
-def _local_bytes(graph: OpGraph, vid: int, spec: Spec, sizes: dict[str, int]) -> float:
-    value = graph.values[vid]
-    return float(value.nbytes) / max(1, spec.num_shards(sizes))
-
-
-def _describe(groups: Sequence[int], specs: Sequence[Spec], mesh: LogicalMesh) -> str:
-    """What the plan does with state and batch, in the classic names where they fit."""
-    na, npar, nd, nact = groups[0], groups[1], groups[2], groups[3]
-    params = specs[na:na + npar]
-    accs = specs[:na]
-    inputs = specs[na + npar:na + npar + nd + nact]
-    batch_axes = sorted({a for s in inputs if s.rank for a in s.dims[0]})
-    param_axes = sorted({a for s in params for a in s.used_axes})
-    if not param_axes and not any(not s.is_replicated for s in accs):
-        kind = "DP" if batch_axes else "replicated"
-    elif not param_axes:
-        kind = "ZeRO-2" if batch_axes else "replicated, grads sharded"
-    elif set(param_axes) <= set(batch_axes):
-        kind = "FSDP"
-    elif batch_axes:
-        kind = "DP x TP"
-    else:
-        kind = "TP"
-    return f"{kind} on {'x'.join(map(str, mesh.shape))} (batch over {{{','.join(batch_axes)}}})"
-
-
-def layer_cost(train: LayerTrainGraph, result: IntraOpResult, leaf_update_s: Sequence[float],
-               opt_ratio: float) -> LayerCost:
-    """Read a LayerCost off the ILP's plan of one layer (module docstring)."""
-    graph, mesh = train.graph, result.mesh
-    sizes = dict(zip(mesh.axis_names, mesh.shape))
-    specs = result.input_specs
-    na, npar, nd, nact, _ = train.groups
-    local = [_local_bytes(graph, vid, s, sizes) for vid, s in zip(graph.inputs, specs)]
-    acc_b, param_b = sum(local[:na]), sum(local[na:na + npar])
-    in_b = sum(local[na + npar + nd:na + npar + nd + nact])
-    nf = train.num_forward_ops
-
-    def held(vids: Any) -> float:
-        return sum(_local_bytes(graph, v, result.value_specs[v], sizes) for v in vids if v in result.value_specs)
-
-    fwd_values = {v for op in graph.ops[:nf] for v in op.outputs}
-    read_later = {v for op in graph.ops[nf:] for v in op.inputs}
-    fused_residual = held(fwd_values & read_later)
-    residual = held(train.phases.residuals)
-    forward_s = float(sum(result.op_compute_s[:nf]) + sum(result.op_comm_s[:nf]))
-    update_s = 0.0
-    apply_c: dict[str, float] = {}
-    for p in range(npar):
-        vid = graph.inputs[na + p]
-        value = graph.values[vid]
-        acc_spec, param_spec = specs[p], specs[na + p]
-        update_s += float(leaf_update_s[p]) / max(1, acc_spec.num_shards(sizes))
-        if acc_spec != param_spec:
-            moved = reshard(value.shape, int(value.nbytes // max(1, int(np.prod(value.shape)))), acc_spec,
-                            param_spec, mesh)
-            update_s += moved.seconds
-            for c in moved.collectives:
-                apply_c[c.kind] = apply_c.get(c.kind, 0.0) + c.nbytes
-    ann = annotations_from(result)
-    in_forward = train.phases.forward_ops()  # as the runtime runs it: forward and backward two programs
-
-    def part_of(t: int) -> int:
-        return 0 if t in in_forward else 1
-    fwd_c: dict[str, float] = {}
-    bwd_c: dict[str, float] = {}
-    for t, c in result.collectives_by_op(part_of):
-        side = fwd_c if t >= 0 and part_of(t) == 0 else bwd_c
-        side[c.kind] = side.get(c.kind, 0.0) + c.nbytes
-    act = residual + in_b
-    acts_in = specs[na + npar + nd:na + npar + nd + nact]
-    return LayerCost(
-        time_s=float(result.step_s), forward_s=forward_s, state_bytes=acc_b + param_b, grad_bytes=acc_b,
-        opt_bytes=opt_ratio * acc_b,
-        update_s=update_s, act_bytes=act, in_bytes=in_b,
-        extra_bytes=max(0.0, float(result.peak_bytes) - acc_b - param_b - act),
-        in_replicated=all(s.is_replicated for s in acts_in), input_specs=tuple(specs),
-        output_specs=tuple(result.output_specs),
-        summary=_describe(train.groups, specs, mesh),
-        eqn_out_specs=tuple(None if t is None else tuple(ann.op_out_specs[t]) for t in train.eqn_ops),
-        eqn_in_reshards=tuple({} if t is None else dict(ann.op_in_reshards.get(t, {})) for t in train.eqn_ops),
-        forward_collectives=fwd_c, backward_collectives=bwd_c, apply_collectives=apply_c,
-        train_pins=TrainPins(train.key, len(graph.ops), ann),
-        fused_act_bytes=fused_residual + in_b,
-        fused_extra_bytes=max(0.0, float(result.peak_bytes) - acc_b - param_b - fused_residual - in_b))
 
 
 def lerp_microbatch(big: float, small: float, ratio: int, num_microbatches: int) -> float:
@@ -468,3 +342,35 @@ def price_stage_variants(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrai
         stage_work_bytes=work)
     return PricedStages(problem, tuple(variants), comp, usec, sbytes, gbytes, obytes, costs, ratio, keys, meshes,
                         tuple(mesh_of), solves.solves - made, tuple(big.groups for big, _ in layer_graphs))
+
+
+def at_chosen_microbatch(priced: PricedStages, plan: StagePlan, graphs: Sequence[LayerTrainGraph] | None,
+                         leaf_update_s: Sequence[Sequence[float]], global_batch: int, options: StageCostOptions,
+                         settings: SolveSettings, solves: LayerSolves[LayerCost]) -> PricedStages:
+    """``priced`` with the chosen stages' layers planned at the chosen microbatch count B, which the runtime
+    runs: the DP's figures interpolate each layer between its solves at B = 1 and B = r, but a stage pins one
+    plan, so the layers of the chosen stages are solved at batch / B (``graphs``: each layer's class graph
+    traced there; B = 1 reads the full-batch solves, B = r those made already), one solve per (class, mesh,
+    mode) through ``solves``. Their costs become that plan at both ends, so every figure read from them (the
+    plan's specs, collectives, memory) is the one at B; the DP's own arrays are kept as they were."""
+    b = plan.num_microbatches
+    if b == priced.ratio:
+        return priced
+    costs = dict(priced.costs)
+    for choice in plan.stages:
+        k = choice.submesh_index
+        variant, m = priced.variants[k], priced.mesh_of[k]
+        mesh = priced.meshes[m]
+        for layer in range(choice.first_layer, choice.last_layer + 1):
+            key = (priced.layer_keys[layer], m, MODES.index(variant.mode))
+            if b == 1:
+                costs[key] = (priced.costs[key][0], priced.costs[key][0])
+                continue
+            if graphs is None:  # the step traces to other equations at batch / B: the interpolation stays
+                continue
+            train = graphs[layer]
+            solve_key = SolveKey(train.key, variant.submesh, variant.mesh_shape, global_batch // b, variant.mode)
+            at_b = solves.cost(settings, solve_key, lambda t=train, mesh=mesh, u=leaf_update_s[layer]: _solve(
+                t, mesh, variant.mode, u, settings.opt_ratio, options))
+            costs[key] = (at_b, at_b)
+    return replace(priced, costs=costs)

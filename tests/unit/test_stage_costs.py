@@ -154,3 +154,29 @@ def test_stage_counts_and_cuts_reuse_one_solve_per_key(shallow):
         assert again.costs.keys() == first.costs.keys()
         assert all(again.costs[k][1] is first.costs[k][1] for k in again.costs)
         assert solve_stages(again.problem).stages  # the DP runs on them unchanged
+
+
+def test_the_chosen_stages_run_plans_solved_at_their_own_microbatch(shallow):
+    """The DP interpolates each layer between its solves at B = 1 and B = r; the runtime pins one plan per
+    layer at the chosen B. So the chosen stages' layers are solved at batch / B (one solve per class, mesh and
+    mode they use) and every figure the plan reads from them is that plan's."""
+    from autoshard.compiler.pipeline_pricing import at_runtime_microbatch
+    from autoshard.passes.layer_solves import LayerSolves
+    from autoshard.passes.stage_costs import MODES
+
+    ctx, pricing = shallow.context, shallow.pricing
+    assert at_runtime_microbatch(ctx, pricing, shallow.stage_plan) is pricing  # B = r: priced there already
+    fresh = dataclasses.replace(ctx, solves=LayerSolves())  # count this test's solves alone
+    at4 = dataclasses.replace(shallow.stage_plan, num_microbatches=4)  # 8 sequences: 2 per microbatch
+    stages = at_runtime_microbatch(fresh, pricing, at4).stages
+    used = {(stages.layer_keys[layer], stages.mesh_of[st.submesh_index],
+             MODES.index(stages.variants[st.submesh_index].mode))
+            for st in at4.stages for layer in range(st.first_layer, st.last_layer + 1)}
+    assert fresh.solves.solves == len(used)
+    made = {id(cost): key for (_, key), cost in fresh.solves.costs.items()}
+    for key in used:
+        first, second = stages.costs[key]
+        assert first is second and made[id(second)].microbatch == 2 and made[id(second)].layer_class == key[0]
+        assert pricing.stages.costs[key][1] is not second  # the B = r plan is not what this stage runs
+    untouched = set(stages.costs) - used
+    assert all(stages.costs[k] is pricing.stages.costs[k] for k in untouched)

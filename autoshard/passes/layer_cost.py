@@ -1,0 +1,146 @@
+"""One layer plan read as stage costs: what the stage DP and the pipeline plan take from an intra-op solve.
+
+``passes/stage_costs.py`` solves each layer class's train graph (``ir/train_graph.py``) with the intra-op
+ILP; :func:`layer_cost` reads the plan it returns as a :class:`LayerCost`: the time per microbatch (and its
+forward's part), the state, gradient and optimizer bytes per device, the residuals held between forward
+and backward, the collectives of each executable, the specs the runtime pins (op by op, ``TrainPins``) and
+a one-line summary in the classic names.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from autoshard.ir.graph import OpGraph
+from autoshard.ir.spec import Spec
+from autoshard.ir.train_graph import LayerTrainGraph
+from autoshard.meshes.logical import LogicalMesh
+from autoshard.passes.emit import annotations_from
+from autoshard.passes.intra_op import IntraOpResult
+from autoshard.passes.resharding import reshard
+from autoshard.plans.annotations import TrainPins
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """The intra-op plan of one layer class on one mesh at one microbatch size (module docstring)."""
+
+    time_s: float
+    forward_s: float
+    state_bytes: float
+    grad_bytes: float  # the gradient accumulators' part of state_bytes
+    opt_bytes: float
+    update_s: float
+    act_bytes: float
+    in_bytes: float
+    extra_bytes: float
+    in_replicated: bool  # the layer takes its input activations replicated
+    input_specs: tuple[Spec, ...]  # storage spec per graph input
+    output_specs: tuple[Spec, ...]  # spec per graph output (accumulators, activations out, their cotangents in)
+    summary: str  # DP / FSDP / ZeRO / TP, as the specs say
+    # per forward equation of the layer's program (LayerTrainGraph.eqn_ops): the planned spec of each output
+    # (None: not matched) and the reshard chains of its inputs, as ``passes/emit.annotations_from`` emits them
+    eqn_out_specs: tuple[tuple[Spec, ...] | None, ...] = ()
+    eqn_in_reshards: tuple[Mapping[int, tuple[Spec, ...]], ...] = ()
+    # per-device bytes by collective kind: per microbatch in its forward and in its backward (with the
+    # accumulation), and once per step in the update (the accumulator resharded to each parameter's layout)
+    forward_collectives: Mapping[str, float] = field(default_factory=dict)
+    backward_collectives: Mapping[str, float] = field(default_factory=dict)
+    apply_collectives: Mapping[str, float] = field(default_factory=dict)
+    # the whole plan, op by op, for a stage that runs the train graph itself (``runtime/stage_train.py``)
+    train_pins: TrainPins | None = None
+    # residuals and temporaries when the forward and the backward run as one program (the last stage, a
+    # recomputing stage): the forward's values the backward reads, by program order
+    fused_act_bytes: float = 0.0
+    fused_extra_bytes: float = 0.0
+
+
+def _local_bytes(graph: OpGraph, vid: int, spec: Spec, sizes: dict[str, int]) -> float:
+    value = graph.values[vid]
+    return float(value.nbytes) / max(1, spec.num_shards(sizes))
+
+
+def _describe(groups: Sequence[int], specs: Sequence[Spec], mesh: LogicalMesh) -> str:
+    """What the plan does with state and batch, in the classic names where they fit."""
+    na, npar, nd, nact = groups[0], groups[1], groups[2], groups[3]
+    params = specs[na:na + npar]
+    accs = specs[:na]
+    inputs = specs[na + npar:na + npar + nd + nact]
+    batch_axes = sorted({a for s in inputs if s.rank for a in s.dims[0]})
+    param_axes = sorted({a for s in params for a in s.used_axes})
+    if not param_axes and not any(not s.is_replicated for s in accs):
+        kind = "DP" if batch_axes else "replicated"
+    elif not param_axes:
+        kind = "ZeRO-2" if batch_axes else "replicated, grads sharded"
+    elif set(param_axes) <= set(batch_axes):
+        kind = "FSDP"
+    elif batch_axes:
+        kind = "DP x TP"
+    else:
+        kind = "TP"
+    return f"{kind} on {'x'.join(map(str, mesh.shape))} (batch over {{{','.join(batch_axes)}}})"
+
+
+def layer_cost(train: LayerTrainGraph, result: IntraOpResult, leaf_update_s: Sequence[float],
+               opt_ratio: float) -> LayerCost:
+    """Read a LayerCost off the ILP's plan of one layer (module docstring)."""
+    graph, mesh = train.graph, result.mesh
+    sizes = dict(zip(mesh.axis_names, mesh.shape))
+    specs = result.input_specs
+    na, npar, nd, nact, _ = train.groups
+    local = [_local_bytes(graph, vid, s, sizes) for vid, s in zip(graph.inputs, specs)]
+    acc_b, param_b = sum(local[:na]), sum(local[na:na + npar])
+    in_b = sum(local[na + npar + nd:na + npar + nd + nact])
+    nf = train.num_forward_ops
+
+    def held(vids: Any) -> float:
+        return sum(_local_bytes(graph, v, result.value_specs[v], sizes) for v in vids if v in result.value_specs)
+
+    fwd_values = {v for op in graph.ops[:nf] for v in op.outputs}
+    read_later = {v for op in graph.ops[nf:] for v in op.inputs}
+    fused_residual = held(fwd_values & read_later)
+    residual = held(train.phases.residuals)
+    forward_s = float(sum(result.op_compute_s[:nf]) + sum(result.op_comm_s[:nf]))
+    update_s = 0.0
+    apply_c: dict[str, float] = {}
+    for p in range(npar):
+        vid = graph.inputs[na + p]
+        value = graph.values[vid]
+        acc_spec, param_spec = specs[p], specs[na + p]
+        update_s += float(leaf_update_s[p]) / max(1, acc_spec.num_shards(sizes))
+        if acc_spec != param_spec:
+            moved = reshard(value.shape, int(value.nbytes // max(1, int(np.prod(value.shape)))), acc_spec,
+                            param_spec, mesh)
+            update_s += moved.seconds
+            for c in moved.collectives:
+                apply_c[c.kind] = apply_c.get(c.kind, 0.0) + c.nbytes
+    ann = annotations_from(result)
+    in_forward = train.phases.forward_ops()  # as the runtime runs it: forward and backward two programs
+
+    def part_of(t: int) -> int:
+        return 0 if t in in_forward else 1
+    fwd_c: dict[str, float] = {}
+    bwd_c: dict[str, float] = {}
+    for t, c in result.collectives_by_op(part_of):
+        side = fwd_c if t >= 0 and part_of(t) == 0 else bwd_c
+        side[c.kind] = side.get(c.kind, 0.0) + c.nbytes
+    act = residual + in_b
+    acts_in = specs[na + npar + nd:na + npar + nd + nact]
+    return LayerCost(
+        time_s=float(result.step_s), forward_s=forward_s, state_bytes=acc_b + param_b, grad_bytes=acc_b,
+        opt_bytes=opt_ratio * acc_b,
+        update_s=update_s, act_bytes=act, in_bytes=in_b,
+        extra_bytes=max(0.0, float(result.peak_bytes) - acc_b - param_b - act),
+        in_replicated=all(s.is_replicated for s in acts_in), input_specs=tuple(specs),
+        output_specs=tuple(result.output_specs),
+        summary=_describe(train.groups, specs, mesh),
+        eqn_out_specs=tuple(None if t is None else tuple(ann.op_out_specs[t]) for t in train.eqn_ops),
+        eqn_in_reshards=tuple({} if t is None else dict(ann.op_in_reshards.get(t, {})) for t in train.eqn_ops),
+        forward_collectives=fwd_c, backward_collectives=bwd_c, apply_collectives=apply_c,
+        train_pins=TrainPins(train.key, len(graph.ops), ann),
+        fused_act_bytes=fused_residual + in_b,
+        fused_extra_bytes=max(0.0, float(result.peak_bytes) - acc_b - param_b - fused_residual - in_b))
+
