@@ -21,7 +21,9 @@ from compiled_examples import FAST_COMPILE, planned_example, sgd_reference
 # one pytest-xdist worker for every test that reads compiled_examples.planned_example's shared plans
 pytestmark = pytest.mark.xdist_group("planned_examples")
 
-FAST = IntraOpOptions(time_limit_s=1.0)
+# The solve proves its plan optimal in 4-6 s here (idle); at a 1 s limit it returns the search start, which
+# keeps the expert dim whole (0.0032 against 0.0029 s modeled), so the limit leaves room for a loaded machine
+SOLVE = IntraOpOptions(time_limit_s=30.0)
 STYLES = ["moe", "moe_topk"]
 
 
@@ -40,7 +42,7 @@ def _expert_specs(plan):
 def test_expert_parallel_steps_match_one_device(model, devices8):
     ref = sgd_reference(model)  # the one-device run (moe's is test_autoshard_numerics.py's too)
     work, batch = ref.work, ref.work.args[2]
-    sharded = autoshard.autoshard(ref.step_fn, mesh=(2, 4), cluster="cpu-8", num_stages=1, options=FAST,
+    sharded = autoshard.autoshard(ref.step_fn, mesh=(2, 4), cluster="cpu-8", num_stages=1, options=SOLVE,
                                   compiler_options=FAST_COMPILE)
     state = ref.fresh_state()
     for ref_loss in ref.losses:
