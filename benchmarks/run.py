@@ -68,8 +68,8 @@ FIDELITY = (("gpt", "small"), ("gpt", "medium"), ("gpt", "large"), ("moe", "larg
 LONG_SOLVE = (("gpt", "large", "2x8-a100"), ("moe", "large", "2x8-a100"))
 LONG_SOLVE_S = 60.0
 # (model, cluster) whose cells also plan pipelines (stages searched) and uniform GPipe: two nodes, where the
-# slow link makes pipelining pay.
-PIPELINE = (("gpt", "2x8-a100"),)
+# slow link makes pipelining pay; the MoE cells too (each stage's plan may split its experts inside a node)
+PIPELINE = (("gpt", "2x8-a100"), ("moe", "2x8-a100"), ("moe_topk", "2x8-a100"))
 DEFAULT_OUT = Path(__file__).with_name("RESULTS.md")
 DEFAULT_TIME_LIMIT_S = 2.0
 PROFILED_LAYERS = 24  # the depth whose planning run is profiled to say where planning time goes

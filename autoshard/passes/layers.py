@@ -17,6 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
@@ -72,6 +73,23 @@ def crossing_bytes(forward: Forward, order: Sequence[int]) -> np.ndarray:
     return np.cumsum(diff)[: n + 1]
 
 
+def non_float_crossing(forward: Forward, order: Sequence[int]) -> np.ndarray:
+    """Per cut of ``order`` (as :func:`crossing_bytes`), whether a value that is not a float (routing indices,
+    masks, counters) would cross it: stages exchange activations and their cotangents, which such a value
+    has none of, so no layer boundary goes there."""
+    n = len(order)
+    pos = {i: p for p, i in enumerate(order)}
+    produced = {v: pos[i] for i in order for v in forward.eqns[i].outs
+                if not jnp.issubdtype(forward.avals[v].dtype, jnp.floating)}
+    blocked = np.zeros(n + 1, dtype=np.int64)
+    for p, i in enumerate(order):
+        for a in forward.eqns[i].ins:
+            if not isinstance(a, jcore.Literal) and a in produced and produced[a] < p:
+                blocked[produced[a] + 1] += 1  # every cut after its producer, up to this reader
+                blocked[p + 1] -= 1
+    return np.cumsum(blocked) > 0
+
+
 def cluster_layers(forward: Forward, num_layers: int | None = None, *, max_layers: int = 16,
                    slack: float = 0.25) -> tuple[Layer, ...]:
     """Group the non-free forward equations into layers (module docstring)."""
@@ -79,14 +97,21 @@ def cluster_layers(forward: Forward, num_layers: int | None = None, *, max_layer
     if not order:
         raise PlanningError("the loss does not depend on the differentiated arguments: nothing to pipeline")
     cross = crossing_bytes(forward, order)
+    blocked = non_float_crossing(forward, order)
     flops = np.array([forward.eqns[i].flops for i in order])
     markers = [p + 1 for p, i in enumerate(order) if forward.eqns[i].marker and p + 1 < len(order)]
+    dropped = [p for p in markers if blocked[p]]
+    if dropped:
+        log.warning("%d layer_boundary marker(s) ignored: a value that is not a float (indices, a mask) crosses "
+                    "there, and stages exchange only float activations", len(dropped))
+        markers = [p for p in markers if not blocked[p]]
     if markers:
         cuts = markers if num_layers is None or num_layers - 1 >= len(markers) else _balanced_subset(
             markers, flops, num_layers)
     else:
-        target = min(num_layers or max_layers, len(order))
-        cuts = _auto_cuts(flops, cross, target, slack)
+        allowed = int(np.count_nonzero(~blocked[1:len(order)]))
+        target = min(num_layers or max_layers, len(order), allowed + 1)
+        cuts = _auto_cuts(flops, np.where(blocked, math.inf, cross), target, slack)
     bounds = [0, *cuts, len(order)]
     layers = []
     for index, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):

@@ -110,6 +110,50 @@ def test_auto_layers_balance_flops_and_cut_where_little_crosses():
     assert layers[0].structure == layers[1].structure != layers[2].structure
 
 
+def test_no_layer_boundary_where_indices_cross(caplog):
+    """Top-k routing: indices made by one block's router are read by its combine. Stages exchange float
+    activations (and their cotangents) only, so neither an automatic cut nor a user's marker goes between
+    them; the marker is dropped with a warning, and every layer is a program of its own."""
+    from autoshard.ir.train_graph import one_layer_programs
+    from autoshard.passes.layers import non_float_crossing
+
+    def loss(params, batch):
+        x = batch["x"]
+        for w in params["w"]:
+            idx = jnp.argmax(x @ w, axis=-1)  # int32, read again below
+            h = autoshard.layer_boundary(jnp.tanh(x @ w))  # a marker between the indices and their reader
+            x = h + jnp.take_along_axis(x, idx[:, None], axis=-1)
+        return jnp.mean(x ** 2)
+
+    params, data = _mlp_args(depth=4)
+    tx = optax.sgd(0.1)
+    parts = split_step(jax.make_jaxpr(train_step(tx, loss))(params, _opt_state(tx, params), data))
+    order = [i for i, f in enumerate(parts.forward.free) if not f]
+    blocked = non_float_crossing(parts.forward, order)
+    assert blocked.any() and not blocked.all()
+    with caplog.at_level("WARNING", logger="autoshard"):
+        layers = cluster_layers(parts.forward)
+    assert any("marker(s) ignored" in r.getMessage() for r in caplog.records)
+    programs = one_layer_programs(parts.forward, [layer.eqns for layer in layers])  # raised PipelineError before
+    assert len(programs) == len(layers) >= 1
+    for n in (2, 3):
+        parts_auto = split_step(jax.make_jaxpr(train_step(tx, _unmarked(loss)))(params, _opt_state(tx, params), data))
+        auto = cluster_layers(parts_auto.forward, n)
+        one_layer_programs(parts_auto.forward, [layer.eqns for layer in auto])
+
+
+def _unmarked(loss):
+    """``loss`` with autoshard.layer_boundary as the identity: the cuts are automatic."""
+    def run(params, batch):
+        original = autoshard.layer_boundary
+        autoshard.layer_boundary = lambda x: x
+        try:
+            return loss(params, batch)
+        finally:
+            autoshard.layer_boundary = original
+    return run
+
+
 def test_optimizer_coupling_stages_is_refused():
     params, data = _mlp_args()
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
