@@ -246,6 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="processes for the comparison cells (one workload per process at a time; the "
                              "scaling study always runs alone)")
     parser.add_argument("--no-scaling", action="store_true", help="skip the planning-time scaling study")
+    parser.add_argument("--cells", nargs="+", default=None, metavar="WORKLOAD:CLUSTER",
+                        help="only these cells of the run (e.g. gpt-medium:2x8-a100); the markdown then holds "
+                             "those cells only: write it elsewhere than RESULTS.md")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     console = Console(width=None if sys.stdout.isatty() else 200)
@@ -256,6 +259,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(f"[dim]{time.perf_counter() - start:7.1f}s {msg}[/dim]")
 
     cells = quick_cells() if args.quick else default_cells()
+    if args.cells is not None:
+        known = {f"{c.workload}:{c.cluster}": c for c in cells}
+        unknown = [name for name in args.cells if name not in known]
+        if unknown:
+            parser.error(f"unknown cell(s) {', '.join(unknown)}; the run has {', '.join(known)}")
+        if args.out is None or args.out.resolve() == DEFAULT_OUT.resolve():
+            parser.error("--cells writes a partial table: give --out another file than RESULTS.md")
+        cells = [known[name] for name in args.cells]
     options = IntraOpOptions(time_limit_s=args.time_limit)
     points: list[planning_scaling.ScalingPoint] = []
     spots: tuple[planning_scaling.Hotspot, ...] = ()
