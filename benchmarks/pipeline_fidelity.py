@@ -107,7 +107,8 @@ def markdown(rows: Sequence[StageFidelity], load: str, time_limit_s: float) -> s
              "| cell | stages | plan s | checked figures within tolerance | unchecked | worst checked figure |",
              "|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r.cell} | {r.pipeline} | {r.plan_s:.0f} | {r.within}/{r.checked} | {r.unchecked} | "
+        stages = r.pipeline.replace("|", "\\|")  # the stage plan separates its stages with bars
+        lines.append(f"| {r.cell} | {stages} | {r.plan_s:.0f} | {r.within}/{r.checked} | {r.unchecked} | "
                      f"{r.worst} |")
     for r in rows:
         lines += ["", f"## {r.cell}", "", "```", r.report, "```"]
