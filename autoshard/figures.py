@@ -30,6 +30,7 @@ from typing import Any, Literal
 from autoshard.plans.breakdown import dotted, inner_path
 from autoshard.plans.ledger import fmt_bytes, fmt_s
 from autoshard.plans.plan import Plan
+from autoshard.plans.schedules import chunks_of, dependencies, worker_orders
 from autoshard.report import KIND_COLORS
 
 TIME_COLORS = {"FLOP-bound compute": "#4c72b0", "HBM-bound compute": "#64b5cd", "collectives": "#dd8452",
@@ -46,51 +47,33 @@ class Slot:
 
 
 def pipeline_schedule(forward_s: Sequence[float], backward_s: Sequence[float], num_microbatches: int,
-                      schedule: str = "1f1b") -> list[Slot]:
+                      schedule: str = "1f1b", chunks: int = 1) -> list[Slot]:
     """Start and end of every forward and backward of every microbatch on every stage.
 
-    Each stage runs its work in the schedule's order (GPipe: all forwards, then all
-    backwards; 1F1B: S - s - 1 warm-up forwards, then one forward one backward),
-    starting each piece when the stage is free and its input has arrived
-    (the previous stage's forward, the next stage's backward).
+    Each worker (a stage; interleaved, a device group running ``chunks`` stages) runs its work in the
+    schedule's order (``plans/schedules.worker_orders``), starting each piece when the worker is free and
+    its inputs are done (the previous stage's forward, the next stage's backward).
     """
     stages = len(forward_s)
-    order: list[list[tuple[str, int]]] = []
-    for s in range(stages):
-        if schedule == "gpipe":
-            work = [("F", m) for m in range(num_microbatches)] + [("B", m) for m in range(num_microbatches)]
-        else:
-            warm = min(stages - s - 1, num_microbatches)
-            work = [("F", m) for m in range(warm)]
-            f, b = warm, 0
-            while b < num_microbatches:
-                if f < num_microbatches:
-                    work.append(("F", f))
-                    f += 1
-                work.append(("B", b))
-                b += 1
-        order.append(work)
+    order = worker_orders(schedule, stages, num_microbatches, chunks)  # type: ignore[arg-type]
     done: dict[tuple[str, int, int], float] = {}
-    free = [0.0] * stages
-    position = [0] * stages
+    free = [0.0] * len(order)
+    position = [0] * len(order)
     slots: list[Slot] = []
-    while any(position[s] < len(order[s]) for s in range(stages)):
+    while any(position[w] < len(order[w]) for w in range(len(order))):
         progressed = False
-        for s in range(stages):
-            if position[s] >= len(order[s]):
+        for w, work in enumerate(order):
+            if position[w] >= len(work):
                 continue
-            kind, m = order[s][position[s]]
-            if kind == "F":
-                need = [("F", s - 1, m)] if s > 0 else []
-            else:
-                need = [("F", s, m)] + ([("B", s + 1, m)] if s + 1 < stages else [])
+            kind, s, m = act = work[position[w]]
+            need = dependencies(act, stages)
             if any(n not in done for n in need):
                 continue
-            start = max([free[s]] + [done[n] for n in need])
+            start = max([free[w]] + [done[n] for n in need])
             end = start + (forward_s[s] if kind == "F" else backward_s[s])
-            done[(kind, s, m)] = end
-            free[s] = end
-            position[s] += 1
+            done[act] = end
+            free[w] = end
+            position[w] += 1
             slots.append(Slot(s, m, kind, start, end))  # type: ignore[arg-type]
             progressed = True
         if not progressed:
@@ -108,7 +91,8 @@ def stage_view(stage: Any, index: int) -> dict[str, Any]:
     return {"name": f"s{getattr(stage, 'index', index)} L{getattr(stage, 'first_layer', '?')}-"
                     f"{getattr(stage, 'last_layer', '?')}",
             "time_s": getattr(stage, "time_s", 0.0), "memory_by_kind": kinds,
-            "num_devices": len(getattr(stage, "device_indices", ())) or 1}
+            "num_devices": len(getattr(stage, "device_indices", ())) or 1,
+            "device_indices": tuple(getattr(stage, "device_indices", ()))}
 
 
 def stage_times(plan: Plan) -> tuple[list[float], list[float]]:
@@ -179,7 +163,9 @@ def gantt_figure(plan: Plan, ax: Any = None) -> Any | None:
     import matplotlib.pyplot as plt
 
     fwd, bwd = stage_times(plan)
-    slots = pipeline_schedule(fwd, bwd, max(1, plan.num_microbatches), plan.schedule)
+    chunks = chunks_of(plan.schedule, [tuple(stage_view(st, s).get("device_indices") or (s,))
+                                       for s, st in enumerate(plan.stages)])
+    slots = pipeline_schedule(fwd, bwd, max(1, plan.num_microbatches), plan.schedule, chunks)
     if ax is None:
         fig, ax = plt.subplots(figsize=(9, 0.6 * len(fwd) + 1.5))
     for slot in slots:

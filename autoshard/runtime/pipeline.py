@@ -83,7 +83,7 @@ from jax.sharding import Mesh, NamedSharding
 from autoshard.ir.split import VarId
 from autoshard.ir.stage_programs import StageProgram, assign_outputs, stage_programs
 from autoshard.ir.train_graph import one_layer_programs
-from autoshard.plans.schedules import schedule_actions
+from autoshard.plans.schedules import chunks_of, schedule_actions
 from autoshard.runtime.cross_process import holds, placeholder, send, single_process
 from autoshard.runtime.loss_io import Prologue, aux_per_example, combine_aux
 from autoshard.runtime.stage_layout import (PipelineRun, StepOptions, deliver, planned_sharding, replicated,
@@ -114,7 +114,8 @@ class PipelineStep:
                             axis_types=(jax.sharding.AxisType.Auto,) * len(st.shape)) for st in stages]
         fwd = parts.forward
         self.programs = stage_programs(fwd, self.layers, [(st.first_layer, st.last_layer) for st in stages])
-        self.actions = schedule_actions(run.schedule, len(stages), self.num_microbatches)
+        self.actions = schedule_actions(run.schedule, len(stages), self.num_microbatches,
+                                        chunks_of(run.schedule, [st.device_indices for st in stages]))
         self.split_inputs = tuple(bool(x) for x in run.split_inputs)
         self.recompute = tuple(bool(options.recompute or st.recompute) for st in stages)  # per stage
         self._jit_options: dict[str, Any] = (
