@@ -22,7 +22,7 @@ What is checked:
   ``"40GiB"``, ``"512MiB"``, ``"1.5GB"`` (``parse_bytes``); a bare number in
   a string is refused, as its unit would be a guess;
 - ``num_stages`` / ``num_microbatches``: None or positive integers, no more
-  stages than devices; ``schedule``: ``"1f1b"`` or ``"gpipe"``;
+  stages than devices; ``schedule``: ``"1f1b"``, ``"interleaved"`` or ``"gpipe"``;
 - ``while_trip_count``: None or a positive integer.
 """
 from __future__ import annotations
@@ -35,11 +35,11 @@ from typing import Any
 
 from autoshard.errors import ArgumentError
 from autoshard.meshes.cluster import ClusterSpec, ClusterSpecError, get_cluster
+from autoshard.plans.schedules import SCHEDULES
 
 __all__ = ["API_NAMES", "CLI_NAMES", "ArgumentNames", "PlanArguments", "check_arguments", "check_devices",
            "parse_bytes"]
 
-SCHEDULES = ("1f1b", "gpipe")
 # unit -> bytes; the binary units are what device memory is quoted in
 BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

@@ -257,6 +257,24 @@ def stage_collectives(priced: PricedStages, choice: StageChoice, num_microbatche
     return {a: {kind: v for kind, v in kinds.items() if v > 0} for a, kinds in out.items()}
 
 
+def device_memory(priced: PricedStages, sp: StagePlan, s: int) -> StageMemory:
+    """Per-device bytes at the peak of the devices running stage s: its state, and its microbatches in flight
+    times its activations plus its one-off work. Interleaved, the devices of stage s run every stage of its
+    group (s mod p): their states add up, and the in-flight chunk-microbatches are priced at the group's
+    largest chunk activation (as ``passes/interleave.py`` prices the plan)."""
+    problem = priced.problem
+    b = problem.microbatch_options.index(sp.num_microbatches)
+    groups = len(sp.stages) // sp.chunks
+    mine = [c for c in range(len(sp.stages)) if c % groups == s % groups] if sp.chunks > 1 else [s]
+    ranges = [(sp.stages[c].first_layer, sp.stages[c].last_layer, sp.stages[c].submesh_index) for c in mine]
+    state = sum(float(priced.state_bytes[i, j, k]) for i, j, k in ranges)
+    grad = sum(float(priced.grad_bytes[i, j, k]) for i, j, k in ranges)
+    opt = sum(float(priced.opt_bytes[i, j, k]) for i, j, k in ranges)
+    act = max(float(problem.stage_act_bytes[i, j, k, b]) for i, j, k in ranges)
+    work = max(float(problem.work_bytes(b)[i, j, k]) for i, j, k in ranges)
+    return StageMemory(state - grad, grad, opt, sp.in_flight[s] * act + work, sp.in_flight[s])
+
+
 def build_pipeline_plan(ctx: PipelineContext, view: StepView, sp: StagePlan, layouts: Sequence[StageLayout],
                         pricing: PricedPipeline, spmd: PlannedStep | None, name: str | None = None) -> Plan:
     """The Plan of a chosen stage plan over the step ``view`` (named ``name``, by default the context's): each
@@ -284,12 +302,7 @@ def build_pipeline_plan(ctx: PipelineContext, view: StepView, sp: StagePlan, lay
                 shape = shapes[paths[idx]][0]
                 bspecs[paths[idx]] = batch_split_spec((shape[0] // sp.num_microbatches, *shape[1:]),
                                                       layout.split_axes, sizes)
-        state = float(priced.state_bytes[i, j, k])
-        grad = float(priced.grad_bytes[i, j, k])
-        work = float(problem.work_bytes(b)[i, j, k])
-        act = float(problem.stage_act_bytes[i, j, k, b])
-        memory = StageMemory(state - grad, grad, float(priced.opt_bytes[i, j, k]), sp.in_flight[s] * act + work,
-                             sp.in_flight[s])
+        memory = device_memory(priced, sp, s)
         summaries = list(dict.fromkeys(priced.layer_cost(layer, k).summary for layer in range(i, j + 1)))
         variant = priced.variants[k]
         intra = "; ".join(summaries) + (" (lean: state pinned fully sharded)" if variant.mode == "lean" else "") + (

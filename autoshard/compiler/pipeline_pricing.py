@@ -24,7 +24,9 @@ from autoshard.passes.inter_op import place_stages
 from autoshard.passes.intra_op import IntraOpOptions
 from autoshard.passes.layer_solves import SolveSettings
 from autoshard.passes.stage_costs import StageCostOptions, at_chosen_microbatch, price_stage_variants
-from autoshard.passes.stages import StageInfeasibleError, StagePlan, solve_stages
+from autoshard.passes.interleave import solve_interleaved
+from autoshard.passes.stages import StageInfeasibleError, StagePlan, StageProblem, solve_stages
+from autoshard.plans.schedules import PipelineSchedule
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +137,8 @@ def stage_cost_options(ctx: PipelineContext) -> StageCostOptions:
     """How stage variants are priced: the user's schedule, stage and microbatch counts and budget; at least two
     stages when the count is searched (one stage is the SPMD plan, planned beside)."""
     request = ctx.request
-    return StageCostOptions(
-        schedule=request.schedule, num_stages=request.num_stages, num_microbatches=request.num_microbatches,
+    return StageCostOptions(  # interleaving is searched beside the 1F1B DP, on its arrays (choose_stages)
+        schedule="1f1b" if request.schedule == "interleaved" else request.schedule, num_stages=request.num_stages, num_microbatches=request.num_microbatches,
         memory_budget_bytes=ctx.target.memory_budget_bytes, min_stages=2 if request.num_stages is None else 1,
         time_limit_s=min(STAGE_TIME_LIMIT_S, (request.options or IntraOpOptions()).time_limit_s))
 
@@ -158,7 +160,7 @@ def spmd_or_stages(ctx: PipelineContext, priced: PricedPipeline) -> tuple[Planne
     request.say("choosing pipeline stages")
     t0 = time.perf_counter()
     try:
-        stage_plan = solve_stages(priced.stages.problem)
+        stage_plan = choose_stages(priced.stages.problem, request.schedule)
     except StageInfeasibleError:
         if spmd is not None:
             return spmd, None
@@ -169,3 +171,31 @@ def spmd_or_stages(ctx: PipelineContext, priced: PricedPipeline) -> tuple[Planne
         if not request.keep_both:
             return spmd, None
     return spmd, stage_plan
+
+
+def choose_stages(problem: StageProblem, schedule: PipelineSchedule) -> StagePlan:
+    """The stage plan for the user's schedule: GPipe and 1F1B from the stage DP, 1F1B searched with interleaving
+    too (v = 1 is plain 1F1B; ``passes/interleave.py``), ``"interleaved"`` from interleaved plans only."""
+    found: list[StagePlan] = []
+    error: StageInfeasibleError | None = None
+    if schedule != "interleaved":
+        try:
+            found.append(solve_stages(problem))
+        except StageInfeasibleError as err:
+            error = err
+    if schedule in ("1f1b", "interleaved"):
+        interleaved = solve_interleaved(problem)
+        if interleaved is not None:
+            found.append(interleaved)
+        elif schedule == "interleaved":
+            raise StageInfeasibleError(
+                "no interleaved 1F1B plan fits: it needs sub-meshes that split the devices into two or more equal "
+                "groups, at least 2 stage chunks per group (layers >= 2 x groups), a microbatch count that is a "
+                "multiple of the groups, and the memory of its extra microbatches in flight; try schedule='1f1b'")
+    if not found:
+        assert error is not None
+        raise error
+    best = min(found, key=lambda p: p.step_time_s)
+    if best.chunks > 1:
+        log.info("interleaved 1F1B (%d chunks per group) %.4gs beats 1F1B", best.chunks, best.step_time_s)
+    return best

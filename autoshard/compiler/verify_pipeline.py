@@ -108,6 +108,7 @@ def verify_pipeline(plan: Plan, compiled: PipelineCompiled) -> PipelineFidelityR
     rows: list[FidelityRow] = []
     notes: list[str] = []
     last = len(plan.stages) - 1
+    parts: dict[int, tuple[float, float, float]] = {}  # per stage: state held, bytes per microbatch, temporaries
     for stage in plan.stages:
         got = by_stage.get(stage.index, {})
         predicted = predicted_collectives(plan, stage)
@@ -135,7 +136,16 @@ def verify_pipeline(plan: Plan, compiled: PipelineCompiled) -> PipelineFidelityR
             exe = got["forward"][2]
             per_mb = exe.kept_bytes if exe.kept_bytes > 0 else float(got["forward"][1].output_bytes)
         temp = max(float(got[a][1].temp_bytes) for a in ("forward", "backward") if a in got)
-        compiled_peak = held + stage.memory.in_flight * per_mb + temp
+        parts[stage.index] = (held, per_mb, temp)
+    # the devices of a stage hold every stage placed on them (interleaved: its device group's): their
+    # states, the in-flight microbatches at the largest of their activations, the largest temporaries
+    for stage in plan.stages:
+        if stage.index not in parts:
+            continue
+        mine = [parts[st.index] for st in plan.stages
+                if tuple(st.device_indices) == tuple(stage.device_indices) and st.index in parts]
+        compiled_peak = (sum(h for h, _, _ in mine) + stage.memory.in_flight * max(p for _, p, _ in mine)
+                         + max(t for _, _, t in mine))
         rows.append(FidelityRow(f"stage {stage.index} peak memory bytes", float(stage.memory.peak_bytes),
                                 compiled_peak, MEMORY_TOLERANCE, MEMORY_IMMATERIAL_BYTES))
     return PipelineFidelityReport(tuple(rows), summaries, tuple(notes))

@@ -48,12 +48,14 @@ def cross_mesh_send_s(cluster: ClusterSpec, nbytes: float, src_devices: int, dst
 
 
 def place_stages(plan: StagePlan, cluster: ClusterSpec, num_devices: int) -> list[tuple[int, ...]]:
-    """Device indices per stage: first fit in stage order; a (1, d) stage stays inside one node."""
+    """Device indices per stage: first fit in stage order; a (1, d) stage stays inside one node. An interleaved
+    plan places its first p stages (one per device group) so, and stage s shares group s mod p's devices."""
     per_node = min(cluster.devices_per_node, num_devices)
     num_nodes = max(1, num_devices // per_node)
     free = [list(range(node * per_node, (node + 1) * per_node)) for node in range(num_nodes)]
     placed: list[tuple[int, ...]] = []
-    for stage in plan.stages:
+    groups = len(plan.stages) // plan.chunks
+    for stage in plan.stages[:groups]:
         nodes, per = stage.submesh
         if nodes == 1:
             node = next((i for i, f in enumerate(free) if len(f) >= per), None)
@@ -68,4 +70,4 @@ def place_stages(plan: StagePlan, cluster: ClusterSpec, num_devices: int) -> lis
             placed.append(tuple(d for i in whole for d in free[i]))
             for i in whole:
                 free[i] = []
-    return placed
+    return [placed[s % groups] for s in range(len(plan.stages))]

@@ -96,6 +96,7 @@ class StagePlan:
     per_stage_peak_bytes: tuple[float, ...]   # params + in_flight * activations, per device
     in_flight: tuple[int, ...]                # microbatches whose activations stage s holds at peak
     num_devices_used: int
+    chunks: int = 1                           # interleaved: stage chunks per device group (stage s on group s mod p)
 
     @property
     def peak_bytes(self) -> float:
@@ -103,7 +104,8 @@ class StagePlan:
 
     def __str__(self) -> str:
         stages = " | ".join(map(str, self.stages))
-        return (f"{len(self.stages)} stages [{stages}] B={self.num_microbatches} {self.schedule}: "
+        chunks = f" ({self.chunks} chunks per device group)" if self.chunks > 1 else ""
+        return (f"{len(self.stages)} stages [{stages}] B={self.num_microbatches} {self.schedule}{chunks}: "
                 f"step {self.step_time_s:.4g}s (bottleneck {self.bottleneck_s:.4g}s, "
                 f"bubble {self.bubble_fraction:.1%}), peak {self.peak_bytes:.4g} B/device")
 

@@ -58,7 +58,7 @@ def test_a_one_device_cluster_describes_the_chip_and_plans_any_mesh():
     ({"memory_budget": "-2GiB"}, r"memory_budget '-2GiB' is not a size"),
     ({"memory_budget": "4 GiBs"}, r"unknown unit 'GiBs'"),
     ({"memory_budget": [1]}, r"memory_budget must be bytes \(a number\) or a size with a unit"),
-    ({"schedule": "zero-bubble"}, r"schedule must be one of 1f1b, gpipe, got 'zero-bubble'"),
+    ({"schedule": "zero-bubble"}, r"schedule must be one of 1f1b, gpipe, interleaved, got 'zero-bubble'"),
     ({"num_stages": 0}, r"num_stages must be a positive integer \(pipeline stages\), got 0"),
     ({"num_stages": 9, "cluster": "cpu-8"}, r"num_stages 9 is more stages than the 8 devices"),
     ({"num_microbatches": 2.5}, r"num_microbatches must be a positive integer"),
