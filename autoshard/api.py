@@ -53,7 +53,7 @@ class AutoshardConfig:
     memory_budget: float | None = None  # bytes per device (checked from bytes or "40GiB"); None: device memory
     num_stages: int | None = None  # pipeline stages (None: searched against SPMD; 1: SPMD only)
     num_microbatches: int | None = None  # pipeline microbatches (None: searched)
-    schedule: str = "1f1b"  # pipeline schedule: "1f1b" or "gpipe"
+    schedule: str = "1f1b"  # pipeline schedule: "1f1b" (interleaving searched), "interleaved" or "gpipe"
     options: IntraOpOptions | None = None  # solver knobs
     progress: Progress | None = None  # told a short line as each long phase starts: tracing, each solve, compiling
     # iterations a while loop runs when autoshard cannot derive it from the loop's counter (ir/trips.py);
@@ -246,7 +246,7 @@ def plan(fn: Callable[..., Any], *args: Any, mesh: Mesh | tuple[int, ...] | None
     """Plan ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct``s) without running it.
 
     ``num_stages``: None searches pipelines against SPMD (a step using ``autoshard.value_and_grad``), 1 plans
-    SPMD only, an integer forces that many stages; ``num_microbatches`` likewise; ``schedule`` "1f1b"|"gpipe";
+    SPMD only, an integer forces that many stages; ``num_microbatches`` likewise; ``schedule`` "1f1b"|"interleaved"|"gpipe";
     ``progress`` is told a short line as each long phase starts (tracing, each solve); ``while_trip_count`` as
     for ``autoshard``; ``memory_budget`` and ``check`` too (``check="compiled"``: the plan's ledger carries its
     compiled price, and ``Plan.arbitration`` every plan compiled). Every argument is checked before any work
