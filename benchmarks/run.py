@@ -46,7 +46,7 @@ from autoshard.passes.intra_op import IntraOpOptions  # noqa: E402
 from benchmarks import planning_scaling  # noqa: E402
 from benchmarks.machine import LoadSampler, Machine, describe  # noqa: E402
 from benchmarks.quality import Cell, CellResult, run_cells  # noqa: E402
-from benchmarks.sections import carry_over  # noqa: E402
+from benchmarks.sections import carry_over, replace_section, section  # noqa: E402
 from benchmarks.tables import (baselines_table, contest_table, fidelity_table, hot_ops_table,  # noqa: E402
                                hotspot_table, long_solve_table, quality_table, render_markdown, render_rich,
                                scaling_fit_table, scaling_table)
@@ -71,6 +71,7 @@ LONG_SOLVE_S = 60.0
 # slow link makes pipelining pay; the MoE cells too (each stage's plan may split its experts inside a node)
 PIPELINE = (("gpt", "2x8-a100"), ("moe", "2x8-a100"), ("moe_topk", "2x8-a100"))
 DEFAULT_OUT = Path(__file__).with_name("RESULTS.md")
+SCALING_HEADING = "## Planning time against depth"
 DEFAULT_TIME_LIMIT_S = 2.0
 PROFILED_LAYERS = 24  # the depth whose planning run is profiled to say where planning time goes
 PROFILE_TITLE = f"where planning time goes: the {PROFILED_LAYERS}-layer GPT on (2, 4) under cProfile"
@@ -204,7 +205,7 @@ def markdown(machine: Machine, run: RunSettings, results: Sequence[CellResult],
     ]
     if points:
         parts += [
-            "## Planning time against depth",
+            SCALING_HEADING,
             "",
             planning_scaling.__doc__.split("\n\n", 2)[1].replace("\n", " "),
             "",
@@ -233,6 +234,18 @@ def _cpu_seconds() -> float:
     """User + system CPU seconds of this process and of its finished worker processes."""
     own, workers = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + workers.ru_utime + workers.ru_stime
+
+
+def merged(old: str, new: str, commit: str, scaled: bool) -> str:
+    """``new`` with the sections other runners own carried over from ``old`` (the fuzz corpus) and, when this
+    run skipped the scaling study, the last one, marked as carried over."""
+    text = carry_over(old, new)
+    kept = section(old, SCALING_HEADING) if not scaled else None
+    if kept is None:
+        return text
+    heading, _, body = kept.partition("\n")
+    return replace_section(text, SCALING_HEADING, f"{heading}\n\n*Carried over from an earlier run in this file: "
+                           f"this run (commit {commit}) skipped the scaling study (`--no-scaling`).*\n{body}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -298,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = RunSettings(args.time_limit, scaling_options.time_limit_s, args.jobs, runtime_s, load.summary(),
                           _cpu_seconds())
         text = markdown(machine, run, results, points, targets, spots)
-        out.write_text(carry_over(out.read_text(), text) if out.exists() else text)  # keeps the fuzz section
+        out.write_text(merged(out.read_text(), text, machine.commit, bool(points)) if out.exists() else text)
         console.print(f"wrote {out}")
     return 0
 

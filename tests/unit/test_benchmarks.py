@@ -202,3 +202,15 @@ def test_pipeline_columns_rate_the_pipeline_against_every_other_row():
     assert all(c.pipeline for c in run.default_cells() if c.model == "gpt" and c.cluster == "2x8-a100")
     assert any(c.pipeline for c in run.quick_cells())
 
+
+
+def test_a_run_without_the_scaling_study_keeps_the_last_one_marked():
+    from benchmarks.run import SCALING_HEADING, merged
+
+    old = f"# R\n\n## Plan quality\n\nold cells\n\n{SCALING_HEADING}\n\n| 12 | 3 s |\n\n## Fuzz corpus\n\nfuzz\n"
+    new = "# R\n\n## Plan quality\n\nnew cells\n"
+    text = merged(old, new, "abc123", scaled=False)
+    assert "new cells" in text and "old cells" not in text and "fuzz" in text
+    assert "| 12 | 3 s |" in text and "this run (commit abc123) skipped the scaling study" in text
+    rescaled = merged(old, new + f"\n{SCALING_HEADING}\n\n| 12 | 2 s |\n", "abc123", scaled=True)
+    assert "| 12 | 2 s |" in rescaled and "| 12 | 3 s |" not in rescaled and "Carried over" not in rescaled
