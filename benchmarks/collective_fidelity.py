@@ -14,7 +14,6 @@ the solver's status. Targets (issue "Plans better than any recipe", item 4): com
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import logging
 import os
@@ -22,7 +21,6 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
@@ -32,6 +30,7 @@ from autoshard.compiler.compile_plans import compile_plans  # noqa: E402
 from autoshard.compiler.driver import plan_step  # noqa: E402
 from autoshard.compiler.verify import compiled_price  # noqa: E402
 from autoshard.passes.intra_op import IntraOpOptions  # noqa: E402
+from benchmarks.machine import cells_main  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -109,22 +108,12 @@ def markdown(rows: Sequence[FidelityCell], load: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    parser.add_argument("--cells", nargs="+", default=list(DEFAULT_CELLS), help="model:config:cluster:mesh")
-    parser.add_argument("--time-limit", type=float, default=120.0, help="solver seconds per solve")
-    parser.add_argument("--out", type=Path, default=None, help="write the markdown table here")
-    args = parser.parse_args(argv)
-    rows = []
-    for cell in args.cells:
-        row = measure(cell, args.time_limit)
-        print(f"{row.cell}: predicted {row.predicted_comm_s * 1e3:.3f} ms, compiled {row.compiled_comm_s * 1e3:.3f} ms"
-              f" ({row.solver}, planned in {row.plan_s:.0f} s)", flush=True)
-        rows.append(row)
-    text = markdown(rows, " ".join(f"{x:.1f}" for x in os.getloadavg()))
-    if args.out is not None:
-        args.out.write_text(text)
-    print(text)
-    return 0 if all(r.ok for r in rows) else 1
+    return cells_main(
+        argv, description=__doc__.splitlines()[0], default_cells=DEFAULT_CELLS, cell_help="model:config:cluster:mesh",
+        default_time_limit=120.0, measure=measure,
+        say=lambda row: (f"{row.cell}: predicted {row.predicted_comm_s * 1e3:.3f} ms, compiled "
+                         f"{row.compiled_comm_s * 1e3:.3f} ms ({row.solver}, planned in {row.plan_s:.0f} s)"),
+        markdown=lambda rows, load, _limit: markdown(rows, load))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """What a benchmark ran on: command, date, machine (cores, memory, load), package versions, commit."""
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib.metadata
 import os
@@ -8,7 +9,10 @@ import platform
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "ortools", "numpy")
 
@@ -99,3 +103,26 @@ class LoadSampler:
         mean = sum(self.samples) / len(self.samples)
         low, high = min(self.samples), max(self.samples)
         return f"mean {mean:.1f}, min {low:.1f}, max {high:.1f} ({len(self.samples)} samples)"
+
+
+def cells_main(argv: Sequence[str] | None, *, description: str, default_cells: Sequence[str], cell_help: str,
+               default_time_limit: float, measure: Callable[[str, float], Any], say: Callable[[Any], str],
+               markdown: Callable[[list[Any], str, float], str]) -> int:
+    """The command line of a per-cell fidelity benchmark: ``--cells``, ``--time-limit`` and ``--out``; each cell
+    measured (``measure(cell, time_limit)``) and reported in one line (``say``), then the markdown printed
+    (and written to ``--out``). Exit status 1 when a row is not ``ok``."""
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    parser.add_argument("--cells", nargs="+", default=list(default_cells), help=cell_help)
+    parser.add_argument("--time-limit", type=float, default=default_time_limit, help="solver seconds per solve")
+    parser.add_argument("--out", type=Path, default=None, help="write the markdown here")
+    args = parser.parse_args(argv)
+    rows = []
+    for cell in args.cells:
+        row = measure(cell, args.time_limit)
+        print(say(row), flush=True)
+        rows.append(row)
+    text = markdown(rows, " ".join(f"{x:.1f}" for x in os.getloadavg()), args.time_limit)
+    if args.out is not None:
+        args.out.write_text(text)
+    print(text)
+    return 0 if all(r.ok for r in rows) else 1

@@ -14,14 +14,12 @@ apart. Exit status 1 when a checked figure is off.
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import logging
 import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
@@ -36,6 +34,7 @@ from autoshard.compiler.pipeline_driver import plan_pipeline  # noqa: E402
 from autoshard.compiler.verify_pipeline import verify_pipeline  # noqa: E402
 from autoshard.passes.intra_op import IntraOpOptions  # noqa: E402
 from autoshard.runtime.pipeline_lower import lower_pipeline  # noqa: E402
+from benchmarks.machine import cells_main  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -116,22 +115,12 @@ def markdown(rows: Sequence[StageFidelity], load: str, time_limit_s: float) -> s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    parser.add_argument("--cells", nargs="+", default=list(DEFAULT_CELLS), help="model:config:cluster")
-    parser.add_argument("--time-limit", type=float, default=10.0, help="solver seconds per solve")
-    parser.add_argument("--out", type=Path, default=None, help="write the markdown here")
-    args = parser.parse_args(argv)
-    rows = []
-    for cell in args.cells:
-        row = measure(cell, args.time_limit)
-        print(f"{row.cell}: {row.within}/{row.checked} checked figures within tolerance; worst {row.worst} "
-              f"(planned in {row.plan_s:.0f} s)", flush=True)
-        rows.append(row)
-    text = markdown(rows, " ".join(f"{x:.1f}" for x in os.getloadavg()), args.time_limit)
-    if args.out is not None:
-        args.out.write_text(text)
-    print(text)
-    return 0 if all(r.ok for r in rows) else 1
+    return cells_main(
+        argv, description=__doc__.splitlines()[0], default_cells=DEFAULT_CELLS, cell_help="model:config:cluster",
+        default_time_limit=10.0, measure=measure,
+        say=lambda row: (f"{row.cell}: {row.within}/{row.checked} checked figures within tolerance; worst "
+                         f"{row.worst} (planned in {row.plan_s:.0f} s)"),
+        markdown=markdown)
 
 
 if __name__ == "__main__":

@@ -46,3 +46,27 @@ def assert_adamw_steps_match(piped, step, params, opt_state, batch, steps: int =
         assert rel(loss, ref_loss) <= 1e-5, f"step {k}: loss {loss} vs {ref_loss}"
         if k == 0:
             assert_leaves_close(state[1][0].mu, ref[1][0].mu, "mu")
+
+
+def assert_dispatch_order(order, stages: int, micro: int) -> None:
+    """Every forward and backward of every stage and microbatch once, each after what it reads."""
+    import itertools
+
+    assert sorted(order) == sorted((k, s, m) for k in "FB" for s in range(stages) for m in range(micro))
+    at = {a: i for i, a in enumerate(order)}
+    for s, m in itertools.product(range(stages), range(micro)):
+        if s > 0:
+            assert at[("F", s - 1, m)] < at[("F", s, m)]
+        assert at[("F", s, m)] < at[("B", s, m)]
+        if s + 1 < stages:
+            assert at[("B", s + 1, m)] < at[("B", s, m)]
+
+
+def peak_in_flight(order, holds) -> int:
+    """The most microbatches (forwards without their backward yet) of the stages ``holds(stage)`` at once."""
+    live = peak = 0
+    for kind, stage, _ in order:
+        if holds(stage):
+            live += 1 if kind == "F" else -1
+            peak = max(peak, live)
+    return peak

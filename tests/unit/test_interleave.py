@@ -1,7 +1,6 @@
 """Interleaved 1F1B: its dispatch order, its objective on hand-worked uniform cases, and when it is chosen."""
 from __future__ import annotations
 
-import itertools
 import math
 
 import numpy as np
@@ -12,6 +11,7 @@ from autoshard.errors import PlanningError
 from autoshard.passes.interleave import evaluate_interleaved, solve_interleaved
 from autoshard.passes.stages import StageProblem, solve_stages
 from autoshard.plans.schedules import interleaved_warmup, schedule_actions
+from pipeline_helpers import assert_dispatch_order, peak_in_flight
 
 
 @pytest.mark.parametrize(("groups", "chunks"), [(2, 2), (2, 3), (3, 2), (4, 2), (1, 3)])
@@ -19,21 +19,10 @@ def test_interleaved_order_runs_every_action_once_in_dependency_order(groups, ch
     stages = groups * chunks
     for micro in range(groups, 4 * groups + 1, groups):
         order = schedule_actions("interleaved", stages, micro, chunks)
-        assert sorted(order) == sorted((k, s, m) for k in "FB" for s in range(stages) for m in range(micro))
-        at = {a: i for i, a in enumerate(order)}
-        for s, m in itertools.product(range(stages), range(micro)):
-            if s > 0:
-                assert at[("F", s - 1, m)] < at[("F", s, m)]
-            assert at[("F", s, m)] < at[("B", s, m)]
-            if s + 1 < stages:
-                assert at[("B", s + 1, m)] < at[("B", s, m)]
+        assert_dispatch_order(order, stages, micro)
         # chunk-microbatches a device group holds at its peak: Megatron's warm-up count plus one
         for g in range(groups):
-            live = peak = 0
-            for kind, st, _ in order:
-                if st % groups == g:
-                    live += 1 if kind == "F" else -1
-                    peak = max(peak, live)
+            peak = peak_in_flight(order, lambda st, g=g: st % groups == g)
             assert peak <= min(interleaved_warmup(g, groups, chunks, micro) + 1, micro * chunks)
 
 

@@ -18,27 +18,17 @@ from autoshard.errors import PipelineError
 from autoshard.ir.stage_programs import assign_outputs
 from autoshard.plans.schedules import schedule_actions
 from mlp_steps import train_step
+from pipeline_helpers import assert_dispatch_order, peak_in_flight
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_schedules_run_every_action_once_in_dependency_order(schedule):
     for stages, micro in itertools.product(range(1, 5), range(1, 6)):
         order = schedule_actions(schedule, stages, micro)
-        assert sorted(order) == sorted((k, s, m) for k in "FB" for s in range(stages) for m in range(micro))
-        at = {a: i for i, a in enumerate(order)}
-        for s, m in itertools.product(range(stages), range(micro)):
-            if s > 0:
-                assert at[("F", s - 1, m)] < at[("F", s, m)]
-            assert at[("F", s, m)] < at[("B", s, m)]
-            if s + 1 < stages:
-                assert at[("B", s + 1, m)] < at[("B", s, m)]
+        assert_dispatch_order(order, stages, micro)
         # microbatches whose activations a stage holds: 1F1B keeps at most S - s, GPipe up to B
         for s in range(stages):
-            live = peak = 0
-            for kind, st, _ in order:
-                if st == s:
-                    live += 1 if kind == "F" else -1
-                    peak = max(peak, live)
+            peak = peak_in_flight(order, lambda st, s=s: st == s)
             assert peak == (micro if schedule == "gpipe" else min(stages - s, micro))
 
 
