@@ -9,7 +9,8 @@ microbatch (one of them from the last group back to the first) and more activati
 
 Objective, for chunks c = 0..S-1 with time t_c (forward and backward per microbatch, the same per-stage
 times as the DP's, ``StageProblem.stage_time_s``) and transfer x_c after it (``transfer_s`` from the
-variant to itself, the wrap from group p - 1 to group 0 included): a group's work per microbatch is
+variant to itself, or ``transfer_cross_node_s`` where the next group sits on another node; the wrap from
+group p - 1 to group 0 included): a group's work per microbatch is
 G_g = sum over its chunks of t_c + x_c, and
 
     T = B max_g G_g + sum_{c < p - 1} (t_c + x_c)
@@ -60,6 +61,17 @@ def _balanced_cuts(times: np.ndarray, num_chunks: int) -> list[tuple[int, int]] 
     return cuts[::-1]
 
 
+def _crosses_nodes(problem: StageProblem, k: int, groups: int) -> list[bool]:
+    """Per device group g, whether the send from it to group g + 1 (mod p) crosses nodes: groups of sub-mesh k
+    are placed in order (``passes/inter_op.place_stages``), so group g holds devices [g n_k, (g + 1) n_k)."""
+    per_node = problem.devices_per_node
+    size = int(problem.submesh_sizes[k])
+    if per_node is None or problem.num_devices <= per_node:
+        return [False] * groups
+    node = [g * size // per_node for g in range(groups)]
+    return [size > per_node or node[g] != node[(g + 1) % groups] for g in range(groups)]
+
+
 def evaluate_interleaved(problem: StageProblem, chunks: Sequence[tuple[int, int]], k: int, groups: int,
                          num_microbatches: int) -> StagePlan:
     """Every quantity of the interleaved plan whose chunk c is layers ``chunks[c]`` on variant k, group
@@ -68,7 +80,10 @@ def evaluate_interleaved(problem: StageProblem, chunks: Sequence[tuple[int, int]
     num_chunks = len(chunks)
     v = num_chunks // groups
     times = tuple(float(problem.stage_time_s[i, j, k, b]) for i, j in chunks)
-    transfers = tuple(float(problem.transfer_s[j, k, k, b]) for _, j in chunks[:-1])
+    crossing = _crosses_nodes(problem, k, groups)
+    transfers = tuple(float(problem.transfer_cross_node_s[j, k, b])
+                      if problem.transfer_cross_node_s is not None and crossing[c % groups]
+                      else float(problem.transfer_s[j, k, k, b]) for c, (_, j) in enumerate(chunks[:-1]))
     load = [0.0] * groups
     for c in range(num_chunks):
         load[c % groups] += times[c] + (transfers[c] if c < num_chunks - 1 else 0.0)

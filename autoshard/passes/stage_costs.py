@@ -325,6 +325,7 @@ def price_stage_variants(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrai
         time[0, num_layers - 1, [k for k, v in enumerate(variants) if v.submesh[0] * v.submesh[1] == num_devices]] = \
             np.inf
     transfer = np.zeros((max(num_layers - 1, 0), num_k, num_k, num_b))
+    cross_node = np.zeros((max(num_layers - 1, 0), num_k, num_b))
     for j in range(num_layers - 1):
         for k1, v1 in enumerate(variants):
             n1 = v1.submesh[0] * v1.submesh[1]
@@ -334,12 +335,18 @@ def price_stage_variants(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrai
                 for b, big_b in enumerate(bs):
                     transfer[j, k1, k2, b] = 2 * cross_mesh_send_s(
                         cluster, out_bytes[j] / big_b, n1, n2, cross_node=cross, dst_replicated=bool(in_rep[j + 1, k2]))
+        for k, v in enumerate(variants):  # to an equal sub-mesh on another node (an interleaved group's next)
+            n = v.submesh[0] * v.submesh[1]
+            for b, big_b in enumerate(bs):
+                cross_node[j, k, b] = 2 * cross_mesh_send_s(cluster, out_bytes[j] / big_b, n, n, cross_node=True,
+                                                            dst_replicated=bool(in_rep[j + 1, k]))
     problem = StageProblem(
         num_layers=num_layers, submeshes=tuple(v.submesh for v in variants), num_devices=num_devices,
         global_batch=global_batch, microbatch_options=bs, stage_time_s=time, stage_param_bytes=sbytes + obytes,
         stage_act_bytes=acts, transfer_s=transfer, memory_budget_bytes=options.memory_budget_bytes,
         schedule=options.schedule, num_stages=options.num_stages, num_microbatches=options.num_microbatches,
-        stage_work_bytes=work)
+        stage_work_bytes=work, transfer_cross_node_s=cross_node,
+        devices_per_node=min(cluster.devices_per_node, num_devices))
     return PricedStages(problem, tuple(variants), comp, usec, sbytes, gbytes, obytes, costs, ratio, keys, meshes,
                         tuple(mesh_of), solves.solves - made, tuple(big.groups for big, _ in layer_graphs))
 

@@ -56,6 +56,10 @@ class StageProblem:
     # [L, L, K, nB] per-device bytes one microbatch needs once, beside the in-flight ones (the temporaries
     # of a backward, a recomputed forward's residuals); None: zeros
     stage_work_bytes: np.ndarray | None = None
+    # [L-1, K, nB] the send after layer i from sub-mesh k to an equal one on another node (+ grad back), for
+    # placements that know which boundaries cross nodes (interleaving); None: transfer_s[i, k, k] throughout
+    transfer_cross_node_s: np.ndarray | None = None
+    devices_per_node: int | None = None       # None: every sub-mesh fits one node's devices
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -199,6 +203,8 @@ def _validate(p: StageProblem) -> None:
     }
     if p.stage_work_bytes is not None:
         expected["stage_work_bytes"] = (num_layers, num_layers, num_sub, num_b)
+    if p.transfer_cross_node_s is not None:
+        expected["transfer_cross_node_s"] = (num_layers - 1, num_sub, num_b)
     for name, shape in expected.items():
         value = getattr(p, name)
         if not isinstance(value, np.ndarray) or value.shape != shape:

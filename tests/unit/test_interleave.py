@@ -85,3 +85,16 @@ def test_interleaving_respects_budget_forced_counts_and_says_why_not():
     assert under is None or under.peak_bytes <= tight.memory_budget_bytes
     with pytest.raises(PlanningError, match="no interleaved 1F1B plan fits"):
         choose_stages(_uniform(8, 1.0, 0.0, options=(3,)), "interleaved")  # 3 microbatches on 2 or 4 groups
+
+
+def test_boundaries_between_nodes_pay_the_cross_node_send():
+    """4 single-device groups on two nodes of 2: the sends from group 1 to 2 and from 3 back to 0 cross nodes
+    (1.0 each), the others stay inside one (free). Chunks 1 and 5 (group 1) and chunk 3 (group 3) pay it:
+    busiest group 1: 2 t + 2 = 4; fill through chunks 0-2: 3 t + 1 = 4; T = B 4 + 4 = 20."""
+    problem = _uniform(8, 1.0, 0.0, devices_per_node=2, transfer_cross_node_s=np.full((7, 1, 1), 1.0))
+    inter = evaluate_interleaved(problem, [(i, i) for i in range(8)], 0, 4, 4)
+    assert inter.transfer_times_s == (0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0)
+    assert inter.bottleneck_s == pytest.approx(4.0) and inter.step_time_s == pytest.approx(20.0)
+    one_node = evaluate_interleaved(_uniform(8, 1.0, 0.0, transfer_cross_node_s=np.full((7, 1, 1), 1.0)),
+                                    [(i, i) for i in range(8)], 0, 4, 4)
+    assert one_node.step_time_s == pytest.approx(11.0)  # no devices_per_node: one node, nothing crosses
