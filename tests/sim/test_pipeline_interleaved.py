@@ -46,3 +46,29 @@ def test_interleaved_pipeline_matches_one_device(devices8, tmp_path):
     *_, loss = again(params, tx.init(params), batch)
     first = jax.jit(step, compiler_options=FAST_COMPILE)(params, tx.init(params), batch)[-1]
     assert rel(loss, first) <= 1e-5
+
+
+def test_interleaved_scanned_stack_matches_one_device(devices8):
+    """A stack under nnx.scan, interleaved: each stage runs its own iteration range as a loop, two ranges per
+    device group."""
+    import dataclasses
+
+    from examples import gpt_scan
+
+    work = gpt_scan.workload(dataclasses.replace(gpt_scan.CONFIGS["tiny"], num_layers=6))
+    params, _, batch = work.args
+    tx = optax.sgd(0.1)
+    step = marked_step(work.loss_fn, tx)
+    piped = autoshard.autoshard(step, schedule="interleaved", num_stages=4, num_microbatches=2, cluster="cpu-8",
+                                compiler_options=FAST_COMPILE)
+    reference = jax.jit(step, compiler_options=FAST_COMPILE)
+    ref = state = (params, tx.init(params))
+    for _ in range(2):
+        *ref, ref_loss = reference(*ref, batch)
+        *state, loss = piped(*state, batch)
+        assert rel(loss, ref_loss) <= 1e-5, f"loss {float(loss)} vs one device {float(ref_loss)}"
+    assert_leaves_close(state[0], ref[0], "params")
+    plan = piped.plan
+    assert plan.schedule == "interleaved" and plan.pipeline.scanned and len(plan.stages) == 4
+    ranges = piped.pipeline_step.stage_iterations
+    assert [lo for lo, _ in ranges] == sorted(lo for lo, _ in ranges) and ranges[-1][1] == 6
