@@ -11,8 +11,10 @@ from examples import gpt
 from pipeline_helpers import assert_leaves_close, marked_step, rel
 
 
-def test_interleaved_pipeline_matches_one_device(devices8, tmp_path):
-    work = gpt.workload("tiny")
+def _interleaved_against_one_device(work, steps: int):
+    """``steps`` SGD steps of ``work`` as an interleaved pipeline of 4 stages (2 groups x 2 chunks, B = 2)
+    against the same steps on one device: the loss each step and the parameters after. Returns the step,
+    its optimizer and the decorated step."""
     params, _, batch = work.args
     tx = optax.sgd(0.1)
     step = marked_step(work.loss_fn, tx)
@@ -20,13 +22,20 @@ def test_interleaved_pipeline_matches_one_device(devices8, tmp_path):
                                 compiler_options=FAST_COMPILE)
     reference = jax.jit(step, compiler_options=FAST_COMPILE)
     ref = state = (params, tx.init(params))
-    for _ in range(3):
+    for _ in range(steps):
         *ref, ref_loss = reference(*ref, batch)
         *state, loss = piped(*state, batch)
         assert rel(loss, ref_loss) <= 1e-5, f"loss {float(loss)} vs one device {float(ref_loss)}"
     assert_leaves_close(state[0], ref[0], "params")
+    assert piped.plan.schedule == "interleaved" and len(piped.plan.stages) == 4
+    return step, tx, piped
+
+
+def test_interleaved_pipeline_matches_one_device(devices8, tmp_path):
+    work = gpt.workload("tiny")
+    params, _, batch = work.args
+    step, tx, piped = _interleaved_against_one_device(work, steps=3)
     plan = piped.plan
-    assert plan.schedule == "interleaved" and len(plan.stages) == 4
     groups = [tuple(st.device_indices) for st in plan.stages]
     assert groups[0] == groups[2] != groups[1] == groups[3]  # stage s on device group s mod 2
     assert sorted(set(groups[0]) | set(groups[1])) == list(range(8))
@@ -56,19 +65,7 @@ def test_interleaved_scanned_stack_matches_one_device(devices8):
     from examples import gpt_scan
 
     work = gpt_scan.workload(dataclasses.replace(gpt_scan.CONFIGS["tiny"], num_layers=6))
-    params, _, batch = work.args
-    tx = optax.sgd(0.1)
-    step = marked_step(work.loss_fn, tx)
-    piped = autoshard.autoshard(step, schedule="interleaved", num_stages=4, num_microbatches=2, cluster="cpu-8",
-                                compiler_options=FAST_COMPILE)
-    reference = jax.jit(step, compiler_options=FAST_COMPILE)
-    ref = state = (params, tx.init(params))
-    for _ in range(2):
-        *ref, ref_loss = reference(*ref, batch)
-        *state, loss = piped(*state, batch)
-        assert rel(loss, ref_loss) <= 1e-5, f"loss {float(loss)} vs one device {float(ref_loss)}"
-    assert_leaves_close(state[0], ref[0], "params")
-    plan = piped.plan
-    assert plan.schedule == "interleaved" and plan.pipeline.scanned and len(plan.stages) == 4
+    _, _, piped = _interleaved_against_one_device(work, steps=2)
+    assert piped.plan.pipeline.scanned
     ranges = piped.pipeline_step.stage_iterations
     assert [lo for lo, _ in ranges] == sorted(lo for lo, _ in ranges) and ranges[-1][1] == 6
