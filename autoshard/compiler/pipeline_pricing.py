@@ -22,7 +22,6 @@ from autoshard.meshes.cluster import ClusterSpec
 from autoshard.passes.hbm_traffic import graph_costs
 from autoshard.passes.inter_op import place_stages
 from autoshard.passes.intra_op import IntraOpOptions
-from autoshard.passes.layer_solves import SolveSettings
 from autoshard.passes.stage_costs import StageCostOptions, at_chosen_microbatch, price_stage_variants
 from autoshard.passes.interleave import solve_interleaved
 from autoshard.passes.stages import StageInfeasibleError, StagePlan, StageProblem, solve_stages
@@ -103,11 +102,8 @@ def at_runtime_microbatch(ctx: PipelineContext, priced: PricedPipeline, stage_pl
             graphs = layer_graphs(small_parts.forward, [(layer.eqns, layer.structure) for layer in ctx.layers])[0]
         else:
             log.info("the step traces differently at batch / %d; its stages keep the interpolated plans", b)
-    by_role = ctx.traced.graph.bytes_by_role()
-    settings = SolveSettings(ctx.target.cluster, priced.options.time_limit_s, priced.options.memory_budget_bytes,
-                             by_role.get(Role.OPT_STATE, 0) / max(by_role.get(Role.PARAM, 0), 1))
     chosen = at_chosen_microbatch(stages, stage_plan, graphs, priced.leaf_update_s, ctx.traced.global_batch,
-                                  priced.options, settings, ctx.solves)
+                                  priced.options, ctx.solves)
     return replace(priced, stages=chosen)
 
 

@@ -125,6 +125,7 @@ class PricedStages:
     mesh_of: tuple[int, ...]  # per variant: its index in meshes
     num_solves: int  # the layer solves this pricing made (those it read from an earlier one not counted)
     groups: tuple[tuple[int, ...], ...]  # per layer: its graph's input counts (LayerTrainGraph.groups)
+    settings: SolveSettings  # what its layer solves read besides their keys (a later solve must match)
 
     def layer_cost(self, layer: int, k: int) -> LayerCost:
         """The plan of ``layer`` on variant k at B = r (its specs are those the runtime applies)."""
@@ -348,12 +349,12 @@ def price_stage_variants(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrai
         stage_work_bytes=work, transfer_cross_node_s=cross_node,
         devices_per_node=min(cluster.devices_per_node, num_devices))
     return PricedStages(problem, tuple(variants), comp, usec, sbytes, gbytes, obytes, costs, ratio, keys, meshes,
-                        tuple(mesh_of), solves.solves - made, tuple(big.groups for big, _ in layer_graphs))
+                        tuple(mesh_of), solves.solves - made, tuple(big.groups for big, _ in layer_graphs), settings)
 
 
 def at_chosen_microbatch(priced: PricedStages, plan: StagePlan, graphs: Sequence[LayerTrainGraph] | None,
                          leaf_update_s: Sequence[Sequence[float]], global_batch: int, options: StageCostOptions,
-                         settings: SolveSettings, solves: LayerSolves[LayerCost]) -> PricedStages:
+                         solves: LayerSolves[LayerCost]) -> PricedStages:
     """``priced`` with the chosen stages' layers planned at the chosen microbatch count B, which the runtime
     runs: the DP's figures interpolate each layer between its solves at B = 1 and B = r, but a stage pins one
     plan, so the layers of the chosen stages are solved at batch / B (``graphs``: each layer's class graph
@@ -377,7 +378,7 @@ def at_chosen_microbatch(priced: PricedStages, plan: StagePlan, graphs: Sequence
                 continue
             train = graphs[layer]
             solve_key = SolveKey(train.key, variant.submesh, variant.mesh_shape, global_batch // b, variant.mode)
-            at_b = solves.cost(settings, solve_key, lambda t=train, mesh=mesh, u=leaf_update_s[layer]: _solve(
-                t, mesh, variant.mode, u, settings.opt_ratio, options))
+            at_b = solves.cost(priced.settings, solve_key, lambda t=train, mesh=mesh, u=leaf_update_s[layer]: _solve(
+                t, mesh, variant.mode, u, priced.settings.opt_ratio, options))
             costs[key] = (at_b, at_b)
     return replace(priced, costs=costs)
