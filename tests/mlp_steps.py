@@ -18,6 +18,16 @@ def mlp_loss(params, batch):
     return jnp.mean((x - batch["y"]) ** 2)
 
 
+def scan_loss(params, batch):
+    """The same tanh layers under ``lax.scan`` over a stacked ``params["w"]`` (layers, width, width): a scanned
+    stack, whose iterations are the layers (no markers)."""
+    def body(x, w):
+        return jnp.tanh(x @ w), None
+
+    x, _ = jax.lax.scan(body, batch["x"], params["w"])
+    return jnp.mean((x - batch["y"]) ** 2)
+
+
 def train_step(tx: optax.GradientTransformation, loss_fn=mlp_loss, marker: bool = True):
     """``step(params, opt_state, batch)``; ``marker`` picks autoshard.value_and_grad over jax's."""
     vag = autoshard.value_and_grad if marker else jax.value_and_grad

@@ -75,6 +75,15 @@ class TracedStep:
         """The step's arguments at the full batch, as ShapeDtypeStructs."""
         return tuple(jax.tree_util.tree_unflatten(self.in_tree, list(self.arg_leaves)))
 
+    def replay(self, *args: Any) -> Any:
+        """The step's result at its full-batch shapes, from its trace (``jaxpr_as_fun``), not its Python: a
+        rewrite that runs the step again (a scanned stack's per-iteration view) traces no third time."""
+        closed = self.graph.jaxpr
+        if closed is None:
+            return self.fn(*args)
+        outs = jcore.jaxpr_as_fun(closed)(*jax.tree_util.tree_leaves(tuple(args)))
+        return jax.tree_util.tree_unflatten(self.graph.out_tree, list(outs))
+
     def microbatch_args(self, count: int) -> tuple[Any, ...]:
         """The step's arguments (ShapeDtypeStructs) with every batch leaf cut to batch / ``count``."""
         leaves = microbatch_shapes(self.arg_leaves, self.split_inputs, count)

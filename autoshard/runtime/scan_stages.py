@@ -88,7 +88,7 @@ class StackedView:
 def stacked_view(traced: TracedStep, split: StackSplit | None = None) -> StackedView:
     """The per-iteration view of ``traced`` (``split``: its per-iteration cut, when already made)."""
     split = per_layer(traced.parts) if split is None else split
-    graph = trace(stacked_function(traced.fn, traced.in_tree, traced.graph.out_tree, split),
+    graph = trace(stacked_function(traced.replay, traced.in_tree, traced.graph.out_tree, split),
                   *stacked_args(traced.arg_leaves, traced.in_tree, split))
     return StackedView(split, graph)
 

@@ -13,7 +13,7 @@ import pytest
 
 import autoshard
 from autoshard.passes.intra_op import IntraOpOptions
-from mlp_steps import train_step
+from mlp_steps import scan_loss, train_step
 
 TX = optax.sgd(0.1)
 
@@ -25,10 +25,15 @@ def _args(depth: int = 4, width: int = 8, batch: int = 8):
     return params, jax.eval_shape(TX.init, params), data
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    """A marked MLP step, and how often it was called and handed to make_jaxpr / eval_shape."""
-    inner = train_step(TX)
+def _scan_args(depth: int = 4, width: int = 8, batch: int = 8):
+    f32 = jnp.float32
+    params = {"w": jax.ShapeDtypeStruct((depth, width, width), f32)}
+    data = {"x": jax.ShapeDtypeStruct((batch, width), f32), "y": jax.ShapeDtypeStruct((batch, width), f32)}
+    return params, jax.eval_shape(TX.init, params), data
+
+
+def _counted(monkeypatch, inner):
+    """``inner`` wrapped, and how often it was called and handed to make_jaxpr / eval_shape."""
     seen = {"calls": 0, "traces": 0}
 
     def step(params, opt_state, batch):
@@ -50,6 +55,18 @@ def counted(monkeypatch):
     return step, seen
 
 
+@pytest.fixture
+def counted(monkeypatch):
+    """A marked MLP step, and how often it was called and handed to make_jaxpr / eval_shape."""
+    return _counted(monkeypatch, train_step(TX))
+
+
+@pytest.fixture
+def counted_scan(monkeypatch):
+    """The MLP's layers as a scanned stack, counted the same way."""
+    return _counted(monkeypatch, train_step(TX, scan_loss))
+
+
 OPTIONS = IntraOpOptions(time_limit_s=1.0)
 
 
@@ -63,6 +80,15 @@ def test_pipeline_plan_traces_the_step_at_most_twice(counted, num_stages, num_mi
         assert len(plan.stages) == 2 and plan.pipeline is not None
     assert seen["traces"] == 2  # the full batch and one microbatch
     assert seen["calls"] <= 2
+
+
+def test_scanned_stack_pipeline_plan_traces_the_step_twice(counted_scan):
+    """A scanned stack's plan reports the step cut per iteration: that view replays the full-batch trace (the
+    jaxpr) rather than calling the step a third time."""
+    step, seen = counted_scan
+    plan = autoshard.plan(step, *_scan_args(), cluster="cpu-8", num_stages=2, num_microbatches=2, options=OPTIONS)
+    assert len(plan.stages) == 2 and plan.pipeline is not None and plan.pipeline.scan_layers == 4
+    assert seen["traces"] == 2 and seen["calls"] <= 2
 
 
 def test_decorated_pipeline_plans_and_builds_its_runtime_on_two_traces(counted):
