@@ -1,7 +1,8 @@
 """Planning time against model depth: GPT with 12 to 192 layers on a (2, 4) mesh, every pass timed.
 
-The layers are gpt-large's (d_model 2048, 16 heads, sequence 1024) at a global batch of 8, so that a plan
-fits 80 GiB per device at every depth (192 layers: 10 billion parameters).
+The layers are gpt-large's (d_model 2048, 16 heads) at sequence 512 and a global batch of 8, so that a plan
+fits 80 GiB per device at every depth (192 layers: 10 billion parameters; at sequence 1024 the smallest
+budget that fits 192 layers is 89.3 GiB, and that depth stopped with InfeasibleMemoryError).
 
     python -m benchmarks.planning_scaling [--layers 12 24 48 96 192] [--json out.json] [--markdown out.md]
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autoshard.compiler.collector import collector_paused
 from autoshard.compiler.driver import plan_graph
 from autoshard.ir.trace import trace
 from autoshard.errors import PlanningError
@@ -45,7 +47,8 @@ DEPTHS = (12, 24, 48, 96, 192)
 MESHES: tuple[tuple[str, tuple[int, ...]], ...] = (("1x8-a100", (2, 4)),)
 PASSES = ("trace", "build", "solve", "decode", "memory")
 LINEAR_EXPONENT = 1.05  # the most any pass but the solve may grow with depth (seconds ~ layers^k)
-BASE_CONFIG = "large"  # d_model 2048, seq 1024
+BASE_CONFIG = "large"  # d_model 2048
+SEQ_LEN = 512  # gpt-large's 1024 leaves 192 layers no plan in 80 GiB (module docstring)
 # At gpt-large's batch of 48, 48 or more such layers fit no plan in 80 GiB on 8 devices (every attention score
 # is kept in fp32): the planner then stops early with InfeasibleMemoryError and times nothing useful.
 BATCH_SIZE = 8
@@ -124,11 +127,12 @@ def run(depths: Sequence[int] = DEPTHS, meshes: Sequence[tuple[str, tuple[int, .
     options = options or IntraOpOptions()
     points: list[ScalingPoint] = []
     for layers in depths:
-        config = dataclasses.replace(gpt.CONFIGS[base_config], num_layers=layers)
+        config = dataclasses.replace(gpt.CONFIGS[base_config], num_layers=layers, seq_len=SEQ_LEN)
         workload = gpt.workload(config, abstract=True, batch_size=batch_size)
         say(f"{layers} layers: tracing")
         start, cpu = time.perf_counter(), time.process_time()
-        graph = trace(workload.step, *workload.args)
+        with collector_paused():  # as autoshard.plan traces (compiler/collector.py)
+            graph = trace(workload.step, *workload.args)
         trace_s, trace_cpu_s = time.perf_counter() - start, time.process_time() - cpu
         for cluster, mesh in meshes:
             say(f"{layers} layers: planning on {cluster} {'x'.join(map(str, mesh))}")
@@ -174,7 +178,7 @@ def hotspots(layers: int, cluster: str, mesh: tuple[int, ...], options: IntraOpO
     Run apart from the timed points (the profiler slows Python down); shares are what matter. The top-level
     wrappers (more than 95% of the total) are left out, so the list starts at the passes.
     """
-    config = dataclasses.replace(gpt.CONFIGS[base_config], num_layers=layers)
+    config = dataclasses.replace(gpt.CONFIGS[base_config], num_layers=layers, seq_len=SEQ_LEN)
     workload = gpt.workload(config, abstract=True, batch_size=batch_size)
     profiler = cProfile.Profile()
     profiler.enable()
@@ -292,7 +296,7 @@ def main() -> None:
         if args.markdown:
             with open(args.markdown, "w") as f:
                 f.write(f"Written by `python -m benchmarks.planning_scaling {' '.join(sys.argv[1:])}`: GPT "
-                        f"(d_model 2048, batch 8) on {', '.join(f'{c} {_mesh(m)}' for c, m in MESHES)}, solver "
+                        f"(d_model 2048, sequence {SEQ_LEN}, batch {BATCH_SIZE}) on {', '.join(f'{c} {_mesh(m)}' for c, m in MESHES)}, solver "
                         f"limit {args.time_limit:g} s; {os.cpu_count()} CPUs, load average (1/5/15 min) "
                         f"{load_start} at the start, {load_now} at the end; {time.perf_counter() - start:.0f} s "
                         f"wall, {time.process_time() - cpu:.0f} s CPU in all. The load column is the 1-minute "

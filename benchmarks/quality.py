@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import importlib
+import json
 import logging
 import math
 import multiprocessing
@@ -158,6 +159,8 @@ class CellResult:
     pipeline_s: float = math.nan  # planning seconds of the pipeline (stages searched, its SPMD plan included)
     contest: tuple[ContestRow, ...] = ()  # compare's compiled arbitration: every plan compiled, the one returned
     arbitration_s: float = math.nan  # its next-best solves and compiles, wall
+    decisions: str = ""  # autoshard's plan as ``plan_decisions`` writes it (``run.py --plans`` saves it)
+    pipeline_decisions: str = ""  # the best pipeline's, likewise
     objective: ObjectiveRow | None = None  # the objective checker on autoshard's plan (None: not available)
 
     @property
@@ -305,6 +308,27 @@ def _row_sizes(comparison: Comparison) -> IlpSize:
                    build_s, s.solve_s)
 
 
+def plan_decisions(plan: Plan) -> str:
+    """What a plan decided, as canonical JSON, without its timings and figures: the mesh, every input's
+    storage spec, every op's output specs and pinned reshards, the outputs' reshards, and a pipeline's stages,
+    microbatches and schedule. Two runs that decide alike write the same text (``run.py --plans``: a change
+    meant to keep every plan is checked by diffing two such dumps)."""
+    def specs(xs) -> list[str]:
+        return [str(x) for x in xs]
+
+    stages = [{k: str(v) for k, v in sorted((st if isinstance(st, dict) else vars(st)).items())
+               if not isinstance(v, float)} for st in plan.stages]  # a stage's times are figures
+    return json.dumps({
+        "mesh": list(plan.mesh_shape),
+        "inputs": {k: str(v) for k, v in sorted(plan.input_specs.items())},
+        "ops": {str(k): specs(v) for k, v in sorted(plan.op_out_specs.items())},
+        "op_reshards": {str(k): {str(p): specs(v) for p, v in sorted(by.items())}
+                        for k, by in sorted(plan.op_in_reshards.items())},
+        "output_reshards": {str(k): specs(v) for k, v in sorted(plan.output_reshards.items())},
+        "stages": stages, "num_microbatches": plan.num_microbatches, "schedule": plan.schedule,
+    }, indent=1)
+
+
 def run_cell(cell: Cell, cache: WorkloadCache, options: IntraOpOptions, progress: Progress | None = None) -> CellResult:
     """Compare autoshard with the classic strategies on ``cell``; failures are recorded, not raised."""
     say = progress or (lambda _msg: None)
@@ -335,7 +359,7 @@ def run_cell(cell: Cell, cache: WorkloadCache, options: IntraOpOptions, progress
         autoshard=StrategyRow.of(auto), baselines=tuple(StrategyRow.of(b) for b in comparison.baselines),
         lower_bound_s=plan.ledger.compute_lower_bound_s, trace_s=trace_s,
         intra_op_s=float(plan.planning_s.get("intra-op", math.nan)), compare_s=time.perf_counter() - start,
-        ilp=_row_sizes(comparison), kept=kept, hot_ops=hot_ops(plan),
+        ilp=_row_sizes(comparison), kept=kept, hot_ops=hot_ops(plan), decisions=plan_decisions(plan),
     )
     if cell.pipeline:
         result = _with_pipeline(result, cell, workload, options, say)
@@ -395,6 +419,7 @@ def _with_pipeline(result: CellResult, cell: Cell, workload: Workload, options: 
     plan = piped.plan
     stages = " | ".join(f"L{s.first_layer}-{s.last_layer}@{'x'.join(map(str, s.mesh_shape))}" for s in plan.stages)
     return replace(result, pipeline=_pipeline_row("pipeline", plan), pipeline_s=seconds,
+                   pipeline_decisions=plan_decisions(plan),
                    pipeline_stages=f"{len(plan.stages)} stages [{stages}] B={plan.num_microbatches} {plan.schedule}",
                    baselines=(*result.baselines, _pipeline_row(UNIFORM_GPIPE, gpipe)))
 

@@ -32,6 +32,7 @@ if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import logging  # noqa: E402
 import resource  # noqa: E402
 import sys  # noqa: E402
@@ -248,6 +249,15 @@ def merged(old: str, new: str, commit: str, scaled: bool) -> str:
                            f"this run (commit {commit}) skipped the scaling study (`--no-scaling`).*\n{body}")
 
 
+def write_decisions(folder: Path, results: Sequence[CellResult]) -> None:
+    """``folder/<workload>_<cluster>.json``: each cell's plan decisions (``quality.plan_decisions``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for r in results:
+        text = (f'{{"error": {json.dumps(r.error)},\n"autoshard": {r.decisions or "null"},\n'
+                f'"pipeline": {r.pipeline_decisions or "null"}}}\n')
+        (folder / f"{r.cell.workload}_{r.cell.cluster}.json").write_text(text)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small configs only, no scaling study (~8 CPU min)")
@@ -262,6 +272,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cells", nargs="+", default=None, metavar="WORKLOAD:CLUSTER",
                         help="only these cells of the run (e.g. gpt-medium:2x8-a100); the markdown then holds "
                              "those cells only: write it elsewhere than RESULTS.md")
+    parser.add_argument("--plans", type=Path, default=None, metavar="DIR",
+                        help="write each cell's decisions (autoshard's plan, its best pipeline) to DIR/<cell>.json: "
+                             "diff two runs' folders to check that a change kept every plan")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     console = Console(width=None if sys.stdout.isatty() else 200)
@@ -300,6 +313,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             spots = planning_scaling.hotspots(PROFILED_LAYERS, "1x8-a100", (2, 4), scaling_options)
             console.print(render_rich(hotspot_table(spots, PROFILE_TITLE)))
 
+    if args.plans is not None:
+        write_decisions(args.plans, results)
+        console.print(f"wrote each cell's decisions under {args.plans}")
     targets = evaluate(results, points, spots)
     for t in targets:
         console.print(f"[bold]{t.verdict:>7}[/bold]  {t.name}: {t.detail}")

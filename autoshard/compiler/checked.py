@@ -14,6 +14,7 @@ from typing import Any
 
 from autoshard.compiler.arbiter import CHECK_NAME
 from autoshard.compiler.baselines import compare
+from autoshard.compiler.collector import without_collector
 from autoshard.compiler.driver import PlannedStep, Progress
 from autoshard.compiler.pipeline_context import PipelinePlanned
 from autoshard.compiler.target import ClusterLike, MeshLike
@@ -23,6 +24,7 @@ PIPELINE_NOTE = ("not run: a pipeline plan's stages compile as separate programs
                  "not compare; pass num_stages=1 to arbitrate the SPMD plan")
 
 
+@without_collector
 def plan_checked(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike = None, cluster: ClusterLike = None,
                  memory_budget: float | None = None, options: IntraOpOptions | None = None,
                  progress: Progress | None = None, name: str | None = None) -> PlannedStep:

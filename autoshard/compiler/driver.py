@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeAlias
 
+from autoshard.compiler.collector import without_collector
 from autoshard.compiler.explain import op_explanations
 from autoshard.compiler.layer_times import layer_times
 from autoshard.compiler.target import ClusterLike, MeshLike, Target, check_budget_floor, resolve_target
@@ -88,6 +89,7 @@ def plan_graph(graph: OpGraph, *, mesh: MeshLike = None, cluster: ClusterLike = 
     return plan_on(graph, target, options, timings=timings, name=name, explain=explain, progress=progress)
 
 
+@without_collector
 def plan_on(graph: OpGraph, target: Target, options: IntraOpOptions | None = None, *,
             timings: dict[str, float] | None = None, name: str = "autoshard", explain: bool = True,
             progress: Progress | None = None) -> PlannedStep:
@@ -142,6 +144,7 @@ def plan_on(graph: OpGraph, target: Target, options: IntraOpOptions | None = Non
     return PlannedStep(plan, graph, result.mesh, result)
 
 
+@without_collector
 def plan_step(fn: Callable[..., Any], args: Sequence[Any], **kwargs: Any) -> PlannedStep:
     """Trace ``fn(*args)`` and plan it (see ``plan_graph`` for the options)."""
     progress = kwargs.get("progress")

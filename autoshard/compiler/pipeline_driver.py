@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from autoshard.compiler.collector import without_collector
 from autoshard.compiler.driver import plan_on
 from autoshard.compiler.pipeline_context import PipelineRequest, PipelineSearch, pipeline_context
 from autoshard.compiler.pipeline_pricing import finish_pipeline, price_pipeline, spmd_or_stages, stage_cost_options
@@ -47,6 +48,7 @@ from autoshard.ir.trace import trace
 log = logging.getLogger(__name__)
 
 
+@without_collector
 def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any],
                   request: PipelineRequest = PipelineRequest()) -> PipelineSearch:
     """Plan ``fn(*args)`` as a pipeline, or fall back to SPMD (module docstring)."""

@@ -15,6 +15,7 @@ constraints inserted between ops.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import enum
 from collections.abc import Callable, Mapping, Sequence
@@ -172,12 +173,18 @@ class OpGraph:
                 where[vid] = (num_inputs + j, k)
         return where
 
-    def consumers(self) -> dict[ValueId, list[Op]]:
+    def consumers(self) -> Mapping[ValueId, Sequence[Op]]:
+        """Per value, the ops that read it (in program order); made once per graph (a graph is never changed),
+        shared by every pass: read it, do not change it."""
+        return self._consumers
+
+    @functools.cached_property
+    def _consumers(self) -> Mapping[ValueId, Sequence[Op]]:
         users: dict[ValueId, list[Op]] = collections.defaultdict(list)
         for op in self.ops:
             for v in op.inputs:
                 users[v].append(op)
-        return users
+        return dict(users)
 
     def loop_of(self) -> list[int]:
         """Per op, the index in ``loops`` of the innermost loop whose body holds it; -1 outside every loop."""

@@ -280,7 +280,7 @@ def class_costs_and_edges(cg: CostGraph) -> tuple[list[np.ndarray], list[ClassEd
         vid = next(iter(readers.values()))[2]
         if len(readers) > 1 and _readers_may_share(cg, p, k, vid, list(readers)):
             key = (int(cls.node_class[p]), id(cg.strategies[p]), cls.strategy_map[p].tobytes(), k,
-                   tuple(sorted(readers, key=repr)), cg.graph.values[vid].shape, cg.graph.values[vid].dtype)
+                   frozenset(readers), cg.graph.values[vid].shape, cg.graph.values[vid].dtype)
             if key in shared:
                 shared[key][1] += 1
             else:

@@ -48,6 +48,7 @@ donation, outputs and arguments, layout copies, reshard transients) and
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -91,8 +92,8 @@ def fusion_analysis(graph: OpGraph, forced: Iterable[ValueId] = (), copied: Iter
     copied_set = set(copied)
     consumers = graph.consumers()
     kinds = [op_kind(op) for op in graph.ops]
+    cheap_ops = _cheap_ops(graph)
     index = {id(op): t for t, op in enumerate(graph.ops)}
-    producer = {v: op for op in graph.ops for v in op.outputs}
     materialized: set[ValueId] = set()
     alias: dict[ValueId, ValueId] = {}
     roots: dict[OpIndex, frozenset[OpIndex]] = {}
@@ -114,7 +115,7 @@ def fusion_analysis(graph: OpGraph, forced: Iterable[ValueId] = (), copied: Iter
         reach: set[OpIndex] = set()
         for u in users:
             reach |= roots[u]
-        cheap = not facts(op.primitive).expensive and _duplicable(graph, op, producer, consumers)
+        cheap = t in cheap_ops
         if not (forced_here or for_opaque or (len(reach) > 1 and not cheap) or len(reach) > RECOMPUTE_LIMIT):
             roots[t] = frozenset(reach)
             continue
@@ -141,6 +142,27 @@ def fusion_analysis(graph: OpGraph, forced: Iterable[ValueId] = (), copied: Iter
             del alias[v]
             materialized.add(v)
     return Fusion(frozenset(materialized), alias, roots, frozenset(instruction), frozenset(duplicated))
+
+
+# per graph (by id, while it lives): its cheap ops, the same for every fusion analysis of it
+_CHEAP: dict[int, tuple[weakref.ReferenceType[OpGraph], frozenset[OpIndex]]] = {}
+
+
+def _cheap_ops(graph: OpGraph) -> frozenset[OpIndex]:
+    """The ops a fusion may recompute rather than materialise when several read them (not expensive, and
+    ``_duplicable``); they depend on the graph only, so they are found once per graph (a budget search and the
+    memory profile analyse one graph several times)."""
+    key = id(graph)
+    hit = _CHEAP.get(key)
+    if hit is not None and hit[0]() is graph:
+        return hit[1]
+    producer = {v: op for op in graph.ops for v in op.outputs}
+    consumers = graph.consumers()
+    found = frozenset(t for t, op in enumerate(graph.ops)
+                      if op_kind(op) not in (OpKind.OPAQUE, OpKind.REDUCTION) and not facts(op.primitive).expensive
+                      and _duplicable(graph, op, producer, consumers))
+    _CHEAP[key] = (weakref.ref(graph, lambda _ref, key=key: _CHEAP.pop(key, None)), found)
+    return found
 
 
 def _duplicable(graph: OpGraph, op: Op, producer: Mapping[ValueId, Op],
