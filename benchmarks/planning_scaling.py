@@ -118,16 +118,22 @@ def fit_power_law(layers: Sequence[float], seconds: Sequence[float]) -> Fit | No
     return Fit(float(k), float(math.exp(logc)), r2)
 
 
+def _config(base_config: str, layers: int, seq_len: int | None) -> gpt.Config:
+    """``base_config`` with ``layers`` layers (and ``seq_len`` tokens: None keeps the config's)."""
+    config = dataclasses.replace(gpt.CONFIGS[base_config], num_layers=layers)
+    return config if seq_len is None else dataclasses.replace(config, seq_len=seq_len)
+
+
 def run(depths: Sequence[int] = DEPTHS, meshes: Sequence[tuple[str, tuple[int, ...]]] = MESHES,
         options: IntraOpOptions | None = None, progress: Callable[[str], None] | None = None,
-        base_config: str = BASE_CONFIG, batch_size: int | None = BATCH_SIZE,
+        base_config: str = BASE_CONFIG, batch_size: int | None = BATCH_SIZE, seq_len: int | None = SEQ_LEN,
         after_each: Callable[[list[ScalingPoint]], None] | None = None) -> list[ScalingPoint]:
     """Trace and plan each depth (module docstring); ``after_each`` is told the points so far after each plan."""
     say = progress or (lambda _msg: None)
     options = options or IntraOpOptions()
     points: list[ScalingPoint] = []
     for layers in depths:
-        config = dataclasses.replace(gpt.CONFIGS[base_config], num_layers=layers, seq_len=SEQ_LEN)
+        config = _config(base_config, layers, seq_len)
         workload = gpt.workload(config, abstract=True, batch_size=batch_size)
         say(f"{layers} layers: tracing")
         start, cpu = time.perf_counter(), time.process_time()
@@ -171,14 +177,15 @@ class Hotspot:
 
 
 def hotspots(layers: int, cluster: str, mesh: tuple[int, ...], options: IntraOpOptions | None = None,
-             base_config: str = BASE_CONFIG, batch_size: int | None = BATCH_SIZE, top: int = 10
+             base_config: str = BASE_CONFIG, batch_size: int | None = BATCH_SIZE, seq_len: int | None = SEQ_LEN,
+             top: int = 10
              ) -> tuple[Hotspot, ...]:
     """Trace and plan one depth under cProfile; the autoshard functions with the most cumulative time.
 
     Run apart from the timed points (the profiler slows Python down); shares are what matter. The top-level
     wrappers (more than 95% of the total) are left out, so the list starts at the passes.
     """
-    config = dataclasses.replace(gpt.CONFIGS[base_config], num_layers=layers, seq_len=SEQ_LEN)
+    config = _config(base_config, layers, seq_len)
     workload = gpt.workload(config, abstract=True, batch_size=batch_size)
     profiler = cProfile.Profile()
     profiler.enable()

@@ -7,6 +7,7 @@ prices are given (tests/sim/test_benchmark_compiled.py runs a compiled cell). Th
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -56,7 +57,8 @@ def test_tiny_cell_scaling_and_report():
     assert 0 < result.bound_fraction <= 1.0
     assert result.ilp is not None and result.ilp.classes <= result.ilp.nodes
 
-    points = planning_scaling.run([2], meshes=(("1x8-a100", (2, 4)),), options=FAST, base_config="tiny")
+    points = planning_scaling.run([2], meshes=(("1x8-a100", (2, 4)),), options=FAST, base_config="tiny",
+                                    seq_len=None)
     assert len(points) == 1 and points[0].error is None
     assert points[0].total_s > 0 and points[0].total_cpu_s > 0 and math.isfinite(points[0].other_s)
 
@@ -72,8 +74,23 @@ def test_tiny_cell_scaling_and_report():
     assert "python -m benchmarks.run --quick" in text
 
 
+def test_decisions_are_the_plan_without_its_figures(tmp_path):
+    """``run.py --plans`` writes what each cell's plan decided and nothing timed, so two runs that decide alike
+    write the same files."""
+    cell = Cell("mlp", "tiny", "1x8-a100", compiled=False)
+    result = run_cell(cell, WorkloadCache(), FAST)
+    decided = json.loads(result.decisions)
+    assert decided["mesh"] == [2, 4] and decided["schedule"] == "spmd" and decided["num_microbatches"] == 1
+    assert decided["inputs"] and decided["ops"], "no specs in the decisions"
+    assert all(isinstance(spec, str) for spec in decided["inputs"].values())
+    assert "planning_s" not in result.decisions and "ledger" not in result.decisions
+    run.write_decisions(tmp_path / "plans", [result])
+    written = json.loads((tmp_path / "plans" / f"{cell.workload}_{cell.cluster}.json").read_text())
+    assert written["autoshard"] == decided and written["pipeline"] is None and written["error"] is None
+
+
 def test_hotspots_name_autoshard_functions():
-    spots = planning_scaling.hotspots(2, "1x8-a100", (2, 4), FAST, base_config="tiny", top=4)
+    spots = planning_scaling.hotspots(2, "1x8-a100", (2, 4), FAST, base_config="tiny", seq_len=None, top=4)
     assert 0 < len(spots) <= 4
     assert all(h.function.startswith("autoshard/") and 0 < h.share <= 1 for h in spots)
     assert [h.cumulative_s for h in spots] == sorted((h.cumulative_s for h in spots), reverse=True)
