@@ -86,22 +86,25 @@ def combine_all_reduces(graph: OpGraph, reducing: Sequence[OpIndex],
         axes = tuple(sorted({a for c in op_collectives[t] for a in c.axes}))
         return axes, op_reductions.get(t), graph.values[graph.ops[t].outputs[0]].dtype, loop[t]
 
-    remaining = list(reducing)
+    # the greedy pass in program order closes a group at the first member of its key that depends on it, so
+    # per key the groups are consecutive runs of that key's ops: cut each key's list once (linear in the ops),
+    # then order the groups by their first member, as the pass in program order makes them
+    by_key: dict[tuple, list[OpIndex]] = {}
+    for t in reducing:
+        by_key.setdefault(key(t), []).append(t)
     groups: list[list[OpIndex]] = []
-    while remaining:
-        k0 = key(remaining[0])
+    for members in by_key.values():
         group: list[OpIndex] = []
         mask = 0
-        for t in remaining:
-            if key(t) != k0:
-                continue
+        for t in members:
             if upstream[t] & mask or len(group) >= 256:
-                break
+                groups.append(group)
+                group, mask = [], 0
             group.append(t)
             mask |= bit[t]
         groups.append(group)
-        taken = set(group)
-        remaining = [t for t in remaining if t not in taken]
+    position = {t: k for k, t in enumerate(reducing)}
+    groups.sort(key=lambda g: position[g[0]])
     return groups
 
 
