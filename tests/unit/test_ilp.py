@@ -361,7 +361,7 @@ def test_random_problems_with_shared_reshards_match_brute_force(backend: str) ->
 
 
 def test_a_pair_that_pays_a_reshard_wins_over_the_restricted_lp() -> None:
-    """The MIP backend solves the LP without the pairs that pay a reshard first (``mip._solve_lp``): here
+    """The MIP backend solves the LP without the pairs that pay a reshard first (``lp.solve_lp``): here
     every free pair costs more than reading a reshard, so the restricted optimum (both nodes in one layout,
     4 ms) is not the answer and the whole LP's (u in A, v in B, 1 + 1 + 0.5 ms) is."""
     problem = IlpProblem(

@@ -1,4 +1,5 @@
-"""The intra-op ILP as a mixed-integer program solved by HiGHS (through SciPy): the default backend.
+"""The intra-op ILP as a mixed-integer program solved by HiGHS: the default backend (the LP relaxation through
+HiGHS's own interface, ``highspy``, which keeps a basis between solves; the MIP through SciPy).
 
 The same formulation as ``passes/ilp/cpsat.py`` (whose docstring has the legend), built as one sparse
 matrix, with continuous y (integral whenever s is) and the costs in floating point instead of ticks:
@@ -38,12 +39,14 @@ these problems (the LP optimum equalled the integer one on GPT-medium, GPT-large
 fractional one goes to HiGHS's MIP (whose presolve and cuts cost more than the LP on these problems).
 CP-SAT, searching without a strong bound, stopped at 37-59% gaps after 10 s. The LP is large (about
 100k columns for a GPT block on a 2-D mesh: 20-30 layouts per 4-D activation, every pair on an edge)
-and takes 5-50 s on two loaded cores. So the LP restricted to the pairs that pay no reshard (an edge's
-free pairs; a shared value read only in layouts free to make) is solved first (``_solve_lp``): a fifth of the columns, a few seconds,
-and its optimum is nearly always integral and close to the whole LP's (equal on the tiny GPT). It is
-the plan when the time limit ends before the whole LP, which then proves or improves it (a plain column
-generation that adds the columns pricing out does not converge in time: these degenerate LPs price out
-thousands of columns in every round at the same objective). HiGHS through SciPy takes no MIP start; the hint
+and takes 5-50 s on two loaded cores from a cold start. So the LP restricted to the pairs that pay no
+reshard (an edge's free pairs; a shared value read only in layouts free to make) is solved first
+(``passes/ilp/lp.py``): a fifth of the columns, about a second, and its optimum is nearly always integral and
+close to the whole LP's (equal on the tiny GPT). The whole LP then continues from that optimum's basis
+(warm-started simplex: 1.5 s instead of 23 s on GPT-small) and proves or improves it; the restricted
+optimum is the plan when the time limit ends first (a plain column generation that adds the columns
+pricing out does not converge in time: these degenerate LPs price out thousands of columns in every
+round at the same objective). HiGHS through SciPy takes no MIP start; the hint
 (the best classic start after local search) is returned whenever HiGHS's plan is not better, so the
 result is never worse than it.
 """
@@ -52,13 +55,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import scipy.optimize
 import scipy.sparse
 
 from autoshard.errors import PlanningError, SolverTimeoutError
+from autoshard.passes.ilp.lp import MIP_REL_GAP, MipBuilder, integral, solve_lp
 from autoshard.passes.ilp.presolve import Reduced, exclusion_cuts, identical_lines, presolve
 from autoshard.passes.ilp.problem import IlpProblem, IlpSolution, evaluate, memory_error
 
@@ -67,95 +70,11 @@ __all__ = ["min_peak_plan_mip", "solve_mip"]
 log = logging.getLogger(__name__)
 
 _LARGEST_COST = 1e6  # the largest finite reduced cost after scaling
-_MIP_REL_GAP = 1e-6  # HiGHS stops when its incumbent is this close to its bound
-_REDUCED_COST_TOL = 1e-3  # a left-out column prices out below this reduced cost (costs scaled to _LARGEST_COST)
 
 
-@dataclass
-class _Builder:
-    """Columns and rows of the MIP under construction (COO triplets)."""
-
-    red: Reduced
-    first: np.ndarray  # per node: column of s[i, 0]; -1 for a node fixed by presolve
-    num_cols: int = 0
-    cost: list[np.ndarray] = field(default_factory=list)
-    upper: list[np.ndarray] = field(default_factory=list)
-    integral: list[np.ndarray] = field(default_factory=list)
-    rows: list[np.ndarray] = field(default_factory=list)
-    cols: list[np.ndarray] = field(default_factory=list)
-    vals: list[np.ndarray] = field(default_factory=list)
-    lower_rhs: list[float] = field(default_factory=list)
-    upper_rhs: list[float] = field(default_factory=list)
-    # per column: whether the restricted LP of ``_solve_lp`` leaves it out (a pair that pays a reshard)
-    lazy: list[np.ndarray] = field(default_factory=list)
-    left_out: list[np.ndarray] = field(default_factory=list)  # columns added earlier and left out too
-
-    def add_cols(self, cost: np.ndarray, upper: np.ndarray, integral: bool,
-                 lazy: np.ndarray | None = None) -> int:
-        start = self.num_cols
-        self.num_cols += len(cost)
-        self.cost.append(np.asarray(cost, dtype=float))
-        self.upper.append(np.asarray(upper, dtype=float))
-        self.integral.append(np.full(len(cost), int(integral)))
-        self.lazy.append(np.zeros(len(cost), dtype=bool) if lazy is None else np.asarray(lazy, dtype=bool))
-        return start
-
-    def leave_out(self, columns: np.ndarray) -> None:
-        """Leave ``columns`` out of the restricted LP too (a reshard's y, worth nothing without its t)."""
-        self.left_out.append(np.asarray(columns, dtype=np.int64))
-
-    def restricted(self) -> np.ndarray:
-        """Per column: whether the restricted LP leaves it out."""
-        out = np.concatenate(self.lazy) if self.lazy else np.zeros(0, dtype=bool)
-        for columns in self.left_out:
-            out[columns] = True
-        return out
-
-    def matrix(self) -> scipy.sparse.csr_array:
-        return scipy.sparse.csr_array(
-            (np.concatenate(self.vals) if self.vals else np.zeros(0),
-             (np.concatenate(self.rows) if self.rows else np.zeros(0, dtype=np.int64),
-              np.concatenate(self.cols) if self.cols else np.zeros(0, dtype=np.int64))),
-            shape=(len(self.lower_rhs), self.num_cols))
-
-    def add_row(self, columns: np.ndarray, coeffs: np.ndarray, lower: float, upper: float) -> None:
-        self.rows.append(np.full(len(columns), len(self.lower_rhs)))
-        self.cols.append(np.asarray(columns, dtype=np.int64))
-        self.vals.append(np.asarray(coeffs, dtype=float))
-        self.lower_rhs.append(lower)
-        self.upper_rhs.append(upper)
-
-    def add_pair_rows(self, first: np.ndarray, second: np.ndarray, lower: float, upper: float) -> None:
-        """One row ``first[i] - second[i]`` in [lower, upper] per i, added at once."""
-        count = len(first)
-        rows = len(self.lower_rhs) + np.arange(count)
-        self.rows.append(np.repeat(rows, 2))
-        self.cols.append(np.stack([np.asarray(first, dtype=np.int64), np.asarray(second, dtype=np.int64)],
-                                  axis=1).ravel())
-        self.vals.append(np.tile([1.0, -1.0], count))
-        self.lower_rhs.extend([lower] * count)
-        self.upper_rhs.extend([upper] * count)
-
-    def s(self, node: int, positions: np.ndarray) -> np.ndarray:
-        return self.first[node] + np.asarray(positions, dtype=np.int64)
-
-    def solve(self, time_limit_s: float, relaxed: bool = False) -> scipy.optimize.OptimizeResult:
-        if self.num_cols == 0:  # presolve fixed every node
-            return scipy.optimize.OptimizeResult(status=0, x=np.zeros(0), fun=0.0, mip_dual_bound=0.0,
-                                                 message="fixed by presolve")
-        num_rows = len(self.lower_rhs)
-        matrix = self.matrix()
-        constraints = (scipy.optimize.LinearConstraint(matrix, np.array(self.lower_rhs), np.array(self.upper_rhs)),
-                       ) if num_rows else ()
-        return scipy.optimize.milp(
-            np.concatenate(self.cost), integrality=None if relaxed else np.concatenate(self.integral),
-            bounds=scipy.optimize.Bounds(0.0, np.concatenate(self.upper)), constraints=constraints,
-            options={"time_limit": float(time_limit_s), "mip_rel_gap": _MIP_REL_GAP, "disp": False})
-
-
-def _new(problem: IlpProblem, red: Reduced, ticks: float) -> _Builder:
+def _new(problem: IlpProblem, red: Reduced, ticks: float) -> MipBuilder:
     """Columns s and rows (a), (b) for every free node."""
-    b = _Builder(red, np.full(problem.num_nodes, -1, dtype=np.int64))
+    b = MipBuilder(red, np.full(problem.num_nodes, -1, dtype=np.int64))
     for i, allowed in enumerate(red.allowed):
         if len(allowed) > 1:
             cost = red.node_cost[i]
@@ -165,7 +84,7 @@ def _new(problem: IlpProblem, red: Reduced, ticks: float) -> _Builder:
     return b
 
 
-def _add_edges(b: _Builder, ticks: float) -> list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray]]:
+def _add_edges(b: MipBuilder, ticks: float) -> list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray]]:
     """Columns y and rows (c), (d); per edge (u, v, row group, column group, y columns [A, B] or -1)."""
     out = []
     for u, v, matrix in b.red.edges:
@@ -184,7 +103,7 @@ def _add_edges(b: _Builder, ticks: float) -> list[tuple[int, int, np.ndarray, np
     return out
 
 
-def _add_charges(b: _Builder, ticks: float) -> None:
+def _add_charges(b: MipBuilder, ticks: float) -> None:
     for cost, members in b.red.charges:
         z = b.add_cols(np.array([cost * ticks]), np.ones(1), False)
         for node, mask in members:
@@ -193,7 +112,7 @@ def _add_charges(b: _Builder, ticks: float) -> None:
                 b.add_row(np.append(ss, z), np.append(np.ones(len(ss)), -1.0), -np.inf, 0.0)
 
 
-def _add_reshards(b: _Builder, ticks: float) -> None:
+def _add_reshards(b: MipBuilder, ticks: float) -> None:
     """Rows (h)-(j) of the shared reshards (module docstring). With the producer free, each reader r has its
     joint y[r,A,l] with the producer (A a group of the producer's strategies with equal prices, l a priced
     layout or "none of them"), marginalised on both sides as an edge is, and t[A,l] >= y[r,A,l] for every
@@ -242,7 +161,7 @@ def _add_reshards(b: _Builder, ticks: float) -> None:
                     b.leave_out(y[rows, g])
 
 
-def _add_reshard_fixed_producer(b: _Builder, ticks: float, prices: np.ndarray, paid: np.ndarray,
+def _add_reshard_fixed_producer(b: MipBuilder, ticks: float, prices: np.ndarray, paid: np.ndarray,
                                 readers: list[tuple[int, np.ndarray]]) -> None:
     """A fixed producer: w[l] (priced at its one strategy's price) >= each reader's choice of layout l."""
     for l in paid:
@@ -259,7 +178,7 @@ def _add_reshard_fixed_producer(b: _Builder, ticks: float, prices: np.ndarray, p
                           -np.inf, 0.0)
 
 
-def _add_exclusions(b: _Builder, excluded: tuple[tuple[np.ndarray, ...], ...]) -> bool:
+def _add_exclusions(b: MipBuilder, excluded: tuple[tuple[np.ndarray, ...], ...]) -> bool:
     """Rows (k), the no-good cuts (``IlpProblem.excluded``); False when a cut excludes every plan left."""
     cuts = exclusion_cuts(excluded, b.red.allowed, b.first >= 0)
     if cuts is None:
@@ -270,7 +189,7 @@ def _add_exclusions(b: _Builder, excluded: tuple[tuple[np.ndarray, ...], ...]) -
     return True
 
 
-def _add_memory(b: _Builder, budget_bytes: float) -> bool:
+def _add_memory(b: MipBuilder, budget_bytes: float) -> bool:
     """Rows (e), each scaled by its room; False if some point is over budget whatever the choices."""
     budget = math.floor(budget_bytes)
     for p, terms in enumerate(b.red.point_terms):
@@ -287,7 +206,7 @@ def _add_memory(b: _Builder, budget_bytes: float) -> bool:
     return True
 
 
-def _memory_row(b: _Builder, p: int) -> tuple[np.ndarray, np.ndarray]:
+def _memory_row(b: MipBuilder, p: int) -> tuple[np.ndarray, np.ndarray]:
     columns, coeffs = [], []
     for node, nbytes in b.red.point_terms[p]:
         nonzero = np.flatnonzero(nbytes)
@@ -306,20 +225,13 @@ def _ticks(red: Reduced) -> float:
     return _LARGEST_COST / largest if largest > 0 else 1.0
 
 
-def _integral(b: _Builder, x: np.ndarray) -> bool:
-    """Whether every free node's strategy variables in ``x`` are 0 or 1."""
-    columns = np.concatenate([b.s(i, np.arange(len(a))) for i, a in enumerate(b.red.allowed) if b.first[i] >= 0]
-                             or [np.zeros(0, dtype=np.int64)])
-    return bool(np.all(np.minimum(x[columns], 1.0 - x[columns]) <= 1e-6))
-
-
-def _solve_relaxation_first(b: _Builder, time_limit_s: float) -> scipy.optimize.OptimizeResult:
+def _solve_relaxation_first(b: MipBuilder, time_limit_s: float) -> scipy.optimize.OptimizeResult:
     """The LP relaxation, and the MIP only when that is fractional: the relaxation of these problems is
     nearly always integral (module docstring), and an integral LP optimum is the MIP's optimum with its
     proof, without HiGHS's MIP presolve and cuts, which cost more than the LP itself here."""
     start = time.perf_counter()
-    lp = _solve_lp(b, time_limit_s)
-    if lp.status == 0 and lp.x is not None and _integral(b, lp.x):
+    lp = solve_lp(b, time_limit_s)
+    if lp.status == 0 and lp.x is not None and integral(b, lp.x):
         lp.mip_dual_bound = lp.fun
         return lp
     if lp.status == 2:  # an infeasible relaxation: so is the MIP
@@ -329,54 +241,7 @@ def _solve_relaxation_first(b: _Builder, time_limit_s: float) -> scipy.optimize.
     return b.solve(max(time_limit_s - (time.perf_counter() - start), 0.1))
 
 
-def _solve_lp(b: _Builder, time_limit_s: float) -> scipy.optimize.OptimizeResult:
-    """The LP relaxation, restricted first: without the priced pairs (``_Builder.restricted``: an edge's pairs
-    that pay a reshard, a shared reshard's t and the y that need it), fixed at 0 and dropped by HiGHS's
-    presolve, the LP is a fifth of the size and its optimum, a plan in which every value is read as it was
-    made where that pays, is nearly always integral and often optimal. When no left-out column has a negative
-    reduced cost there, it is the whole LP's optimum; otherwise the whole LP is solved in the time left for
-    the proof. Adding only the columns that price out (column generation) does not pay here: the duals of
-    these degenerate LPs price thousands of columns in every round while the objective stays. Out of time,
-    the restricted optimum is returned (status 1) when it is integral: a plan without a proof."""
-    if b.num_cols == 0:
-        return b.solve(time_limit_s, relaxed=True)
-    start = time.perf_counter()
-    cost, upper = np.concatenate(b.cost), np.concatenate(b.upper)
-    matrix = b.matrix()
-    lo, hi = np.array(b.lower_rhs, dtype=float), np.array(b.upper_rhs, dtype=float)
-    eq = lo == hi
-    le, ge = ~eq & np.isfinite(hi), ~eq & np.isfinite(lo)
-    a_ub = scipy.sparse.vstack([matrix[le], -matrix[ge]]).tocsr() if (le.any() or ge.any()) else None
-    b_ub = np.concatenate([hi[le], -lo[ge]]) if a_ub is not None else None
-    a_eq, b_eq = (matrix[eq], hi[eq]) if eq.any() else (None, None)
-
-    def lp(opened: np.ndarray) -> scipy.optimize.OptimizeResult:
-        left = max(time_limit_s - (time.perf_counter() - start), 0.05)
-        return scipy.optimize.linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq,
-                                      bounds=np.stack([np.zeros(len(cost)), np.where(opened, upper, 0.0)], axis=1),
-                                      method="highs-ds", options={"time_limit": float(left)})
-
-    opened = ~b.restricted()
-    restricted = lp(opened) if not opened.all() else None
-    incumbent = None
-    if restricted is not None and restricted.status == 0:
-        reduced = np.asarray(restricted.lower.marginals) + np.asarray(restricted.upper.marginals)
-        entering = int((~opened & (reduced < -_REDUCED_COST_TOL)).sum())
-        log.debug("mip: restricted LP %.2fs, %d of %d columns, %d price out", time.perf_counter() - start,
-                  int(opened.sum()), len(cost), entering)
-        if not entering:
-            return restricted
-        if restricted.x is not None and _integral(b, restricted.x):
-            incumbent = restricted
-    full = lp(np.ones(len(cost), dtype=bool))
-    if full.status in (0, 2) or incumbent is None:
-        return full
-    return scipy.optimize.OptimizeResult(status=1, x=incumbent.x, fun=incumbent.fun,
-                                         message="Time limit reached; the plan of the LP restricted to the pairs "
-                                                 "read as made, without a proof")
-
-
-def _decode(b: _Builder, x: np.ndarray) -> np.ndarray:
+def _decode(b: MipBuilder, x: np.ndarray) -> np.ndarray:
     choices = np.empty(len(b.first), dtype=np.int64)
     for i, (first, allowed) in enumerate(zip(b.first, b.red.allowed)):
         choices[i] = allowed[0] if first < 0 else allowed[int(np.argmax(x[first:first + len(allowed)]))]
@@ -429,7 +294,7 @@ def solve_mip(problem: IlpProblem, hint: np.ndarray | None = None) -> IlpSolutio
         raise SolverTimeoutError(f"HiGHS found no plan for {problem.num_nodes} nodes within time_limit_s="
                                  f"{problem.time_limit_s:g}s ({res.message}); raise time_limit_s")
     gap = max(0.0, result.objective_s - bound_s) / result.objective_s if result.objective_s > 0 else 0.0
-    optimal = res.status == 0 or gap <= _MIP_REL_GAP
+    optimal = res.status == 0 or gap <= MIP_REL_GAP
     return IlpSolution(choices, result.objective_s, "optimal" if optimal else "feasible", 0.0 if optimal else gap,
                        time.perf_counter() - start, b.num_cols, len(b.lower_rhs))
 
