@@ -231,3 +231,9 @@ def test_a_run_without_the_scaling_study_keeps_the_last_one_marked():
     assert "| 12 | 3 s |" in text and "this run (commit abc123) skipped the scaling study" in text
     rescaled = merged(old, new + f"\n{SCALING_HEADING}\n\n| 12 | 2 s |\n", "abc123", scaled=True)
     assert "| 12 | 2 s |" in rescaled and "| 12 | 3 s |" not in rescaled and "Carried over" not in rescaled
+
+
+def test_the_scaling_markdown_records_its_command_without_the_json_path():
+    recorded = planning_scaling._recorded(["--layers", "12", "24", "--json", "/tmp/x.json", "--markdown", "m.md",
+                                            "--json=/tmp/y.json"])
+    assert recorded == "--layers 12 24 --markdown m.md"
