@@ -24,6 +24,7 @@ from examples import gpt
 
 WORKLOADS = {
     "gpt-small": lambda: gpt.workload("small", abstract=True),
+    "gpt-medium": lambda: gpt.workload("medium", abstract=True),
     "gpt-d512-4l": lambda: gpt.workload(gpt.Config(vocab_size=2048, seq_len=128, d_model=512, num_heads=8,
                                                    num_layers=4, batch_size=32), abstract=True),
 }
