@@ -9,6 +9,7 @@ import pytest
 
 from autoshard.errors import InfeasibleMemoryError, PlanningError
 from autoshard.passes.ilp import IlpProblem, brute_force, evaluate, local_search, min_peak_memory, solve
+from autoshard.passes.ilp.presolve import presolve
 from autoshard.passes.ilp.problem import SharedCharge, SharedReshard
 
 MS = 1e-3
@@ -237,7 +238,9 @@ def test_hint_beats_a_plan_that_only_wins_by_rounding() -> None:
         node_costs=(np.array([0, 0.6 * tick]), np.array([0, 0.6 * tick]), np.array([0, 1.4 * tick]),
                     np.array([0, 1.0])),
         edges=(), edge_costs=(),
-        memory_points=(((0, np.array([1.0, 0.0])), (1, np.array([1.0, 0.0])), (2, np.array([2.0, 0.0]))),),
+        # z's own point keeps its 1 s strategy from being dominated (presolve P5), so the scale stays
+        memory_points=(((0, np.array([1.0, 0.0])), (1, np.array([1.0, 0.0])), (2, np.array([2.0, 0.0]))),
+                       ((3, np.array([1.0, 0.0])),)),
         memory_budget_bytes=2.0, solver="cpsat",
     )
     assert solve(problem).choices.tolist() == [0, 0, 1, 0]  # the rounded model's optimum: 1.4 ticks
@@ -368,3 +371,33 @@ def test_a_pair_that_pays_a_reshard_wins_over_the_restricted_lp() -> None:
     result = solve(problem)
     assert list(result.choices) == [0, 1] and result.status == "optimal"
     assert result.objective_s == pytest.approx(2.5 * MS)
+
+
+def _dominance_problem(**extra) -> IlpProblem:
+    """Node 0's strategy 1 costs more than strategy 0 and reshards alike: dominated; strategy 2 equals
+    strategy 0 in every term: a tie, kept."""
+    return IlpProblem(node_names=("a", "b"), node_costs=(np.array([1.0, 2.0, 1.0]) * MS, np.array([0.0, 3.0]) * MS),
+                      edges=((0, 1),), edge_costs=(np.array([[0.0, 1.0], [0.0, 1.0], [0.0, 1.0]]) * MS,),
+                      memory_points=extra.pop("memory_points", ()), **extra)
+
+
+@pytest.mark.parametrize("extra, kept", [
+    ({}, [0, 2]),
+    ({"memory_points": (((0, np.array([8.0, 4.0, 8.0])),),), "memory_budget_bytes": 100.0}, [0, 1, 2]),
+    ({"charges": (SharedCharge("latency", 1 * MS, ((0, np.array([True, False, True])),)),)}, [0, 1, 2]),
+    ({"charges": (SharedCharge("latency", 1 * MS, ((0, np.array([False, True, False])),)),)}, [0, 2]),
+    ({"reshards": (SharedReshard("read", 1, np.array([[0.0, 1.0], [1.0, 0.0]]) * MS,
+                                 ((0, np.array([1, 0, 1])),)),)}, [0, 1, 2]),
+    ({"reshards": (SharedReshard("read", 1, np.array([[0.0, 1.0], [1.0, 0.0]]) * MS,
+                                 ((0, np.array([1, -1, 1])),)),)}, [0, 1, 2]),
+    ({"reshards": (SharedReshard("read", 1, np.array([[0.0, 1.0], [1.0, 0.0]]) * MS,
+                                 ((0, np.array([-1, 1, -1])),)),)}, [0, 2]),
+    ({"excluded": ((np.array([True, False, False]), np.array([True, True])),)}, [0, 1, 2]),
+], ids=["dominated", "needs-fewer-bytes", "escapes-a-charge", "pays-a-charge", "reads-another-layout",
+        "reads-none-priced", "reads-a-layout-the-other-skips", "no-good-cuts"])
+def test_presolve_drops_a_strategy_only_when_another_is_no_worse_everywhere(extra, kept) -> None:
+    """P5 (``presolve.dominated``): strategy 1 goes only when strategy 0 is no worse in every term (bytes,
+    shared charges, the layout it reads) and cheaper in one; brute force over the whole problem agrees."""
+    problem = _dominance_problem(**extra)
+    assert list(presolve(problem).allowed[0]) == kept
+    assert solve(problem).objective_s == pytest.approx(brute_force(problem).objective_s)

@@ -2,7 +2,7 @@
 
 Exact: every plan keeps its objective; only impossible choices go. P1 arc consistency, P2 constants
 folded into their neighbours, P3 parallel edges summed and row/column minima moved into node costs,
-P4 node costs shifted so each node's cheapest strategy costs 0. Shared reshards keep their nodes (fixed
+P4 node costs shifted so each node's cheapest strategy costs 0, P5 dominated strategies removed (``dominated``). Shared reshards keep their nodes (fixed
 ones too) over the allowed strategies. Liveness-point bytes are rounded up to
 whole bytes with their fixed part moved into the point constants; shared charges keep the members that
 can still incur them (one a fixed node incurs is a constant and leaves the model).
@@ -77,6 +77,56 @@ def no_strategy_error(problem: IlpProblem, node: int) -> PlanningError:
         f"{', '.join(map(repr, neighbours[:8])) or 'none'}); check the strategy rules for these ops")
 
 
+_WORSE_THAN_ANY = 1e300  # an infinite (forbidden) cost where dominance compares: worse than every finite one
+
+
+def dominated(problem: IlpProblem, cost: list[np.ndarray], merged: dict[tuple[int, int], np.ndarray]
+              ) -> list[np.ndarray]:
+    """P5: per node, the allowed strategies another allowed strategy of the same node dominates, as a mask.
+
+    Strategy a of node i is dominated by b when switching any plan from a to b costs nothing more whatever the
+    other nodes choose: b's own cost is no higher, b's row of every edge is no higher against every allowed
+    strategy of the neighbour, b needs no more bytes at any liveness point, b incurs no shared charge a does
+    not, b makes every layout of a shared reshard it produces for no more, and as a reader b reads the layout a
+    reads or none. Dropping a keeps the optimum (a plan using a is never cheaper than the one using b). Strict
+    only: b must be cheaper somewhere; strategies equal in every term are all kept (either may be the plan)."""
+    n = len(cost)
+    columns: list[list[np.ndarray]] = [[np.asarray(c, dtype=np.float64)] for c in cost]  # larger = worse
+    keys: list[list[np.ndarray]] = [[] for _ in range(n)]  # as reader: its layouts (-1: reads none priced)
+    finite = [np.isfinite(c) for c in cost]
+    for (u, v), matrix in merged.items():
+        columns[u].append(matrix[:, finite[v]])
+        columns[v].append(matrix[finite[u], :].T)
+    for terms in problem.memory_points:
+        for node, nbytes in terms:
+            columns[node].append(np.asarray(nbytes, dtype=np.float64))
+    for charge in problem.charges:
+        for node, mask in charge.members:
+            columns[node].append(np.asarray(mask, dtype=np.float64))
+    for group in problem.reshards:
+        columns[group.producer].append(np.asarray(group.costs, dtype=np.float64))
+        for node, layout in group.readers:
+            keys[node].append(np.asarray(layout, dtype=np.int64))
+    out = []
+    for i in range(n):
+        alive = np.flatnonzero(finite[i])
+        dead = np.zeros(len(cost[i]), dtype=bool)
+        if len(alive) < 2:
+            out.append(dead)
+            continue
+        terms = np.concatenate([c.reshape(len(cost[i]), -1) for c in columns[i]], axis=1)[alive]
+        terms = np.where(np.isfinite(terms), terms, _WORSE_THAN_ANY)
+        # no_worse[a, b]: b's terms <= a's everywhere; cheaper[a, b]: b's < a's somewhere
+        no_worse = np.all(terms[:, None, :] >= terms[None, :, :], axis=2)
+        cheaper = np.any(terms[:, None, :] > terms[None, :, :], axis=2)
+        for layout in keys[i]:
+            mine = layout[alive]
+            no_worse &= (mine[None, :] == mine[:, None]) | (mine[None, :] < 0)
+        dead[alive] = np.any(no_worse & cheaper, axis=1)
+        out.append(dead)
+    return out
+
+
 def presolve(problem: IlpProblem) -> Reduced:
     cost = [np.array(c, dtype=np.float64) for c in problem.node_costs]
     merged: dict[tuple[int, int], np.ndarray] = {}
@@ -110,6 +160,11 @@ def presolve(problem: IlpProblem) -> Reduced:
                 continue
             del merged[(u, v)]
             changed = True
+        if not changed and not problem.excluded:  # P5, once P1 + P2 are done; no-good cuts name strategies
+            for i, dead in enumerate(dominated(problem, cost, merged)):
+                if dead.any():
+                    cost[i][dead] = np.inf
+                    changed = True
     allowed = [np.flatnonzero(np.isfinite(c)) for c in cost]
     edges = []
     for (u, v), matrix in merged.items():  # P3
