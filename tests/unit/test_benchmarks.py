@@ -234,6 +234,6 @@ def test_a_run_without_the_scaling_study_keeps_the_last_one_marked():
 
 
 def test_the_scaling_markdown_records_its_command_without_the_json_path():
-    recorded = planning_scaling._recorded(["--layers", "12", "24", "--json", "/tmp/x.json", "--markdown", "m.md",
-                                            "--json=/tmp/y.json"])
+    recorded = planning_scaling._recorded(["--layers", "12", "24", "--json", "out/x.json", "--markdown", "m.md",
+                                            "--json=out/y.json"])
     assert recorded == "--layers 12 24 --markdown m.md"
