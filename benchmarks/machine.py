@@ -61,11 +61,29 @@ def _commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
+SIDE_OUTPUTS = ("--json", "--plans")  # options naming files written beside a report: not part of its command
+
+
+def recorded_args(argv: Sequence[str]) -> list[str]:
+    """A command line as a report records it: without the side outputs' paths (``SIDE_OUTPUTS``), which are
+    often outside the repository and change nothing the report says."""
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in SIDE_OUTPUTS:
+            skip = True
+        elif not arg.startswith(tuple(f"{o}=" for o in SIDE_OUTPUTS)):
+            kept.append(arg)
+    return kept
+
+
 def describe(argv: list[str] | None = None) -> Machine:
     argv = sys.argv if argv is None else argv
     module = "python -m benchmarks.run" if argv and argv[0].endswith("run.py") else " ".join(argv[:1])
     return Machine(
-        command=" ".join([module, *argv[1:]]),
+        command=" ".join([module, *recorded_args(argv[1:])]),
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         host=f"{platform.system()} {platform.release()} {platform.machine()}, Python {platform.python_version()}",
         cpus=os.cpu_count() or 0,

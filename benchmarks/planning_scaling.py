@@ -38,6 +38,7 @@ from autoshard.compiler.driver import plan_graph
 from autoshard.ir.trace import trace
 from autoshard.errors import PlanningError
 from autoshard.passes.intra_op import IntraOpOptions
+from benchmarks.machine import recorded_args
 from examples import gpt
 from examples.common import count_params
 
@@ -278,19 +279,6 @@ def pass_table_markdown(points: Sequence[ScalingPoint]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _recorded(argv: Sequence[str]) -> str:
-    """The command line as the markdown records it: without ``--json PATH`` (a side output, often elsewhere)."""
-    kept, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--json":
-            skip = True
-        elif not arg.startswith("--json="):
-            kept.append(arg)
-    return " ".join(kept)
-
-
 def main() -> None:
     from rich.console import Console
 
@@ -315,7 +303,7 @@ def main() -> None:
                 json.dump(as_json(points), f, indent=1, default=str)
         if args.markdown:
             with open(args.markdown, "w") as f:
-                f.write(f"Written by `python -m benchmarks.planning_scaling {_recorded(sys.argv[1:])}`: GPT "
+                f.write(f"Written by `python -m benchmarks.planning_scaling {' '.join(recorded_args(sys.argv[1:]))}`: GPT "
                         f"(d_model 2048, sequence {SEQ_LEN}, batch {BATCH_SIZE}) on {', '.join(f'{c} {_mesh(m)}' for c, m in MESHES)}, solver "
                         f"limit {args.time_limit:g} s; {os.cpu_count()} CPUs, load average (1/5/15 min) "
                         f"{load_start} at the start, {load_now} at the end; {time.perf_counter() - start:.0f} s "

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import importlib
-import json
 import logging
 import math
 import multiprocessing
@@ -159,8 +158,8 @@ class CellResult:
     pipeline_s: float = math.nan  # planning seconds of the pipeline (stages searched, its SPMD plan included)
     contest: tuple[ContestRow, ...] = ()  # compare's compiled arbitration: every plan compiled, the one returned
     arbitration_s: float = math.nan  # its next-best solves and compiles, wall
-    decisions: str = ""  # autoshard's plan as ``plan_decisions`` writes it (``run.py --plans`` saves it)
-    pipeline_decisions: str = ""  # the best pipeline's, likewise
+    decisions: dict | None = None  # autoshard's plan as ``plan_decisions`` gives it (``run.py --plans`` saves it)
+    pipeline_decisions: dict | None = None  # the best pipeline's, likewise
     objective: ObjectiveRow | None = None  # the objective checker on autoshard's plan (None: not available)
 
     @property
@@ -308,17 +307,17 @@ def _row_sizes(comparison: Comparison) -> IlpSize:
                    build_s, s.solve_s)
 
 
-def plan_decisions(plan: Plan) -> str:
-    """What a plan decided, as canonical JSON, without its timings and figures: the mesh, every input's
-    storage spec, every op's output specs and pinned reshards, the outputs' reshards, and a pipeline's stages,
-    microbatches and schedule. Two runs that decide alike write the same text (``run.py --plans``: a change
-    meant to keep every plan is checked by diffing two such dumps)."""
+def plan_decisions(plan: Plan) -> dict:
+    """What a plan decided, as plain data (strings, lists, dicts) without its timings and figures: the mesh,
+    every input's storage spec, every op's output specs and pinned reshards, the outputs' reshards, and a
+    pipeline's stages, microbatches and schedule. Two runs that decide alike give equal data (``run.py
+    --plans`` writes it as JSON: a change meant to keep every plan is checked by diffing two such dumps)."""
     def specs(xs) -> list[str]:
         return [str(x) for x in xs]
 
     stages = [{k: str(v) for k, v in sorted((st if isinstance(st, dict) else vars(st)).items())
                if not isinstance(v, float)} for st in plan.stages]  # a stage's times are figures
-    return json.dumps({
+    return {
         "mesh": list(plan.mesh_shape),
         "inputs": {k: str(v) for k, v in sorted(plan.input_specs.items())},
         "ops": {str(k): specs(v) for k, v in sorted(plan.op_out_specs.items())},
@@ -326,7 +325,7 @@ def plan_decisions(plan: Plan) -> str:
                         for k, by in sorted(plan.op_in_reshards.items())},
         "output_reshards": {str(k): specs(v) for k, v in sorted(plan.output_reshards.items())},
         "stages": stages, "num_microbatches": plan.num_microbatches, "schedule": plan.schedule,
-    }, indent=1)
+    }
 
 
 def run_cell(cell: Cell, cache: WorkloadCache, options: IntraOpOptions, progress: Progress | None = None) -> CellResult:

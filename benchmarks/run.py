@@ -253,9 +253,8 @@ def write_decisions(folder: Path, results: Sequence[CellResult]) -> None:
     """``folder/<workload>_<cluster>.json``: each cell's plan decisions (``quality.plan_decisions``)."""
     folder.mkdir(parents=True, exist_ok=True)
     for r in results:
-        text = (f'{{"error": {json.dumps(r.error)},\n"autoshard": {r.decisions or "null"},\n'
-                f'"pipeline": {r.pipeline_decisions or "null"}}}\n')
-        (folder / f"{r.cell.workload}_{r.cell.cluster}.json").write_text(text)
+        decided = {"error": r.error, "autoshard": r.decisions, "pipeline": r.pipeline_decisions}
+        (folder / f"{r.cell.workload}_{r.cell.cluster}.json").write_text(json.dumps(decided, indent=1) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

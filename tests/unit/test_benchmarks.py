@@ -14,7 +14,7 @@ import pytest
 
 from autoshard.passes.intra_op import IntraOpOptions
 from benchmarks import planning_scaling, run
-from benchmarks.machine import describe
+from benchmarks.machine import describe, recorded_args
 from benchmarks.compiled import CompiledRow, ObjectiveRow
 from benchmarks.quality import Cell, CellResult, StrategyRow, WorkloadCache, geomean, run_cell
 from benchmarks.tables import baselines_table, contest_table, quality_table, render_markdown, render_rich
@@ -79,11 +79,12 @@ def test_decisions_are_the_plan_without_its_figures(tmp_path):
     write the same files."""
     cell = Cell("mlp", "tiny", "1x8-a100", compiled=False)
     result = run_cell(cell, WorkloadCache(), FAST)
-    decided = json.loads(result.decisions)
+    decided = result.decisions
+    assert json.loads(json.dumps(decided)) == decided, "the decisions are not plain JSON data"
     assert decided["mesh"] == [2, 4] and decided["schedule"] == "spmd" and decided["num_microbatches"] == 1
     assert decided["inputs"] and decided["ops"], "no specs in the decisions"
     assert all(isinstance(spec, str) for spec in decided["inputs"].values())
-    assert "planning_s" not in result.decisions and "ledger" not in result.decisions
+    assert "planning_s" not in json.dumps(decided) and "ledger" not in json.dumps(decided)
     run.write_decisions(tmp_path / "plans", [result])
     written = json.loads((tmp_path / "plans" / f"{cell.workload}_{cell.cluster}.json").read_text())
     assert written["autoshard"] == decided and written["pipeline"] is None and written["error"] is None
@@ -233,7 +234,9 @@ def test_a_run_without_the_scaling_study_keeps_the_last_one_marked():
     assert "| 12 | 2 s |" in rescaled and "| 12 | 3 s |" not in rescaled and "Carried over" not in rescaled
 
 
-def test_the_scaling_markdown_records_its_command_without_the_json_path():
-    recorded = planning_scaling._recorded(["--layers", "12", "24", "--json", "out/x.json", "--markdown", "m.md",
-                                            "--json=out/y.json"])
-    assert recorded == "--layers 12 24 --markdown m.md"
+def test_recorded_commands_leave_out_side_output_paths():
+    """The scaling markdown and RESULTS files record their command without ``--json`` / ``--plans`` paths."""
+    recorded = recorded_args(["--layers", "12", "24", "--json", "out/x.json", "--markdown", "m.md",
+                              "--json=out/y.json", "--plans", "out/plans", "--plans=out/p2"])
+    assert recorded == ["--layers", "12", "24", "--markdown", "m.md"]
+    assert describe(["run.py", "--quick", "--plans", "out/plans"]).command == "python -m benchmarks.run --quick"

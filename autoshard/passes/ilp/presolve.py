@@ -1,9 +1,11 @@
-"""Presolve of an IlpProblem (P1-P4 of the formulation in ``passes/ilp/cpsat.py``).
+"""Presolve of an IlpProblem (P1-P4 of the formulation in ``passes/ilp/cpsat.py``, and P5 below).
 
-Exact: every plan keeps its objective; only impossible choices go. P1 arc consistency, P2 constants
+Exact: every plan left keeps its objective, and the optimum stays. P1 arc consistency, P2 constants
 folded into their neighbours, P3 parallel edges summed and row/column minima moved into node costs,
-P4 node costs shifted so each node's cheapest strategy costs 0, P5 dominated strategies removed (``dominated``). Shared reshards keep their nodes (fixed
-ones too) over the allowed strategies. Liveness-point bytes are rounded up to
+P4 node costs shifted so each node's cheapest strategy costs 0: these drop only impossible choices; P5
+drops strategies another strategy of the same node beats in every term (``dominated``), so a plan that
+used one has a cheaper twin left. Shared reshards keep their nodes (fixed ones too) over the allowed
+strategies. Liveness-point bytes are rounded up to
 whole bytes with their fixed part moved into the point constants; shared charges keep the members that
 can still incur them (one a fixed node incurs is a constant and leaves the model).
 """
