@@ -65,7 +65,7 @@ def build_plan(graph: OpGraph, result: IntraOpResult, budget: float, timings: di
         input_roles={p: values[v].role.value for p, v in zip(in_paths, graph.inputs)},
         input_shapes={p: (values[v].shape, values[v].dtype) for p, v in zip(in_paths, graph.inputs)},
         op_out_specs=dict(ann.op_out_specs), op_in_reshards={k: dict(v) for k, v in ann.op_in_reshards.items()},
-        output_reshards=dict(ann.output_reshards),
+        output_reshards=dict(ann.output_reshards), op_deferred=dict(ann.deferred),
         ledger=ledger,
         solver=SolverInfo(s.status, s.gap, s.solve_s, s.num_nodes, s.num_classes, s.num_variables,
                           s.num_constraints, s.num_edges),

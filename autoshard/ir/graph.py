@@ -237,18 +237,20 @@ class OpGraph:
         *,
         before_op: Callable[[Op, list[Any]], list[Any]] | None = None,
         after_op: Callable[[Op, list[Any]], list[Any]] | None = None,
+        bind_op: Callable[[Op, list[Any]], list[Any] | None] | None = None,
     ) -> list[Any]:
         """Run the graph on flat input leaves (the shape of ``jax.core.eval_jaxpr``).
 
         ``before_op(op, in_vals)`` / ``after_op(op, out_vals)`` may return replaced
-        values; the runtime uses them to insert sharding constraints.
+        values; the runtime uses them to insert sharding constraints. ``bind_op(op, in_vals)`` may run an
+        op another way (its outputs; None: the op's own primitive).
         """
         if len(args) != len(self.inputs):
             raise ValueError(f"graph takes {len(self.inputs)} flat inputs, got {len(args)}")
         env: dict[ValueId, Any] = dict(self.constants)
         for vid, arg in zip(self.inputs, args):
             env[vid] = arg
-        self._run(0, len(self.ops), env, before_op, after_op)
+        self._run(0, len(self.ops), env, before_op, after_op, bind_op)
         return [env[v] for v in self.outputs]
 
     def run_ops(self, env: dict[ValueId, Any], ranges: Sequence[tuple[int, int]], *,
@@ -260,7 +262,8 @@ class OpGraph:
         for start, stop in ranges:
             self._run(start, stop, env, before_op, after_op)
 
-    def _run(self, start: int, stop: int, env: dict[ValueId, Any], before_op: Any, after_op: Any) -> None:
+    def _run(self, start: int, stop: int, env: dict[ValueId, Any], before_op: Any, after_op: Any,
+             bind_op: Any = None) -> None:
         """Run ops ``[start, stop)`` into ``env``; a loop region there runs as one ``lax.scan``."""
         regions = {r.start: r for r in self.loops}
         t = start
@@ -268,22 +271,25 @@ class OpGraph:
             region = regions.get(t)
             if region is not None:
                 run = {"scan": self._run_scan, "while": self._run_while, "cond": self._run_cond}[region.kind]
-                run(region, env, before_op, after_op)
+                run(region, env, before_op, after_op, bind_op)
                 t = region.stop
                 continue
             op = self.ops[t]
             in_vals = [env[v] for v in op.inputs]
             if before_op is not None:
                 in_vals = before_op(op, in_vals)
-            outs = op.prim.bind(*in_vals, **op.params)
-            outs = list(outs) if op.prim.multiple_results else [outs]
+            outs = bind_op(op, in_vals) if bind_op is not None else None
+            if outs is None:
+                outs = op.prim.bind(*in_vals, **op.params)
+                outs = list(outs) if op.prim.multiple_results else [outs]
             if after_op is not None:
                 outs = after_op(op, outs)
             for vid, val in zip(op.outputs, outs):
                 env[vid] = val
             t += 1
 
-    def _run_scan(self, region: LoopRegion, env: dict[ValueId, Any], before_op: Any, after_op: Any) -> None:
+    def _run_scan(self, region: LoopRegion, env: dict[ValueId, Any], before_op: Any, after_op: Any,
+                  bind_op: Any = None) -> None:
         """Re-emit a flattened scan: ``before_op``/``after_op`` run on the body's ops inside its body, on
         a carry's init and its carry out (both pinned to the carry's layout: ``after_op`` of its
         ``loop_carry``), on a stacked input outside (``before_op`` of its ``loop_slice``) and its slice
@@ -306,7 +312,7 @@ class OpGraph:
                 local[ops[t].outputs[0]] = value
             for t, value in zip(region.slice_ops, x):
                 local[ops[t].outputs[0]] = through(t, value, pin)
-            self._run(region.body_start, region.body_stop, local, before_op, after_op)
+            self._run(region.body_start, region.body_stop, local, before_op, after_op, bind_op)
             new_carry = [through(c, local[ops[f].inputs[0]], pin) for c, f in zip(region.carry_ops, region.final_ops)]
             ys = [through(t, local[ops[t].inputs[0]], keep) for t in region.stack_ops]
             return new_carry, ys
@@ -318,7 +324,8 @@ class OpGraph:
         for t, value in zip(region.final_ops, final):
             env[ops[t].outputs[0]] = through(t, through(t, value, keep), pin)
 
-    def _run_while(self, region: LoopRegion, env: dict[ValueId, Any], before_op: Any, after_op: Any) -> None:
+    def _run_while(self, region: LoopRegion, env: dict[ValueId, Any], before_op: Any, after_op: Any,
+                  bind_op: Any = None) -> None:
         """Re-emit a flattened while loop as ``lax.while_loop``, hooks as in ``_run_scan`` (no slices)."""
         import jax
 
@@ -337,12 +344,12 @@ class OpGraph:
 
         def cond_fun(carry: list[Any]) -> Any:
             local = local_env(carry)
-            self._run(region.body_start, region.cond_stop, local, before_op, after_op)
+            self._run(region.body_start, region.cond_stop, local, before_op, after_op, bind_op)
             return local[region.predicate]
 
         def body_fun(carry: list[Any]) -> list[Any]:
             local = local_env(carry)
-            self._run(region.cond_stop, region.body_stop, local, before_op, after_op)
+            self._run(region.cond_stop, region.body_stop, local, before_op, after_op, bind_op)
             return [through(c, local[ops[f].inputs[0]], pin) for c, f in zip(region.carry_ops, region.final_ops)]
 
         inits = [through(t, through(t, env[ops[t].inputs[0]], keep), pin) for t in region.carry_ops]
@@ -350,7 +357,8 @@ class OpGraph:
         for t, value in zip(region.final_ops, final):
             env[ops[t].outputs[0]] = through(t, through(t, value, keep), pin)
 
-    def _run_cond(self, region: LoopRegion, env: dict[ValueId, Any], before_op: Any, after_op: Any) -> None:
+    def _run_cond(self, region: LoopRegion, env: dict[ValueId, Any], before_op: Any, after_op: Any,
+                  bind_op: Any = None) -> None:
         """Re-emit a flattened cond as ``lax.switch``: each branch runs its ops with the hooks and pins its
         results to their ``cond_merge`` layouts (the reshard chain of its own input position first)."""
         import jax
@@ -369,7 +377,7 @@ class OpGraph:
                 local = dict(env)
                 for t, value in zip(region.carry_ops, operands):
                     local[ops[t].outputs[0]] = value
-                self._run(lo, hi, local, before_op, after_op)
+                self._run(lo, hi, local, before_op, after_op, bind_op)
                 outs = []
                 for m in region.final_ops:  # position b of the merge is this branch's result
                     mine = local[ops[m].inputs[b]]

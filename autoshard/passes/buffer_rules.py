@@ -30,7 +30,7 @@ class Span:
     start: int
     stop: int  # inclusive
     nbytes: float
-    kind: str  # "activation", "partial sum", "resharded", "layout copy", "donation copy", "written back"
+    kind: str  # "activation", "partial sum", "stacked partial sums", "resharded", "layout copy", "donation copy", "written back"
     value: ValueId | None = None  # the value this buffer holds (a copy of), for reports
 
 

@@ -38,6 +38,7 @@ from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes.hbm_traffic import compute_dtype, op_traffic, strategy_compute_s, strategy_hbm_bytes
 from autoshard.passes.ilp.problem import SharedCharge, SharedReshard, SolverName
 from autoshard.passes.memory_model import liveness_intervals, materialized_values
+from autoshard.passes.deferral import StackSite, extra_bytes, stack_sites, twins
 from autoshard.passes.objective import (EdgeSite, edge_runs, edge_sites, late_reductions,
                                         latency_charges, own_comm_s)
 from autoshard.passes.resharding import reshard_cost_matrix, spec_options
@@ -61,6 +62,8 @@ class IntraOpOptions:
     shard_state: bool = True  # allow sharded storage of parameters and optimizer state (FSDP/ZeRO)
     tie_layers: bool = True  # solve repeated layers once
     merge_followers: bool = True  # elementwise chains follow their producer
+    # a scanned stack's gradient may leave its partial sums to the loop's end (passes/deferral.py)
+    defer_stack_reductions: bool = True
     num_memory_points: int = 8  # liveness points constrained in the ILP
     pinned_inputs: Mapping[int, Spec] = field(default_factory=dict)  # flat input index -> forced storage spec
     # a previous plan's chosen strategy per node (IntraOpResult.node_strategies, e.g. the best baseline's):
@@ -104,17 +107,22 @@ def input_strategies(graph: OpGraph, mesh: LogicalMesh, options: IntraOpOptions)
     return out
 
 
-def node_strategies(graph: OpGraph, mesh: LogicalMesh, options: IntraOpOptions) -> list[list[Strategy]]:
-    """Strategies of every node: input storage specs, then op strategies (cached by op signature)."""
+def node_strategies(graph: OpGraph, mesh: LogicalMesh, options: IntraOpOptions,
+                    sites: Mapping[int, StackSite]) -> list[list[Strategy]]:
+    """Strategies of every node: input storage specs, then op strategies (cached by op signature), with
+    the deferred twins of the ops in ``sites`` (``passes/deferral.py``)."""
     found = input_strategies(graph, mesh, options)
     cache: dict[tuple, list[Strategy]] = {}
-    for op in graph.ops:
+    for j, op in enumerate(graph.ops):
         key = (op_token(graph, op), op.trip_count)  # a strategy's FLOPs count every run of its op
         if key not in cache:
             ins = [graph.values[v] for v in op.inputs]
             outs = [graph.values[v] for v in op.outputs]
             cache[key] = strategies_for(op, ins, outs, mesh)
-        found.append(cache[key])
+        own = cache[key]
+        if j in sites:
+            own = own + twins(graph, sites[j], own, dict(zip(mesh.axis_names, mesh.shape)))
+        found.append(own)
     return found
 
 
@@ -124,7 +132,8 @@ class CostGraph:
     def __init__(self, graph: OpGraph, mesh: LogicalMesh, options: IntraOpOptions) -> None:
         self.graph, self.mesh, self.options = graph, mesh, options
         self.num_inputs = len(graph.inputs)
-        self.strategies = node_strategies(graph, mesh, options)
+        self.sites = stack_sites(graph) if options.defer_stack_reductions else {}
+        self.strategies = node_strategies(graph, mesh, options, self.sites)
         self.classes: NodeClasses = build_classes(graph, self.strategies, tie_layers=options.tie_layers,
                                                   merge_followers=options.merge_followers)
         self.producer: dict[ValueId, tuple[int, int]] = {}
@@ -158,11 +167,12 @@ class CostGraph:
         op, strategies = self.graph.ops[j], self.strategies[self.num_inputs + j]
         key = (id(strategies), self.traffic[j], compute_dtype(op, self.graph), op.trip_count)
         if key not in self._compute_cache:
+            apart = op.trip_count * np.array([s.apart_hbm_bytes for s in strategies])
             hbm = op.trip_count * np.array([
                 strategy_hbm_bytes(self.graph, op, self.traffic[j], s.in_specs, s.out_specs, self.sizes)
-                for s in strategies])
+                for s in strategies]) + apart
             flops = np.array([s.flops for s in strategies])
-            self._compute_cache[key] = (strategy_compute_s(self.mesh.cluster, flops, hbm, key[2]), hbm)
+            self._compute_cache[key] = (strategy_compute_s(self.mesh.cluster, flops, hbm, key[2], apart), hbm)
         return self._compute_cache[key]
 
     def comm_s(self, j: int, strategy: Strategy) -> float:
@@ -398,6 +408,13 @@ def memory_points(cg: CostGraph) -> MemoryPoints:
             chosen.append(int(t))
         if len(chosen) >= cg.options.num_memory_points:
             break
+    held = []  # a deferred twin's stack of partial sums, over its loop: (first point, end, class, bytes)
+    for j, site in cg.sites.items():
+        region = next(r for r in graph.loops if site.stack in r.stack_ops)
+        node = cg.num_inputs + j
+        extra = extra_bytes(graph, site, cg.strategies[node], cg.sizes)[cg.classes.strategy_map[node]]
+        if extra.any():
+            held.append((region.start, region.stop, int(cg.classes.node_class[node]), extra))
     points = []
     for t in sorted(chosen):
         terms: dict[int, np.ndarray] = {}
@@ -406,5 +423,8 @@ def memory_points(cg: CostGraph) -> MemoryPoints:
                 node = cg.producer[vid][0]
                 c = int(cg.classes.node_class[node])
                 terms[c] = terms.get(c, 0) + cg.value_bytes(vid)
+        for start, stop, c, extra in held:
+            if start <= t < stop:
+                terms[c] = terms.get(c, 0) + extra
         points.append(tuple(sorted(terms.items())))
     return tuple(points)

@@ -16,6 +16,7 @@ from autoshard.ir.graph import OpGraph, ValueId, dtype_itemsize
 from autoshard.ir.spec import Spec
 from autoshard.passes import objective
 from autoshard.passes.cost_graph import CostGraph
+from autoshard.passes.deferral import partial_sum_spans
 from autoshard.passes.memory_model import simulate
 from autoshard.passes.objective import op_comm_s
 from autoshard.passes.plan_result import IlpStats, IntraOpResult, PassClock, ReshardSite
@@ -111,6 +112,7 @@ def memory_profile(graph: OpGraph, value_specs: Mapping[ValueId, Spec], sizes: M
         if strategy.collectives:
             collectives[t] = strategy.collectives
             reductions[t] = strategy.reduction
-    sim = simulate(graph, value_specs, sizes, reshards, collectives, reductions, f32_compute_dtypes)
+    sim = simulate(graph, value_specs, sizes, reshards, collectives, reductions, f32_compute_dtypes,
+                   held=partial_sum_spans(graph, op_strategies or (), sizes))
     profile = sim.profile()
     return profile, sim.by_kind_at(int(np.argmax(profile)))

@@ -206,6 +206,12 @@ def compute_lower_bound_s(graph: OpGraph, cluster: ClusterSpec, num_devices: int
     return float(seconds) / max(1, num_devices)
 
 
-def strategy_compute_s(cluster: ClusterSpec, flops: np.ndarray, hbm_bytes: np.ndarray, dtype: str) -> np.ndarray:
-    """Roofline seconds of strategies given their per-device FLOPs and HBM bytes (arrays)."""
-    return np.asarray(roofline_s(cluster, flops, hbm_bytes, dtype), dtype=float).reshape(np.shape(flops))
+def strategy_compute_s(cluster: ClusterSpec, flops: np.ndarray, hbm_bytes: np.ndarray, dtype: str,
+                       apart_bytes: np.ndarray | None = None) -> np.ndarray:
+    """Roofline seconds of strategies given their per-device FLOPs and HBM bytes (arrays); ``apart_bytes``
+    (part of ``hbm_bytes``) are moved by instructions of their own, after the fused op, so they add
+    their time rather than hide under its FLOPs (``Strategy.apart_hbm_bytes``)."""
+    if apart_bytes is None or not np.any(apart_bytes):
+        return np.asarray(roofline_s(cluster, flops, hbm_bytes, dtype), dtype=float).reshape(np.shape(flops))
+    fused = np.asarray(roofline_s(cluster, flops, np.asarray(hbm_bytes) - apart_bytes, dtype), dtype=float)
+    return (fused + np.asarray(apart_bytes) / cluster.memory_bandwidth_bytes_per_s).reshape(np.shape(flops))

@@ -124,15 +124,18 @@ def simulate(graph: OpGraph, value_specs: Mapping[ValueId, Spec], sizes: Mapping
              reshards: Sequence[ReshardLike] = (),
              op_collectives: Mapping[OpIndex, Sequence[Collective]] | None = None,
              op_reductions: Mapping[OpIndex, str | None] | None = None,
-             f32_compute_dtypes: Iterable[str] = ()) -> MemorySimulation:
+             f32_compute_dtypes: Iterable[str] = (), held: Sequence[Span] = ()) -> MemorySimulation:
     """Per-device buffers of ``graph`` run with these specs, as XLA:CPU lays them out (rules 1-10).
 
     ``op_collectives`` are each op's strategy collectives (partial-sum
     all-reduces and reduce-scatters); ``op_reductions`` their reduction kind;
-    ``f32_compute_dtypes`` the cluster's (rule 10).
+    ``f32_compute_dtypes`` the cluster's (rule 10); ``held``: more buffers, from op index ``start`` to
+    ``stop`` (the partial sums a deferred reduction keeps over its loop, ``passes/deferral.py``).
     """
-    return _Simulation(graph, value_specs, sizes, reshards, op_collectives or {}, op_reductions or {},
-                       frozenset(f32_compute_dtypes)).run()
+    sim = _Simulation(graph, value_specs, sizes, reshards, op_collectives or {}, op_reductions or {},
+                      frozenset(f32_compute_dtypes))
+    sim.held = tuple(held)
+    return sim.run()
 
 
 @dataclass
@@ -161,6 +164,7 @@ class _Simulation:
                  op_reductions: Mapping[OpIndex, str | None], f32_dtypes: frozenset[str] = frozenset()) -> None:
         self.graph, self.value_specs, self.sizes = graph, value_specs, sizes
         self.f32_dtypes, self.widened = f32_dtypes, frozenset[ValueId]()  # rule 10, set by run()
+        self.held: tuple[Span, ...] = ()  # extra buffers, by op index (``simulate``)
         self.op_collectives = {t: tuple(cs) for t, cs in op_collectives.items() if cs}
         self.n_ops = n_ops = len(graph.ops)
         self.producer = {v: t for t, op in enumerate(graph.ops) for v in op.outputs}
@@ -350,6 +354,7 @@ class _Simulation:
                 spans.append(Span(self.at(node), stop, self.nbytes(vid, dst), "resharded", vid))
             if self.rs_transient[k]:
                 spans.append(Span(self.at(node), self.at(node), self.rs_transient[k], "reshard transient", vid))
+        spans += [dataclasses.replace(h, start=self.at(h.start), stop=self.at(h.stop)) for h in self.held]
         for g in layout:
             stop = max(self.at(t) for t, _ in g.reads)
             spans.append(Span(self.at(g.source), max(stop, self.at(g.source)), g.nbytes, "layout copy", g.root))

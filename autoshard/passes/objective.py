@@ -112,9 +112,13 @@ def group_latencies(graph: OpGraph, mesh: LogicalMesh, j: int, strategy: Strateg
     found: dict[LatencyKey, float] = {}
     if j not in late or runs == 0:
         return found
+    where = loop[j]
+    if strategy.deferred_over:  # reduced once after its loop: with the late reductions around the loop
+        runs //= strategy.deferred_over
+        where = loop[graph.loops[where].stack_ops[0]]
     for col in strategy.collectives:
         if col.kind in REDUCING:
-            key = latency_key(strategy, col.axes, loop[j])
+            key = latency_key(strategy, col.axes, where)
             found[key] = max(found.get(key, 0.0), runs * cost.latency_s(mesh, col))
     return found
 
@@ -141,11 +145,17 @@ def latency_charges(graph: OpGraph, mesh: LogicalMesh, op_strategies: Sequence[S
 
 
 def own_comm_s(graph: OpGraph, mesh: LogicalMesh, j: int, strategy: Strategy, late: frozenset[int]) -> float:
-    """Op ``j``'s own collectives with ``strategy``, every run; a late reduction's without their latency."""
+    """Op ``j``'s own collectives with ``strategy``, every run; a late reduction's without their latency; a
+    deferred one's (``Strategy.deferred_over``) with one latency per loop."""
     trips = graph.ops[j].trip_count
-    if j not in late or not strategy.collectives:
+    if not strategy.collectives or (j not in late and not strategy.deferred_over):
         return strategy.comm_s * trips
-    return trips * max(0.0, strategy.comm_s - sum(cost.latency_s(mesh, c) for c in strategy.collectives))
+    latency = sum(cost.latency_s(mesh, c) for c in strategy.collectives)
+    bandwidth = trips * max(0.0, strategy.comm_s - latency)
+    if j in late:
+        return bandwidth
+    # a deferred reduction (passes/deferral.py) moves the same bytes once per loop: one latency, not one a run
+    return bandwidth + latency * (trips // strategy.deferred_over)
 
 
 def edge_runs(graph: OpGraph, num_inputs: int, consumer: int, pos: int) -> int:
@@ -309,9 +319,10 @@ class PlanObjective:
     def _compute_s(self, j: int, s: Strategy) -> float:
         """The fused roofline of op ``j`` run with ``s``, every run."""
         graph, op = self.graph, self.graph.ops[j]
+        apart = op.trip_count * s.apart_hbm_bytes
         hbm = op.trip_count * strategy_hbm_bytes(graph, op, self._traffic[j], s.in_specs, s.out_specs, self._sizes)
-        return float(strategy_compute_s(self.mesh.cluster, np.array([s.flops]), np.array([hbm]),
-                                        compute_dtype(op, graph))[0])
+        return float(strategy_compute_s(self.mesh.cluster, np.array([s.flops]), np.array([hbm + apart]),
+                                        compute_dtype(op, graph), np.array([apart]))[0])
 
     def _reshards(self, vid: ValueId, node: int = -1, strategy: Strategy | None = None) -> Iterator[tuple[int, float]]:
         """Each distinct reshard of value ``vid`` (node ``node`` taking ``strategy`` instead of its own), once,

@@ -14,6 +14,31 @@ from autoshard.ir.spec import Spec
 
 
 @dataclass(frozen=True)
+class Deferral:
+    """A reducing op whose partial sums wait for the end of its scan (``passes/deferral.py``): the split
+    contracting dims, as (operand dim, the other operand's dim or -1, mesh axes), become leading partial dims
+    of its result; the views ``chain`` carry them to the stacked output ``stack`` (op indices), which is
+    summed over them after the loop."""
+
+    reduced: tuple[tuple[int, int, tuple[str, ...]], ...]
+    chain: tuple[int, ...]
+    stack: int
+    operands: tuple[Spec, ...] = ()  # the layouts the op reads its operands in
+
+    def partial(self, spec: Spec) -> Spec:
+        """The layout of a partial result whose sum has layout ``spec``: one leading dim per split contracting
+        dim, split over its axes, then ``spec`` without those axes."""
+        return partial_spec(spec, self.reduced)
+
+
+def partial_spec(spec: Spec, reduced: tuple[tuple[int, int, tuple[str, ...]], ...]) -> Spec:
+    """``Deferral.partial`` for the split contracting dims ``reduced`` of a strategy."""
+    axes = {a for *_, group in reduced for a in group}
+    rest = tuple(tuple(a for a in d if a not in axes) for d in spec.dims)
+    return Spec(tuple(group for *_, group in reduced) + rest)
+
+
+@dataclass(frozen=True)
 class Annotations:
     input_specs: tuple[Spec, ...]
     output_specs: tuple[Spec, ...]
@@ -22,6 +47,8 @@ class Annotations:
     op_in_reshards: Mapping[int, Mapping[int, tuple[Spec, ...]]]
     # flat output index -> layouts to pin before returning (state written back to its storage layout)
     output_reshards: Mapping[int, tuple[Spec, ...]] = field(default_factory=dict)
+    # op index -> its partial sums reduced after its loop (``Deferral``)
+    deferred: Mapping[int, Deferral] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

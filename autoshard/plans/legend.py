@@ -17,6 +17,8 @@ LEGEND: tuple[tuple[str, str], ...] = (
                            "the mesh axes it uses"),
     ("partial sum", "the result of a dot whose contracting dimension is split: each device holds a part of the "
                     "sum until an all-reduce (or reduce-scatter) adds them"),
+    ("stacked partial sums", "a scanned stack's gradients kept unreduced over the loop, each device's own "
+                             "partial sums, and reduced once after it instead of once per iteration"),
     ("resharding", "moving an array from the layout its producer left it in to the one its consumer reads "
                    "(an all-gather, all-to-all, slice, ...), priced on the edge between them"),
     ("collectives", "communication inside an op's strategy (the all-reduce of a partial sum); per device: the "

@@ -20,6 +20,7 @@ from typing import Any
 from autoshard.ir.spec import Spec
 from autoshard.meshes.cluster import ClusterSpec
 from autoshard.plans import planfile
+from autoshard.plans.annotations import Deferral
 from autoshard.plans.breakdown import LayerTime, state_slots
 from autoshard.plans.caveats import Caveats, plan_caveats
 from autoshard.plans.ledger import GIB, Ledger, OpExplanation, SolverInfo, fmt_bytes, fmt_s, solver_summary
@@ -53,6 +54,7 @@ class Plan:
     schedule: str = "spmd"
     alternatives: Mapping[str, float] = field(default_factory=dict)  # other mesh shapes tried -> modeled step s
     output_reshards: Mapping[int, tuple[Spec, ...]] = field(default_factory=dict)  # flat output -> layouts to pin
+    op_deferred: Mapping[int, Deferral] = field(default_factory=dict)  # op -> partial sums reduced after its scan
     output_shapes: Mapping[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # path -> (shape, dtype)
     in_tree: str = ""  # the arguments' pytree structure (str of the PyTreeDef)
     explanations: Mapping[int, OpExplanation] = field(default_factory=dict)  # op index -> why its strategy

@@ -10,6 +10,8 @@ Top-level fields (version 2; version 1 files, without the fields marked v2, stil
     input_specs / output_specs: {path: [[mesh axes per dim], ...]}   ([] per replicated dim)
     op_out_specs: {op index: [spec, ...]}    op_in_reshards: {op index: {input position: [spec, ...]}}
     output_reshards: {flat output index: [spec, ...]}
+    op_deferred: {op index: {reduced: [[dim, other dim or -1, [axes]], ...], chain: [op, ...], stack: op,
+                  operands: [spec, ...]}}  partial sums reduced after their scan                     optional
     ledger: {compute_s, comm_s, reshard_s, bubble_s, step_s, peak_memory_bytes,
              memory_by_kind: {param, opt_state, batch, activation, resharded, ...}, collective_bytes: {kind: bytes},
              compute_lower_bound_s, ..., flops_by_dtype: {peak dtype: FLOPs per device},
@@ -60,6 +62,7 @@ from autoshard.errors import PlanMismatchError, PlanningError
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.spec import Spec
 from autoshard.meshes.cluster import ClusterSpec, ClusterSpecError
+from autoshard.plans.annotations import Deferral
 from autoshard.plans.breakdown import LayerTime
 from autoshard.plans import json_fields as jf
 from autoshard.plans.json_fields import PlanFileError
@@ -104,6 +107,8 @@ def plan_to_json(plan: PlanLike) -> dict[str, Any]:
         "op_in_reshards": {str(k): {str(pos): [s.to_json() for s in chain] for pos, chain in v.items()}
                            for k, v in plan.op_in_reshards.items()},
         "output_reshards": {str(k): [s.to_json() for s in chain] for k, chain in plan.output_reshards.items()},
+        "op_deferred": {str(k): {"reduced": [[a, b, list(axes)] for a, b, axes in d.reduced], "chain": list(d.chain),
+                                 "stack": d.stack, "operands": [o.to_json() for o in d.operands]} for k, d in plan.op_deferred.items()},
         "ledger": {**asdict(plan.ledger), "step_s": plan.ledger.step_s},
         "solver": asdict(plan.solver),
         "planning_s": dict(plan.planning_s),
@@ -281,6 +286,8 @@ def _plan_fields(data: Any, source: str) -> dict[str, Any]:
     out_reshards = {jf.index(k, num_outputs, f"{source}: output_reshards"):
                     jf.specs(chain, names, f"{source}: output_reshards[{k}]")
                     for k, chain in jf.optional_dict(data, "output_reshards", source).items()}
+    deferred = {jf.index(k, num_ops, f"{source}: op_deferred"): _deferral(v, names, num_ops, f"{source}: op_deferred[{k}]")
+                for k, v in jf.optional_dict(data, "op_deferred", source).items()}
     led = jf.field(data, "ledger", dict, source)
     sol = jf.field(data, "solver", dict, source)
     ledger = Ledger(**jf.record(Ledger, {k: v for k, v in led.items() if k != "step_s"}, f"{source}: ledger"))
@@ -299,7 +306,7 @@ def _plan_fields(data: Any, source: str) -> dict[str, Any]:
         pipeline=_pipeline(data.get("pipeline"), f"{source}: pipeline"), num_microbatches=int(data.get("num_microbatches", 1)),
         schedule=str(data.get("schedule", "spmd")),
         alternatives=jf.numbers(jf.optional_dict(data, "alternatives", source), f"{source}: alternatives"),
-        output_reshards=out_reshards, output_shapes=output_shapes, in_tree=str(sig.get("in_tree", "")),
+        output_reshards=out_reshards, op_deferred=deferred, output_shapes=output_shapes, in_tree=str(sig.get("in_tree", "")),
         explanations={jf.index(k, num_ops, f"{source}: explanations"): _explanation(v, f"{source}: explanations[{k}]")
                       for k, v in jf.optional_dict(data, "explanations", source).items()},
         origin={str(k): str(v) for k, v in jf.optional_dict(data, "origin", source).items()},
@@ -419,6 +426,23 @@ def _dtype(x: Any) -> str:
         return str(dtype)
 
 
+def _deferral(data: Any, names: Sequence[str], num_ops: int, where: str) -> Deferral:
+    """One ``op_deferred`` entry: {reduced: [[dim, other dim or -1, [axes]], ...], chain: [op, ...], stack: op,
+    operands: [spec, ...]}."""
+    body = jf.mapping(data, where)
+    reduced = []
+    for entry in jf.field(body, "reduced", list, where):
+        if (not isinstance(entry, list) or len(entry) != 3 or not all(isinstance(x, int) for x in entry[:2])
+                or not isinstance(entry[2], list) or not entry[2] or not set(entry[2]) <= set(names)):
+            raise PlanFileError(f"{where}.reduced: each entry is [dim, other dim or -1, [mesh axes of "
+                                f"{list(names)}]], got {entry!r}")
+        reduced.append((entry[0], entry[1], tuple(entry[2])))
+    chain = tuple(jf.index(str(t), num_ops, f"{where}.chain") for t in jf.field(body, "chain", list, where))
+    stack = jf.index(str(jf.field(body, "stack", int, where)), num_ops, f"{where}.stack")
+    return Deferral(tuple(reduced), chain, stack, jf.specs(jf.field(body, "operands", list, where), names,
+                                                           f"{where}.operands"))
+
+
 def _layout_problems(plan: PlanLike, graph: OpGraph) -> list[str]:
     """Per-op layouts of the plan that do not fit the traced ops (a hand-edited file): count and rank."""
     problems = []
@@ -437,6 +461,12 @@ def _layout_problems(plan: PlanLike, graph: OpGraph) -> list[str]:
                 problems.append(f"op {k} ({op.primitive}) has {len(op.inputs)} operands; the plan reshards operand {pos}")
             else:
                 check(f"op {k} ({op.primitive}) operand {pos}", chain, [op.inputs[pos]] * len(chain))
+    for k, d in plan.op_deferred.items():
+        ops = [graph.ops[t].primitive for t in (k, *d.chain, d.stack)]
+        if (ops[0] not in ("dot_general", "reduce_sum") or ops[-1] != "loop_stack"
+                or any(p not in ("transpose", "reshape") for p in ops[1:-1])):
+            problems.append(f"op {k}: the plan reduces its partial sums after its loop through ops {ops}, "
+                            "which are not a reduction, views and a loop's stacked output")
     for k, chain in plan.output_reshards.items():
         if k >= len(graph.outputs):
             problems.append(f"the step has {len(graph.outputs)} outputs; the plan reshards output {k}")

@@ -34,7 +34,7 @@ def annotations_for(plan: Plan, graph: OpGraph) -> Annotations:
         raise PlanMismatchError(f"the step's outputs {missing[:3]} have no spec in the plan: its return value changed")
     out_specs = tuple(plan.output_specs[p] for p in graph.output_paths)
     return Annotations(in_specs, out_specs, dict(plan.op_out_specs), dict(plan.op_in_reshards),
-                       dict(plan.output_reshards))
+                       dict(plan.output_reshards), dict(plan.op_deferred))
 
 
 class AppliedPlan:

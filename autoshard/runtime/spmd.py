@@ -35,6 +35,7 @@ from autoshard.ir.graph import Op, OpGraph
 from autoshard.ir.spec import Spec
 from autoshard.meshes.logical import LogicalMesh
 from autoshard.plans.annotations import Annotations
+from autoshard.runtime.deferred import partial_result, partial_view, summed_stack
 
 
 def partition_spec(spec: Spec) -> PartitionSpec:
@@ -117,14 +118,33 @@ class SpmdStep:
 
     def _flat_step(self, *flat: Any) -> list[Any]:
         ann, mesh = self.annotations, self.inner_mesh
+        partial = {t: d for d in ann.deferred.values() for t in d.chain}  # ops carrying partial sums
+        partial.update(ann.deferred)
+        stacks = {d.stack: d for d in ann.deferred.values()}
 
         def before(op: Op, vals: list[Any]) -> list[Any]:
-            return pin_op_inputs(vals, ann.op_in_reshards.get(op.id), mesh)
+            moves = ann.op_in_reshards.get(op.id)
+            carrier = partial.get(op.id) if op.id not in ann.deferred else None
+            carrier = carrier or stacks.get(op.id)
+            if moves and carrier is not None:  # a partial sum moves in its partial layouts (its leading dims stay)
+                moves = {0: tuple(carrier.partial(s) for s in moves[0])} if 0 in moves else moves
+            return pin_op_inputs(vals, moves, mesh)
+
+        def bind(op: Op, vals: list[Any]) -> list[Any] | None:
+            if op.id in ann.deferred:
+                return [partial_result(op, vals, ann.deferred[op.id], ann.op_out_specs[op.id][0], mesh)]
+            if op.id in partial:
+                return [partial_view(op, vals[0], len(partial[op.id].reduced))]
+            return None
 
         def after(op: Op, vals: list[Any]) -> list[Any]:
+            if op.id in partial:
+                return [pin(vals[0], (partial[op.id].partial(ann.op_out_specs[op.id][0]),), mesh)]
+            if op.id in stacks:  # the stacked partial sums, after the loop: the one reduction
+                vals = [summed_stack(vals[0], stacks[op.id])]
             return pin_op_outputs(vals, ann.op_out_specs.get(op.id), mesh)
 
-        outs = self.graph.evaluate(flat, before_op=before, after_op=after)
+        outs = self.graph.evaluate(flat, before_op=before, after_op=after, bind_op=bind if ann.deferred else None)
         return tuple(pin(v, ann.output_reshards[k], mesh) if k in ann.output_reshards else v
                      for k, v in enumerate(outs))
 

@@ -58,6 +58,9 @@ class Strategy:
     note: str = ""
     reduction: Reduction | None = None  # how the partial results ``collectives`` combine are reduced
     flops: float = 0.0  # per device: the op's FLOPs over the parallelism this choice splits it by
+    # > 0: its reductions wait for the end of the scan of this length (``passes/deferral.py``)
+    deferred_over: int = 0
+    apart_hbm_bytes: float = 0.0  # per run: HBM bytes moved outside the op's fusion (a deferred twin's stack)
 
     @property
     def cost_s(self) -> float:
@@ -72,6 +75,8 @@ class Strategy:
             text += " @ {" + ",".join(axes) + "}"
         if self.collectives:
             text += " + " + " ".join(map(str, self.collectives))
+        if self.deferred_over:
+            text += f" (reduced once after the {self.deferred_over}-iteration loop)"
         return text
 
 
