@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from autoshard.ir.graph import Op, OpGraph
+from autoshard.ir.primitives import Values, primitives
 from autoshard.ir.spec import Spec
 from autoshard.passes.buffer_rules import Span
 from autoshard.plans.annotations import Deferral, partial_spec
@@ -30,7 +31,7 @@ from autoshard.passes.strategies import Strategy
 
 REDUCING = frozenset({"all-reduce", "reduce-scatter"})
 PARTIAL_OPS = frozenset({"dot_general", "reduce_sum"})  # linear in the operand a split contracting dim reads
-VIEWS = frozenset({"transpose", "reshape"})  # the partial axes pass through them in front
+VIEWS = primitives(lambda f: f.values is Values.REARRANGED)  # the partial axes pass through them in front
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def stack_sites(graph: OpGraph) -> dict[int, StackSite]:
                     break
                 user = graph.ops[t]
                 if (user.primitive not in VIEWS or not region.body_start <= t < region.body_stop
-                        or user.params.get("dimensions") is not None):
+                        or (user.primitive == "reshape" and user.params.get("dimensions") is not None)):
                     break
                 chain.append(t)
                 value = user.outputs[0]

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
+from autoshard.errors import PlanMismatchError
 from autoshard.ir.graph import Op
 from autoshard.ir.spec import Spec
 from autoshard.plans.annotations import Deferral
@@ -39,13 +40,17 @@ def partial_result(op: Op, vals: Sequence[Any], deferral: Deferral, out_spec: Sp
 
 
 def partial_view(op: Op, value: Any, k: int) -> Any:
-    """A view (``transpose`` / ``reshape``) of a partial result with ``k`` leading partial dims, which stay in
-    front."""
+    """A view (``transpose``, ``reshape``, ``squeeze``) of a partial result with ``k`` leading partial dims,
+    which stay in front."""
     if op.primitive == "transpose":
         perm = tuple(range(k)) + tuple(p + k for p in op.params["permutation"])
         return op.prim.bind(value, **{**op.params, "permutation": perm})
-    sizes = tuple(value.shape[:k]) + tuple(op.params["new_sizes"])
-    return op.prim.bind(value, **{**op.params, "new_sizes": sizes})
+    if op.primitive == "squeeze":
+        return op.prim.bind(value, **{**op.params, "dimensions": tuple(d + k for d in op.params["dimensions"])})
+    if op.primitive == "reshape":
+        sizes = tuple(value.shape[:k]) + tuple(op.params["new_sizes"])
+        return op.prim.bind(value, **{**op.params, "new_sizes": sizes})
+    raise PlanMismatchError(f"op {op.id} ({op.primitive}) carries partial sums in the plan; only views may")
 
 
 def summed_stack(stacked: Any, deferral: Deferral) -> Any:

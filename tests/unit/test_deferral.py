@@ -69,9 +69,14 @@ def test_only_a_sum_over_exactly_the_split_contracting_dims_can_wait():
     assert reduced_dims(op, _strategy((batch_x, batch_x), Spec.replicated(2), axes=("x", "y"))) is None
     assert reduced_dims(op, _strategy((batch_x, batch_x), Spec.replicated(2), reduction="max")) is None
     assert reduced_dims(op, dataclasses.replace(ok, collectives=())) is None
-    site = stack_sites(_scanned_graph())
-    made = twins(op, [ok, dataclasses.replace(ok, collectives=())], next(iter(site.values())))
-    assert [s.deferred_over for s in made] == [LAYERS] and made[0].in_specs == ok.in_specs
+    graph = _scanned_graph()
+    (j, site), = stack_sites(graph).items()
+    cg = CostGraph(graph, _mesh(), IntraOpOptions(defer_stack_reductions=False))
+    own = cg.strategies[cg.num_inputs + j]
+    made = twins(graph, site, own, cg.sizes)
+    assert len(made) == sum(reduced_dims(graph.ops[j], s) is not None for s in own) > 0
+    assert all(m.deferred_over == LAYERS and m.apart_hbm_bytes >= 0 for m in made)
+    assert not any(s.deferred_over for s in own)
 
 
 def test_a_twin_pays_one_latency_per_loop_and_holds_its_partial_sums():
