@@ -7,6 +7,8 @@ compiled program, not an unrolled copy.
 """
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import optax
@@ -173,6 +175,25 @@ def test_scanned_gradients_are_reduced_once_per_step(compared):
     kinds = {c.kind for c in read_hlo_collectives(compared["scanned"][3]) if c.kind in REDUCTIONS}
     assert scan_runs <= len(kinds), f"{scan_runs} reduction runs per step for {sorted(kinds)}"
     assert flat_runs <= 2
+
+
+def _loop_bodies(hlo_text: str) -> list[str]:
+    """The text of every while body of a compiled program."""
+    names = set(re.findall(r"body=%([\w.\-]+)", hlo_text))
+    return [re.search(r"^%" + re.escape(n) + r" .*?^}", hlo_text, re.S | re.M).group(0) for n in sorted(names)]
+
+
+def test_scanned_stacks_are_updated_in_place(compared):
+    """Each iteration writes its slice into the stacks it builds (a dynamic-update-slice fusion, in place): no
+    loop body copies a whole stack, so a stack costs one layer's bytes per iteration, not the whole stack."""
+    bodies = _loop_bodies(compared["scanned"][3])
+    assert len(bodies) >= 2, "the forward and backward loops"
+    for body in bodies:
+        stacks = {m.group(1).split("{")[0] for m in re.finditer(
+            r"%[\w.\-]*dynamic-update-slice[\w.\-]* = (\S+) fusion\(", body)}
+        assert stacks, "a loop body writes no stack"
+        copied = {m.group(1).split("{")[0] for m in re.finditer(r"= (\S+) copy\(", body)}
+        assert not copied & stacks, f"a loop body copies whole stacks: {sorted(copied & stacks)}"
 
 
 @pytest.fixture(scope="module")
