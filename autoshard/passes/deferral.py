@@ -2,7 +2,7 @@
 
 A weight gradient in a scan body is a contraction over the batch; with the batch split, each device holds a
 partial sum that the strategy reduces (all-reduce or reduce-scatter). When that result only travels through
-views (transpose, reshape) into a stacked output of the loop (``loop_stack``: the gradient of a stacked
+views (reshape, squeeze, transpose) into a stacked output of the loop (``loop_stack``: the gradient of a stacked
 weight), the reduction can wait: each iteration writes the device's own partial sum, on an explicit leading
 axis of the mesh's size split like the contracting dims, and one reduction of the whole stack follows the
 loop. XLA cannot do this by itself: a loop-carried buffer holds no pending partial sum, so it reduces in the
@@ -26,10 +26,10 @@ from autoshard.ir.graph import Op, OpGraph
 from autoshard.ir.primitives import Values, primitives
 from autoshard.ir.spec import Spec
 from autoshard.passes.buffer_rules import Span
-from autoshard.plans.annotations import Deferral, partial_spec
+from autoshard.passes.objective import REDUCING
 from autoshard.passes.strategies import Strategy
+from autoshard.plans.annotations import Deferral, partial_spec
 
-REDUCING = frozenset({"all-reduce", "reduce-scatter"})
 PARTIAL_OPS = frozenset({"dot_general", "reduce_sum"})  # linear in the operand a split contracting dim reads
 VIEWS = primitives(lambda f: f.values is Values.REARRANGED)  # the partial axes pass through them in front
 
