@@ -29,6 +29,8 @@ to_seq / pool           image -> sequence (reshape) or -> features (mean over sp
 seq_pool / flatten      sequence -> features: max or mean over the sequence, or a reshape (rank 3)
 dropout                 ``random.bernoulli`` from the batch's PRNG key (rank 2, 3)
 gain                    a learnable scalar (a rank-0 parameter) times the activation (rank 2, 3)
+scan                    ``lax.scan`` over 1-3 stacked residual dense layers, ``h + act(h @ W[i] + b[i])``: a
+                        scanned layer stack (rank 2, 3)
 ======================  ======================================================================
 
 A token program may tie its head to the embedding (``logits = x @ embed.T``, GPT-2 style): one
@@ -55,9 +57,9 @@ LEARNING_RATE = {"sgd": 0.1, "adamw": 1e-3}
 
 LAYERS_BY_RANK: dict[int, tuple[str, ...]] = {
     2: ("dense", "einsum", "layernorm", "rmsnorm", "cumsum", "topk", "moe", "concat_slice", "pad_slice", "dropout",
-        "gain"),
+        "gain", "scan"),
     3: ("dense", "einsum", "attention", "layernorm", "rmsnorm", "cumsum", "topk", "moe", "concat_slice", "pad_slice",
-        "transpose", "conv1d", "seq_pool", "flatten", "dropout", "gain"),
+        "transpose", "conv1d", "seq_pool", "flatten", "dropout", "gain", "scan"),
     4: ("conv2d", "to_seq", "pool"),
 }
 
@@ -107,7 +109,7 @@ def layers_for(draw: st.DrawFn, family: str, features: int, max_layers: int = 4)
         kind = draw(st.sampled_from(LAYERS_BY_RANK[rank]))
         if kind in ("dense", "pad_slice"):
             layer = Layer(kind, draw(st.sampled_from(SIZES)), draw(st.sampled_from(ACTIVATIONS)))
-        elif kind == "einsum":
+        elif kind in ("einsum", "scan"):
             layer = Layer(kind, draw(st.sampled_from((1, 2, 3))), draw(st.sampled_from(ACTIVATIONS)))
         elif kind == "attention":
             heads = draw(st.sampled_from([h for h in (1, 2, 3, 4) if width % h == 0]))
@@ -273,6 +275,15 @@ def _layer(i: int, layer: Layer, shape: tuple[int, ...], init: _Params) -> tuple
     if kind == "gain":
         init.add(p + "gain", (), value=1.5)
         return (lambda q, x: x * q[p + "gain"]), shape
+    if kind == "scan":
+        init.add(p + "w", (layer.width, d, d), fan_in=d)
+        init.add(p + "b", (layer.width, d), value=0.01)
+
+        def stack(q: dict[str, Any], x: jax.Array) -> jax.Array:
+            def body(h: jax.Array, wb: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
+                return h + _activate(h @ wb[0] + wb[1], layer.option), None
+            return jax.lax.scan(body, x, (q[p + "w"], q[p + "b"]))[0]
+        return stack, shape
     if kind == "seq_pool":
         pool = jnp.max if layer.option == "max" else jnp.mean
         return (lambda q, x: pool(x, axis=1)), (shape[0], d)
