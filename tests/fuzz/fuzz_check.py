@@ -7,12 +7,14 @@ and Adam's moments at 1e-4 of the leaf's scale (a reordered fp32 sum, not a wron
 allowed difference); AdamW parameters within 3x the learning rate, since Adam divides rounding noise
 by its own magnitude where a gradient is zero in theory.
 
-The planner prices on one of two clusters: ``cpu-8`` (latency-bound: tiny programs stay mostly
-replicated) or ``COMPUTE_BOUND`` (slow compute, fast free links: the ILP shards everything it can),
-so the runtime meets sharded plans of every kind.
+The planner prices on one of three clusters: ``cpu-8`` (latency-bound: tiny programs stay mostly
+replicated), ``COMPUTE_BOUND`` (slow compute, fast free links: the ILP shards everything it can) or
+``LATENT`` (the same with a link latency: fewer collectives pay), so the runtime meets sharded plans of
+every kind.
 """
 from __future__ import annotations
 
+import dataclasses
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,7 +36,12 @@ COMPUTE_BOUND = ClusterSpec(
     intra_node=LinkLevel("free", 1e15, 0.0), inter_node=LinkLevel("free", 1e15, 0.0),
     peak_flops_per_s={"float32": 1e6}, memory_bandwidth_bytes_per_s=1e9, memory_per_device_bytes=2 * 2**30,
 )
-CLUSTERS: Mapping[str, ClusterSpec] = {"cpu-8": PRESETS["cpu-8"], "compute-bound": COMPUTE_BOUND}
+# slow compute and links with a latency: sharding pays and so does paying a collective's latency fewer times
+# (a scanned stack's gradients reduced after its loop, passes/deferral.py)
+LATENT = dataclasses.replace(COMPUTE_BOUND, name="fuzz-compute-bound-latency", intra_node=LinkLevel("latent", 1e15, 1e-5),
+                             inter_node=LinkLevel("latent", 1e15, 1e-5))
+CLUSTERS: Mapping[str, ClusterSpec] = {"cpu-8": PRESETS["cpu-8"], "compute-bound": COMPUTE_BOUND,
+                                       "compute-bound-latency": LATENT}
 RTOL = 1e-4
 
 

@@ -138,7 +138,7 @@ def layers_for(draw: st.DrawFn, family: str, features: int, max_layers: int = 4)
 
 
 def _width_after(layer: Layer, width: int) -> int:
-    if layer.kind in ("dense", "conv1d", "conv2d"):
+    if layer.kind in ("dense", "pad_slice", "conv1d", "conv2d"):
         return layer.width
     return width  # flatten widens to S * D; no later draw depends on the exact width
 
