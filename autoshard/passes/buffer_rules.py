@@ -66,8 +66,8 @@ def transposed_operands(op: Op, ranks: Sequence[int]) -> tuple[tuple[int, ...], 
 def combine_all_reduces(graph: OpGraph, reducing: Sequence[OpIndex],
                          op_collectives: Mapping[OpIndex, Sequence[Collective]],
                          op_reductions: Mapping[OpIndex, str | None]) -> list[list[OpIndex]]:
-    """Rule 5: greedy groups in program order; a group closes at the first member that depends on it.
-    XLA combines inside one computation: the body of a loop is its own, so groups never cross one."""
+    """Rule 5: greedy groups in program order (``reducing`` is); a group closes at the first op that depends
+    on it. XLA combines inside one computation: the body of a loop is its own, so groups never cross one."""
     if not reducing:
         return []
     loop = graph.loop_of()
@@ -86,25 +86,25 @@ def combine_all_reduces(graph: OpGraph, reducing: Sequence[OpIndex],
         axes = tuple(sorted({a for c in op_collectives[t] for a in c.axes}))
         return axes, op_reductions.get(t), graph.values[graph.ops[t].outputs[0]].dtype, loop[t]
 
-    # the greedy pass in program order closes a group at the first member of its key that depends on it, so
-    # per key the groups are consecutive runs of that key's ops: cut each key's list once (linear in the ops),
-    # then order the groups by their first member, as the pass in program order makes them
-    by_key: dict[tuple, list[OpIndex]] = {}
-    for t in reducing:
-        by_key.setdefault(key(t), []).append(t)
+    # one pass in program order, a group open per key: an op closes every open group it depends on, of any
+    # key (its own: it cannot join what it reads; another: were that group to grow after this op joined one,
+    # each combined node could wait for the other, a cycle). So a group only depends on groups that closed
+    # before it did, and the combined nodes stay acyclic
+    open_group: dict[tuple, int] = {}
     groups: list[list[OpIndex]] = []
-    for members in by_key.values():
-        group: list[OpIndex] = []
-        mask = 0
-        for t in members:
-            if upstream[t] & mask or len(group) >= 256:
-                groups.append(group)
-                group, mask = [], 0
-            group.append(t)
-            mask |= bit[t]
-        groups.append(group)
-    position = {t: k for k, t in enumerate(reducing)}
-    groups.sort(key=lambda g: position[g[0]])
+    masks: list[int] = []
+    for t in reducing:
+        for k, g in list(open_group.items()):
+            if upstream[t] & masks[g]:
+                del open_group[k]
+        k = key(t)
+        g = open_group.get(k)
+        if g is None or len(groups[g]) >= 256:
+            g = open_group[k] = len(groups)
+            groups.append([])
+            masks.append(0)
+        groups[g].append(t)
+        masks[g] |= bit[t]
     return groups
 
 
