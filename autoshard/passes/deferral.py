@@ -116,8 +116,12 @@ def twins(graph: OpGraph, site: StackSite, strategies: Sequence[Strategy], sizes
 def _excess(nbytes: float, spec: Spec, reduced: Sequence[tuple[int, int, tuple[str, ...]]],
             sizes: Mapping[str, int]) -> float:
     """Per device, how many more bytes a partial sum holds than its reduced (maybe scattered) result."""
-    whole = Spec(partial_spec(spec, reduced).dims[len(reduced):])  # each device's whole partial sum
-    return nbytes / whole.num_shards(sizes) - nbytes / spec.num_shards(sizes)
+    return nbytes / _whole(spec, reduced).num_shards(sizes) - nbytes / spec.num_shards(sizes)
+
+
+def _whole(spec: Spec, reduced: Sequence[tuple[int, int, tuple[str, ...]]]) -> Spec:
+    """The layout of each device's whole partial sum: ``spec`` without the reduced axes."""
+    return Spec(partial_spec(spec, reduced).dims[len(reduced):])
 
 
 def extra_bytes(graph: OpGraph, site: StackSite, strategies: Sequence[Strategy], sizes: Mapping[str, int]) -> np.ndarray:
@@ -137,9 +141,15 @@ def partial_sum_spans(graph: OpGraph, op_strategies: Sequence[Strategy], sizes: 
     sites = stack_sites(graph)
     spans = []
     for j in deferred:
-        region = next(r for r in graph.loops if sites[j].stack in r.stack_ops)
-        nbytes = float(extra_bytes(graph, sites[j], [op_strategies[j]], sizes)[0])
-        spans.append(Span(region.start, sites[j].stack, nbytes, "stacked partial sums", graph.ops[j].outputs[0]))
+        site, strategy, out = sites[j], op_strategies[j], graph.ops[j].outputs[0]
+        region = next(r for r in graph.loops if site.stack in r.stack_ops)
+        nbytes = float(extra_bytes(graph, site, [strategy], sizes)[0])
+        spans.append(Span(region.start, site.stack, nbytes, "stacked partial sums", out))
+        # the reduction after the loop writes a whole stack beside the partial one (XLA:CPU reduce-scatters as
+        # an all-reduce of the whole buffer and a slice)
+        whole = _whole(strategy.out_specs[0], reduced_dims(graph.ops[j], strategy))
+        spans.append(Span(site.stack, site.stack, site.length * graph.values[out].nbytes / whole.num_shards(sizes),
+                          "stacked partial sums", out))
     return spans
 
 

@@ -165,6 +165,7 @@ class _Simulation:
         self.graph, self.value_specs, self.sizes = graph, value_specs, sizes
         self.f32_dtypes, self.widened = f32_dtypes, frozenset[ValueId]()  # rule 10, set by run()
         self.held: tuple[Span, ...] = ()  # extra buffers, by op index (``simulate``)
+
         self.op_collectives = {t: tuple(cs) for t, cs in op_collectives.items() if cs}
         self.n_ops = n_ops = len(graph.ops)
         self.producer = {v: t for t, op in enumerate(graph.ops) for v in op.outputs}
@@ -201,6 +202,10 @@ class _Simulation:
         self.sched = self._schedule()
         self.pos = self.sched.position
         self.end = max(self.sched.num_positions - 1, 0)
+        # a scan's stacked output is allocated before its first iteration (each one writes a slice into it)
+        self.stacked_from = {graph.ops[t].outputs[0]: min(self.at(u) for u in range(r.body_start, r.body_stop))
+                             for r in graph.loops if r.kind == "scan" and r.body_stop > r.body_start
+                             for t in r.stack_ops}
 
     # ---- helpers
     def nbytes(self, vid: ValueId, spec: Spec | None = None) -> float:
@@ -415,6 +420,8 @@ class _Simulation:
             if vid in outputs and vid not in self.written_back:
                 continue  # lives in the output allocation (or the donated argument)
             start = self.at(self.provider(vid))
+            if vid in self.stacked_from:  # a loop's stacked output is allocated before its first iteration
+                start = min(start, self.stacked_from[vid])
             kind = "written back" if vid in self.written_back else "activation"
             spans.append(Span(start, max(start, last_read[vid]), self.nbytes(vid), kind, vid))
         for t, node in self.ar_node.items():
@@ -444,7 +451,7 @@ def liveness_intervals(graph: OpGraph) -> dict[ValueId, tuple[int, int]]:
     live: dict[ValueId, tuple[int, int]] = {v: (0, sim.end) for v in graph.inputs}
     for vid in sim.fusion.materialized:
         start = sim.at(sim.provider(vid))
-        live[vid] = (start, max(start, reads.last_read[vid]))
+        live[vid] = (min(start, sim.stacked_from.get(vid, start)), max(start, reads.last_read[vid]))
     carried = {graph.outputs[k] for k, i in enumerate(graph.carried or ()) if i is not None}
     inputs = set(graph.inputs)
     for vid in graph.outputs:

@@ -113,4 +113,10 @@ def test_a_twin_pays_one_latency_per_loop_and_holds_its_partial_sums():
             assert extra == pytest.approx((LAYERS + 1) * (value.nbytes / kept - value.nbytes / scattered))
     spans = partial_sum_spans(graph, [cg.strategies[cg.num_inputs + t][0] if t != j else deferred[-1]
                                       for t in range(len(graph.ops))], cg.sizes)
-    assert [(s.stop, s.nbytes) for s in spans] == [(site.stack, held[mine.index(deferred[-1])])]
+    twin = deferred[-1]
+    summed_over = {a for *_, axes in reduced_dims(graph.ops[j], twin) for a in axes}
+    whole = value.nbytes / int(np.prod([cg.sizes[a] for a in twin.out_specs[0].used_axes if a not in summed_over]))
+    # the partial sums over the loop, then the reduction's whole result beside them at the stack
+    assert [(s.start, s.stop, s.nbytes) for s in spans] == [
+        (next(r.start for r in graph.loops if site.stack in r.stack_ops), site.stack, held[mine.index(twin)]),
+        (site.stack, site.stack, pytest.approx(LAYERS * whole))]
