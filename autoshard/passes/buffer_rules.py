@@ -66,8 +66,8 @@ def transposed_operands(op: Op, ranks: Sequence[int]) -> tuple[tuple[int, ...], 
 def combine_all_reduces(graph: OpGraph, reducing: Sequence[OpIndex],
                          op_collectives: Mapping[OpIndex, Sequence[Collective]],
                          op_reductions: Mapping[OpIndex, str | None]) -> list[list[OpIndex]]:
-    """Rule 5: greedy groups in program order (``reducing`` is); a group closes at the first op that depends
-    on it. XLA combines inside one computation: the body of a loop is its own, so groups never cross one."""
+    """Rule 5: greedy groups in program order (``reducing`` is sorted); a group closes at the first op that
+    depends on it. XLA combines inside one computation: the body of a loop is its own, so groups never cross one."""
     if not reducing:
         return []
     loop = graph.loop_of()

@@ -35,7 +35,7 @@ from autoshard.ir.graph import OpGraph, Role, Value, ValueId, dtype_itemsize
 from autoshard.ir.spec import Spec
 from autoshard.meshes import cost
 from autoshard.meshes.logical import LogicalMesh
-from autoshard.passes.hbm_traffic import compute_dtype, op_traffic, strategy_compute_s, strategy_hbm_bytes
+from autoshard.passes.hbm_traffic import compute_dtype, op_traffic, strategies_work
 from autoshard.passes.ilp.problem import SharedCharge, SharedReshard, SolverName
 from autoshard.passes.memory_model import liveness_intervals, materialized_values
 from autoshard.passes.deferral import StackSite, extra_bytes, stack_sites, twins
@@ -167,12 +167,8 @@ class CostGraph:
         op, strategies = self.graph.ops[j], self.strategies[self.num_inputs + j]
         key = (id(strategies), self.traffic[j], compute_dtype(op, self.graph), op.trip_count)
         if key not in self._compute_cache:
-            apart = op.trip_count * np.array([s.apart_hbm_bytes for s in strategies])
-            hbm = op.trip_count * np.array([
-                strategy_hbm_bytes(self.graph, op, self.traffic[j], s.in_specs, s.out_specs, self.sizes)
-                for s in strategies]) + apart
-            flops = np.array([s.flops for s in strategies])
-            self._compute_cache[key] = (strategy_compute_s(self.mesh.cluster, flops, hbm, key[2], apart), hbm)
+            self._compute_cache[key] = strategies_work(self.graph, op, self.traffic[j], strategies, self.sizes,
+                                                       self.mesh.cluster)
         return self._compute_cache[key]
 
     def comm_s(self, j: int, strategy: Strategy) -> float:
@@ -410,8 +406,7 @@ def memory_points(cg: CostGraph) -> MemoryPoints:
             break
     held = []  # a deferred twin's stack of partial sums, over its loop: (first point, end, class, bytes)
     for j, site in cg.sites.items():
-        region = next(r for r in graph.loops if site.stack in r.stack_ops)
-        node = cg.num_inputs + j
+        node, region = cg.num_inputs + j, graph.loops[site.loop]
         extra = extra_bytes(graph, site, cg.strategies[node], cg.sizes)[cg.classes.strategy_map[node]]
         if extra.any():
             held.append((region.start, region.stop, int(cg.classes.node_class[node]), extra))

@@ -13,7 +13,8 @@ contracting dims gets a *deferred* twin (``Strategy.deferred_over`` = the loop l
 bytes, its reductions' latency paid once per loop instead of once per iteration (and joining the combined
 all-reduce of the late reductions after the loop), and the partial stack's extra bytes held over the loop
 (``extra_bytes``: unreduced, unscattered). The ILP picks one; emission (``passes/emit.py``) records a chosen
-twin as a ``Deferral`` that the runtime turns into the partial form (``runtime/deferred.py``).
+twin as a ``Deferral`` that the runtime turns into the partial form (``runtime/spmd.partial_result``,
+``runtime/deferred.py``).
 """
 from __future__ import annotations
 
@@ -23,15 +24,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from autoshard.ir.graph import Op, OpGraph
-from autoshard.ir.primitives import Values, primitives
 from autoshard.ir.spec import Spec
 from autoshard.passes.buffer_rules import Span
 from autoshard.passes.objective import REDUCING
 from autoshard.passes.strategies import Strategy
-from autoshard.plans.annotations import Deferral, partial_spec
+from autoshard.plans.annotations import PARTIAL_OPS, PARTIAL_VIEWS, Deferral, partial_spec
 
-PARTIAL_OPS = frozenset({"dot_general", "reduce_sum"})  # linear in the operand a split contracting dim reads
-VIEWS = primitives(lambda f: f.values is Values.REARRANGED)  # the partial axes pass through them in front
 
 
 @dataclass(frozen=True)
@@ -42,6 +40,7 @@ class StackSite:
     chain: tuple[int, ...]  # the views between it and the stack, in order
     stack: int  # the ``loop_stack`` op
     length: int  # the loop's trip count
+    loop: int  # the loop's index in ``OpGraph.loops``
 
 
 def stack_sites(graph: OpGraph) -> dict[int, StackSite]:
@@ -50,7 +49,7 @@ def stack_sites(graph: OpGraph) -> dict[int, StackSite]:
     consumers = graph.consumers()
     index = {id(op): t for t, op in enumerate(graph.ops)}
     found: dict[int, StackSite] = {}
-    for region in graph.loops:
+    for k, region in enumerate(graph.loops):
         if region.kind != "scan":
             continue
         stacks = set(region.stack_ops)
@@ -65,10 +64,10 @@ def stack_sites(graph: OpGraph) -> dict[int, StackSite]:
                     break
                 t = index[id(users[0])]
                 if t in stacks:
-                    found[j] = StackSite(j, tuple(chain), t, region.length)
+                    found[j] = StackSite(j, tuple(chain), t, region.length, k)
                     break
                 user = graph.ops[t]
-                if (user.primitive not in VIEWS or not region.body_start <= t < region.body_stop
+                if (user.primitive not in PARTIAL_VIEWS or not region.body_start <= t < region.body_stop
                         or (user.primitive == "reshape" and user.params.get("dimensions") is not None)):
                     break
                 chain.append(t)
@@ -142,9 +141,8 @@ def partial_sum_spans(graph: OpGraph, op_strategies: Sequence[Strategy], sizes: 
     spans = []
     for j in deferred:
         site, strategy, out = sites[j], op_strategies[j], graph.ops[j].outputs[0]
-        region = next(r for r in graph.loops if site.stack in r.stack_ops)
         nbytes = float(extra_bytes(graph, site, [strategy], sizes)[0])
-        spans.append(Span(region.start, site.stack, nbytes, "stacked partial sums", out))
+        spans.append(Span(graph.loops[site.loop].start, site.stack, nbytes, "stacked partial sums", out))
         # the reduction after the loop writes a whole stack beside the partial one (XLA:CPU reduce-scatters as
         # an all-reduce of the whole buffer and a slice)
         whole = _whole(strategy.out_specs[0], reduced_dims(graph.ops[j], strategy))

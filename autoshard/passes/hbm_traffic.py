@@ -39,7 +39,7 @@ from autoshard.meshes.cost import roofline_s
 from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes.buffer_rules import transposed_operands
 from autoshard.passes.liveness import Fusion, OpKind, fusion_analysis, op_kind
-from autoshard.passes.strategies.base import op_dtype
+from autoshard.passes.strategies.base import Strategy, op_dtype
 
 
 @dataclass(frozen=True)
@@ -206,12 +206,14 @@ def compute_lower_bound_s(graph: OpGraph, cluster: ClusterSpec, num_devices: int
     return float(seconds) / max(1, num_devices)
 
 
-def strategy_compute_s(cluster: ClusterSpec, flops: np.ndarray, hbm_bytes: np.ndarray, dtype: str,
-                       apart_bytes: np.ndarray | None = None) -> np.ndarray:
-    """Roofline seconds of strategies given their per-device FLOPs and HBM bytes (arrays); ``apart_bytes``
-    (part of ``hbm_bytes``) are moved by instructions of their own, after the fused op, so they add
-    their time rather than hide under its FLOPs (``Strategy.apart_hbm_bytes``)."""
-    if apart_bytes is None or not np.any(apart_bytes):
-        return np.asarray(roofline_s(cluster, flops, hbm_bytes, dtype), dtype=float).reshape(np.shape(flops))
-    fused = np.asarray(roofline_s(cluster, flops, np.asarray(hbm_bytes) - apart_bytes, dtype), dtype=float)
-    return (fused + np.asarray(apart_bytes) / cluster.memory_bandwidth_bytes_per_s).reshape(np.shape(flops))
+def strategies_work(graph: OpGraph, op: Op, traffic: OpTraffic, strategies: Sequence[Strategy],
+                    sizes: Mapping[str, int], cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Per strategy of ``op``, every run: compute seconds (the fused roofline) and HBM bytes. A strategy's
+    ``apart_hbm_bytes`` are moved by instructions of their own, after the fused op (a deferred twin's stack
+    writes): counted in its bytes, and their time added rather than hidden under the op's FLOPs."""
+    apart = op.trip_count * np.array([s.apart_hbm_bytes for s in strategies])
+    fused = op.trip_count * np.array([strategy_hbm_bytes(graph, op, traffic, s.in_specs, s.out_specs, sizes)
+                                      for s in strategies])
+    flops = np.array([s.flops for s in strategies])
+    seconds = np.asarray(roofline_s(cluster, flops, fused, compute_dtype(op, graph)), dtype=float).reshape(len(flops))
+    return seconds + apart / cluster.memory_bandwidth_bytes_per_s, fused + apart

@@ -132,10 +132,8 @@ def simulate(graph: OpGraph, value_specs: Mapping[ValueId, Spec], sizes: Mapping
     ``f32_compute_dtypes`` the cluster's (rule 10); ``held``: more buffers, from op index ``start`` to
     ``stop`` (the partial sums a deferred reduction keeps over its loop, ``passes/deferral.py``).
     """
-    sim = _Simulation(graph, value_specs, sizes, reshards, op_collectives or {}, op_reductions or {},
-                      frozenset(f32_compute_dtypes))
-    sim.held = tuple(held)
-    return sim.run()
+    return _Simulation(graph, value_specs, sizes, reshards, op_collectives or {}, op_reductions or {},
+                       frozenset(f32_compute_dtypes), held).run()
 
 
 @dataclass
@@ -161,11 +159,11 @@ class _Simulation:
 
     def __init__(self, graph: OpGraph, value_specs: Mapping[ValueId, Spec], sizes: Mapping[str, int],
                  reshards: Sequence[ReshardLike], op_collectives: Mapping[OpIndex, Sequence[Collective]],
-                 op_reductions: Mapping[OpIndex, str | None], f32_dtypes: frozenset[str] = frozenset()) -> None:
+                 op_reductions: Mapping[OpIndex, str | None], f32_dtypes: frozenset[str] = frozenset(),
+                 held: Sequence[Span] = ()) -> None:
         self.graph, self.value_specs, self.sizes = graph, value_specs, sizes
         self.f32_dtypes, self.widened = f32_dtypes, frozenset[ValueId]()  # rule 10, set by run()
-        self.held: tuple[Span, ...] = ()  # extra buffers, by op index (``simulate``)
-
+        self.held = tuple(held)  # extra buffers, by op index (``simulate``)
         self.op_collectives = {t: tuple(cs) for t, cs in op_collectives.items() if cs}
         self.n_ops = n_ops = len(graph.ops)
         self.producer = {v: t for t, op in enumerate(graph.ops) for v in op.outputs}

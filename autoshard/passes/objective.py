@@ -42,8 +42,7 @@ from autoshard.errors import ObjectiveMismatchWarning
 from autoshard.ir.graph import OpGraph, ValueId, dtype_itemsize
 from autoshard.meshes import cost
 from autoshard.meshes.logical import LogicalMesh
-from autoshard.passes.hbm_traffic import (OpTraffic, compute_dtype, op_traffic, strategy_compute_s,
-                                         strategy_hbm_bytes)
+from autoshard.passes.hbm_traffic import OpTraffic, op_traffic, strategies_work
 from autoshard.passes.liveness import OpKind, op_kind
 from autoshard.passes.resharding import reshard
 from autoshard.passes.strategies import Strategy
@@ -317,12 +316,10 @@ class PlanObjective:
                         float(sum(c.reshard_s for c in parts)) + self.write_back_s, self.input_s)
 
     def _compute_s(self, j: int, s: Strategy) -> float:
-        """The fused roofline of op ``j`` run with ``s``, every run."""
-        graph, op = self.graph, self.graph.ops[j]
-        apart = op.trip_count * s.apart_hbm_bytes
-        hbm = op.trip_count * strategy_hbm_bytes(graph, op, self._traffic[j], s.in_specs, s.out_specs, self._sizes)
-        return float(strategy_compute_s(self.mesh.cluster, np.array([s.flops]), np.array([hbm + apart]),
-                                        compute_dtype(op, graph), np.array([apart]))[0])
+        """The fused roofline of op ``j`` run with ``s``, every run (``hbm_traffic.strategies_work``)."""
+        seconds, _ = strategies_work(self.graph, self.graph.ops[j], self._traffic[j], [s], self._sizes,
+                                     self.mesh.cluster)
+        return float(seconds[0])
 
     def _reshards(self, vid: ValueId, node: int = -1, strategy: Strategy | None = None) -> Iterator[tuple[int, float]]:
         """Each distinct reshard of value ``vid`` (node ``node`` taking ``strategy`` instead of its own), once,

@@ -10,7 +10,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from autoshard.ir.primitives import Values, primitives
 from autoshard.ir.spec import Spec
+
+# what a deferred reduction may be made of (``Deferral``): the reducing op, linear in the operand a split
+# contracting dim reads, and the views (the rearranging family) carrying its partial sums to the stack
+PARTIAL_OPS = frozenset({"dot_general", "reduce_sum"})
+PARTIAL_VIEWS = primitives(lambda f: f.values is Values.REARRANGED)
 
 
 @dataclass(frozen=True)

@@ -60,10 +60,9 @@ import numpy as np
 
 from autoshard.errors import PlanMismatchError, PlanningError
 from autoshard.ir.graph import OpGraph
-from autoshard.ir.primitives import Values, primitives
 from autoshard.ir.spec import Spec
 from autoshard.meshes.cluster import ClusterSpec, ClusterSpecError
-from autoshard.plans.annotations import Deferral
+from autoshard.plans.annotations import PARTIAL_OPS, PARTIAL_VIEWS, Deferral
 from autoshard.plans.breakdown import LayerTime
 from autoshard.plans import json_fields as jf
 from autoshard.plans.json_fields import PlanFileError
@@ -75,7 +74,6 @@ from autoshard.version import __version__
 # Functions here read a Plan's fields (``plans/plan.py`` imports this module, so it takes the plan as
 # a plain object: ``PlanLike``); ``plan_fields`` returns the keyword arguments of ``Plan``.
 PlanLike = Any
-REARRANGING = primitives(lambda f: f.values is Values.REARRANGED)  # views a deferred partial sum may pass
 
 FORMAT = "autoshard-plan"
 VERSION = 2
@@ -465,8 +463,8 @@ def _layout_problems(plan: PlanLike, graph: OpGraph) -> list[str]:
                 check(f"op {k} ({op.primitive}) operand {pos}", chain, [op.inputs[pos]] * len(chain))
     for k, d in plan.op_deferred.items():
         ops = [graph.ops[t].primitive for t in (k, *d.chain, d.stack)]
-        if (ops[0] not in ("dot_general", "reduce_sum") or ops[-1] != "loop_stack"
-                or any(p not in REARRANGING for p in ops[1:-1])):
+        if (ops[0] not in PARTIAL_OPS or ops[-1] != "loop_stack"
+                or any(p not in PARTIAL_VIEWS for p in ops[1:-1])):
             problems.append(f"op {k}: the plan reduces its partial sums after its loop through ops {ops}, "
                             "which are not a reduction, views and a loop's stacked output")
     for k, chain in plan.output_reshards.items():

@@ -1,42 +1,19 @@
-"""The partial form of a deferred reduction (``passes/deferral.py``, ``plans.annotations.Deferral``) at run time.
+"""The array side of a deferred reduction (``passes/deferral.py``, ``plans.annotations.Deferral``) at run time.
 
-The reducing op runs on each device's own shards (``shard_map``), and its result gains one leading dim per
-split contracting dim, split over that dim's mesh axes: each device's own partial sum, with no collective.
-The views on its way to the loop's stacked output move those leading dims along in front, and after the loop
-the stack is summed over them: one reduction of the whole stack (an all-reduce, or a reduce-scatter when its
-layout is split), where XLA would otherwise reduce in the loop body once per iteration.
+The reducing op's result carries one leading dim per split contracting dim, each device's own partial sum
+(``runtime/spmd.partial_result`` runs it, as the module that makes ``jax.sharding`` objects). The views on
+its way to the loop's stacked output move those leading dims along in front (:func:`partial_view`), and after
+the loop the stack is summed over them (:func:`summed_stack`): one reduction of the whole stack (an
+all-reduce, or a reduce-scatter when its layout is split), where XLA would otherwise reduce in the loop body
+once per iteration.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
-
-import jax
-from jax.sharding import Mesh, PartitionSpec
 
 from autoshard.errors import PlanMismatchError
 from autoshard.ir.graph import Op
-from autoshard.ir.spec import Spec
 from autoshard.plans.annotations import Deferral
-
-
-def partial_result(op: Op, vals: Sequence[Any], deferral: Deferral, out_spec: Spec, mesh: Mesh) -> Any:
-    """Op ``op`` (``dot_general`` or ``reduce_sum``) on ``vals`` without the reduction over the split
-    contracting dims: its result (whose sum has layout ``out_spec``) with one leading dim per entry of
-    ``deferral.reduced``, each device's own partial sum. Each device runs the op on its own shards
-    (``shard_map`` over the whole mesh: the operands arrive in ``deferral.operands``, as the plan pinned
-    them), so XLA moves nothing and copies no operand into another shape."""
-    k = len(deferral.reduced)
-
-    def local(*shards: Any) -> Any:
-        out = op.prim.bind(*shards, **op.params)
-        return out.reshape((1,) * k + tuple(out.shape))
-
-    def entries(spec: Spec) -> PartitionSpec:
-        return PartitionSpec(*spec.partition_entries())
-
-    return jax.shard_map(local, mesh=mesh, in_specs=tuple(entries(s) for s in deferral.operands),
-                         out_specs=entries(deferral.partial(out_spec)), check_vma=False)(*vals)
 
 
 def partial_view(op: Op, value: Any, k: int) -> Any:

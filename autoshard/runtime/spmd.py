@@ -34,8 +34,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from autoshard.ir.graph import Op, OpGraph
 from autoshard.ir.spec import Spec
 from autoshard.meshes.logical import LogicalMesh
-from autoshard.plans.annotations import Annotations
-from autoshard.runtime.deferred import partial_result, partial_view, summed_stack
+from autoshard.plans.annotations import Annotations, Deferral
+from autoshard.runtime.deferred import partial_view, summed_stack
 
 
 def partition_spec(spec: Spec) -> PartitionSpec:
@@ -84,6 +84,22 @@ def pin(value: Any, chain: Sequence[Spec], mesh: Mesh) -> Any:
     return value
 
 
+def partial_result(op: Op, vals: Sequence[Any], deferral: Deferral, out_spec: Spec, mesh: Mesh) -> Any:
+    """Op ``op`` (``dot_general`` or ``reduce_sum``) on ``vals`` without the reduction over the split
+    contracting dims (``runtime/deferred.py``): its result (whose sum has layout ``out_spec``) with one
+    leading dim per entry of ``deferral.reduced``, each device's own partial sum. Each device runs the op
+    on its own shards (``shard_map`` over the whole mesh; the operands arrive in ``deferral.operands``, as
+    the plan pinned them), so XLA moves nothing and copies no operand into another shape."""
+    k = len(deferral.reduced)
+
+    def local(*shards: Any) -> Any:
+        out = op.prim.bind(*shards, **op.params)
+        return out.reshape((1,) * k + tuple(out.shape))
+
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(partition_spec(s) for s in deferral.operands),
+                         out_specs=partition_spec(deferral.partial(out_spec)), check_vma=False)(*vals)
+
+
 def pin_op_inputs(vals: list[Any], moves: Mapping[int, Sequence[Spec]] | None, mesh: Mesh) -> list[Any]:
     """An op's inputs, those the plan reshards pinned through their chains first (``Annotations.op_in_reshards``)."""
     if not moves:
@@ -118,30 +134,28 @@ class SpmdStep:
 
     def _flat_step(self, *flat: Any) -> list[Any]:
         ann, mesh = self.annotations, self.inner_mesh
-        partial = {t: d for d in ann.deferred.values() for t in d.chain}  # ops carrying partial sums
-        partial.update(ann.deferred)
-        stacks = {d.stack: d for d in ann.deferred.values()}
+        # a deferred reduction (runtime/deferred.py): the ops making its partial sums, and those reading them
+        makes = {t: d for j, d in ann.deferred.items() for t in (j, *d.chain)}
+        reads = {t: d for d in ann.deferred.values() for t in (*d.chain, d.stack)}
 
         def before(op: Op, vals: list[Any]) -> list[Any]:
             moves = ann.op_in_reshards.get(op.id)
-            carrier = partial.get(op.id) if op.id not in ann.deferred else None
-            carrier = carrier or stacks.get(op.id)
-            if moves and carrier is not None:  # a partial sum moves in its partial layouts (its leading dims stay)
-                moves = {0: tuple(carrier.partial(s) for s in moves[0])} if 0 in moves else moves
+            if moves and op.id in reads:  # a partial sum moves in its partial layouts (its leading dims stay)
+                moves = {p: tuple(reads[op.id].partial(s) for s in chain) for p, chain in moves.items()}
             return pin_op_inputs(vals, moves, mesh)
 
         def bind(op: Op, vals: list[Any]) -> list[Any] | None:
             if op.id in ann.deferred:
                 return [partial_result(op, vals, ann.deferred[op.id], ann.op_out_specs[op.id][0], mesh)]
-            if op.id in partial:
-                return [partial_view(op, vals[0], len(partial[op.id].reduced))]
+            if op.id in makes:
+                return [partial_view(op, vals[0], len(makes[op.id].reduced))]
             return None
 
         def after(op: Op, vals: list[Any]) -> list[Any]:
-            if op.id in partial:
-                return [pin(vals[0], (partial[op.id].partial(ann.op_out_specs[op.id][0]),), mesh)]
-            if op.id in stacks:  # the stacked partial sums, after the loop: the one reduction
-                vals = [summed_stack(vals[0], stacks[op.id])]
+            if op.id in makes:
+                return [pin(vals[0], (makes[op.id].partial(ann.op_out_specs[op.id][0]),), mesh)]
+            if op.id in reads:  # the stack, after the loop: the one reduction
+                vals = [summed_stack(vals[0], reads[op.id])]
             return pin_op_outputs(vals, ann.op_out_specs.get(op.id), mesh)
 
         outs = self.graph.evaluate(flat, before_op=before, after_op=after, bind_op=bind if ann.deferred else None)

@@ -19,8 +19,9 @@ from autoshard.ir.trace import trace
 from autoshard.meshes.cluster import ClusterSpec, get_cluster
 from autoshard.passes.intra_op import IntraOpOptions
 from autoshard.plans.annotations import Deferral
-from autoshard.runtime.deferred import partial_result, partial_view
+from autoshard.runtime.deferred import partial_view
 from autoshard.runtime.run import run
+from autoshard.runtime.spmd import partial_result
 from compiled_examples import FAST_COMPILE
 from mlp_steps import scan_loss, train_step
 
