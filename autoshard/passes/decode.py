@@ -17,13 +17,13 @@ from autoshard.ir.spec import Spec
 from autoshard.passes import objective
 from autoshard.passes.cost_graph import CostGraph
 from autoshard.passes.deferral import partial_sum_spans
-from autoshard.passes.memory_model import simulate
+from autoshard.passes.memory_model import MemorySimulation, simulate
 from autoshard.passes.objective import op_comm_s
 from autoshard.passes.plan_result import IlpStats, IntraOpResult, PassClock, ReshardSite
 from autoshard.passes.resharding import reshard
 from autoshard.passes.strategies import Strategy
 
-__all__ = ["decode", "memory_profile"]
+__all__ = ["decode", "memory_profile", "memory_simulation"]
 
 
 def decode(cg: CostGraph, choices: np.ndarray, stats: IlpStats, clock: PassClock | None = None) -> IntraOpResult:
@@ -106,13 +106,20 @@ def memory_profile(graph: OpGraph, value_specs: Mapping[ValueId, Spec], sizes: M
     op) supply the partial-sum all-reduces and reduce-scatters of the chosen
     strategies.
     """
+    sim = memory_simulation(graph, value_specs, sizes, reshards, op_strategies, f32_compute_dtypes)
+    profile = sim.profile()
+    return profile, sim.by_kind_at(int(np.argmax(profile)))
+
+
+def memory_simulation(graph: OpGraph, value_specs: Mapping[ValueId, Spec], sizes: Mapping[str, int],
+                      reshards: Sequence[ReshardSite] = (), op_strategies: Sequence[Strategy] | None = None,
+                      f32_compute_dtypes: Sequence[str] = ()) -> MemorySimulation:
+    """The simulation behind :func:`memory_profile`, its buffers (``MemorySimulation.spans``) kept."""
     collectives: dict[int, tuple] = {}
     reductions: dict[int, str | None] = {}
     for t, strategy in enumerate(op_strategies or ()):
         if strategy.collectives:
             collectives[t] = strategy.collectives
             reductions[t] = strategy.reduction
-    sim = simulate(graph, value_specs, sizes, reshards, collectives, reductions, f32_compute_dtypes,
-                   held=partial_sum_spans(graph, op_strategies or (), sizes))
-    profile = sim.profile()
-    return profile, sim.by_kind_at(int(np.argmax(profile)))
+    return simulate(graph, value_specs, sizes, reshards, collectives, reductions, f32_compute_dtypes,
+                    held=partial_sum_spans(graph, op_strategies or (), sizes))

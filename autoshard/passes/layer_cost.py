@@ -8,19 +8,23 @@ a one-line summary in the classic names.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from autoshard.ir.graph import OpGraph
+from autoshard.ir.graph import OpGraph, ValueId
 from autoshard.ir.spec import Spec
 from autoshard.ir.train_graph import LayerTrainGraph
 from autoshard.meshes.logical import LogicalMesh
+from autoshard.passes.decode import memory_simulation
 from autoshard.passes.emit import annotations_from
+from autoshard.passes.memory_model import MemorySimulation
 from autoshard.passes.intra_op import IntraOpResult
 from autoshard.passes.resharding import reshard
+from autoshard.passes.strategies import Strategy
 from autoshard.plans.annotations import TrainPins
 
 
@@ -36,7 +40,6 @@ class LayerCost:
     update_s: float
     act_bytes: float
     in_bytes: float
-    extra_bytes: float
     in_replicated: bool  # the layer takes its input activations replicated
     input_specs: tuple[Spec, ...]  # storage spec per graph input
     output_specs: tuple[Spec, ...]  # spec per graph output (accumulators, activations out, their cotangents in)
@@ -56,6 +59,11 @@ class LayerCost:
     # recomputing stage): the forward's values the backward reads, by program order
     fused_act_bytes: float = 0.0
     fused_extra_bytes: float = 0.0
+    # the backward as its own executable (``backward_apart``): its temporaries above state and residuals, the
+    # residuals being its arguments (held to its end), and the partial sums still pending at its end (XLA
+    # combines a stage's gradient reductions into one, after every layer's backward)
+    held_extra_bytes: float = 0.0
+    pending_bytes: float = 0.0
 
 
 def _local_bytes(graph: OpGraph, vid: int, spec: Spec, sizes: dict[str, int]) -> float:
@@ -84,6 +92,28 @@ def _describe(groups: Sequence[int], specs: Sequence[Spec], mesh: LogicalMesh) -
     return f"{kind} on {'x'.join(map(str, mesh.shape))} (batch over {{{','.join(batch_axes)}}})"
 
 
+def backward_apart(sim: MemorySimulation, residuals: set[ValueId], graph: OpGraph,
+                   op_strategies: Sequence[Strategy]) -> tuple[float, float]:
+    """(peak, pending) of a layer's train graph run as a stage runs it, its backward an executable apart: the
+    residuals are that executable's arguments, so they live to its end rather than to their last reads (the
+    peak); the partial sums of the ops that feed only the program's outputs (the gradients accumulated) are
+    what XLA leaves pending to the stage's end, where it combines them into one reduction (pending)."""
+    end = sim.num_positions - 1
+    residuals = {sim.buffer_of(v) for v in residuals}
+    spans = tuple(dataclasses.replace(s, stop=end) if s.kind == "activation" and s.value in residuals else s
+                  for s in sim.spans)
+    peak = float(dataclasses.replace(sim, spans=spans).profile().max()) if sim.num_positions else 0.0
+    outputs = set(graph.outputs)
+    consumers = graph.consumers()
+    tail: set[int] = set()  # ops whose results reach only the outputs
+    for t in range(len(graph.ops) - 1, -1, -1):
+        if all(v in outputs or all(id(c) in tail for c in consumers.get(v, ())) for v in graph.ops[t].outputs):
+            tail.add(id(graph.ops[t]))
+    pending = sum(float(c.nbytes) for op, s in zip(graph.ops, op_strategies) if id(op) in tail
+                  for c in s.collectives if c.kind in ("all-reduce", "reduce-scatter"))
+    return peak, pending
+
+
 def layer_cost(train: LayerTrainGraph, result: IntraOpResult, leaf_update_s: Sequence[float],
                opt_ratio: float) -> LayerCost:
     """Read a LayerCost off the ILP's plan of one layer (module docstring)."""
@@ -101,7 +131,12 @@ def layer_cost(train: LayerTrainGraph, result: IntraOpResult, leaf_update_s: Seq
 
     fwd_values = {v for op in graph.ops[:nf] for v in op.outputs}
     read_later = {v for op in graph.ops[nf:] for v in op.inputs}
-    fused_residual = held(fwd_values & read_later)
+    sim = memory_simulation(graph, result.value_specs, sizes, result.reshards,
+                            result.node_strategies[len(graph.inputs):], mesh.cluster.f32_compute_dtypes)
+    # run as one program, the residuals are the buffers they live in (a view: its source's; a value the fusions
+    # recompute in the backward: none)
+    buffers = {sp.value for sp in sim.spans if sp.kind == "activation"}
+    fused_residual = held({sim.buffer_of(v) for v in fwd_values & read_later} & buffers)
     residual = held(train.phases.residuals)
     forward_s = float(sum(result.op_compute_s[:nf]) + sum(result.op_comm_s[:nf]))
     update_s = 0.0
@@ -128,12 +163,13 @@ def layer_cost(train: LayerTrainGraph, result: IntraOpResult, leaf_update_s: Seq
         side = fwd_c if t >= 0 and part_of(t) == 0 else bwd_c
         side[c.kind] = side.get(c.kind, 0.0) + c.nbytes
     act = residual + in_b
+    held_peak, pending = backward_apart(sim, set(train.phases.residuals), graph,
+                                        result.node_strategies[len(graph.inputs):])
     acts_in = specs[na + npar + nd:na + npar + nd + nact]
     return LayerCost(
         time_s=float(result.step_s), forward_s=forward_s, state_bytes=acc_b + param_b, grad_bytes=acc_b,
         opt_bytes=opt_ratio * acc_b,
         update_s=update_s, act_bytes=act, in_bytes=in_b,
-        extra_bytes=max(0.0, float(result.peak_bytes) - acc_b - param_b - act),
         in_replicated=all(s.is_replicated for s in acts_in), input_specs=tuple(specs),
         output_specs=tuple(result.output_specs),
         summary=_describe(train.groups, specs, mesh),
@@ -142,5 +178,6 @@ def layer_cost(train: LayerTrainGraph, result: IntraOpResult, leaf_update_s: Seq
         forward_collectives=fwd_c, backward_collectives=bwd_c, apply_collectives=apply_c,
         train_pins=TrainPins(train.key, len(graph.ops), ann),
         fused_act_bytes=fused_residual + in_b,
-        fused_extra_bytes=max(0.0, float(result.peak_bytes) - acc_b - param_b - fused_residual - in_b))
+        fused_extra_bytes=max(0.0, float(result.peak_bytes) - acc_b - param_b - fused_residual - in_b),
+        held_extra_bytes=max(0.0, held_peak - acc_b - param_b - act), pending_bytes=pending)
 

@@ -89,6 +89,13 @@ class MemorySimulation:
     outputs: float  # non-donated outputs (output allocation), with the tuple index table
     spans: tuple[Span, ...]  # temporaries
     num_positions: int
+    views: Mapping[ValueId, ValueId] = dataclasses.field(default_factory=dict)  # view -> the value owning its buffer
+
+    def buffer_of(self, vid: ValueId) -> ValueId:
+        """The value whose buffer holds ``vid`` (itself unless it is a view)."""
+        while vid in self.views:
+            vid = self.views[vid]
+        return vid
 
     @property
     def fixed_bytes(self) -> float:
@@ -379,7 +386,8 @@ class _Simulation:
         out_bytes = sum(self.nbytes(v) for v in outs if graph.values[v].role != Role.CONSTANT)
         if len(graph.outputs) > 1:
             out_bytes += TUPLE_INDEX_BYTES * len(graph.outputs)
-        return MemorySimulation(dict(arguments), float(out_bytes), tuple(spans), self.sched.num_positions)
+        return MemorySimulation(dict(arguments), float(out_bytes), tuple(spans), self.sched.num_positions,
+                                self.fusion.alias)
 
     def _f32_copies(self, layout: list[_LayoutGroup]) -> list[Span]:
         """Rule 10: float32 results and operands of narrow-float dots (``self.widened``, which ``nbytes``

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -237,6 +237,76 @@ def solve_layers(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrainGraph]]
     return costs
 
 
+@dataclass(frozen=True)
+class _StageArrays:
+    """Per stage (first layer, last layer, variant[, B]): what ``price_stage_variants`` reads off its layers'
+    costs."""
+
+    compute_s: np.ndarray  # [L, L, K, nB]
+    update_s: np.ndarray  # [L, L, K]
+    state_bytes: np.ndarray  # [L, L, K]
+    grad_bytes: np.ndarray  # [L, L, K]
+    opt_bytes: np.ndarray  # [L, L, K]
+    act_bytes: np.ndarray  # [L, L, K, nB] per microbatch in flight
+    work_bytes: np.ndarray  # [L, L, K, nB] at its peak, once
+    in_replicated: np.ndarray  # [L, K] the layer takes its input replicated
+
+
+def _stage_arrays(costs: Mapping[tuple[str, int, int], tuple[LayerCost, LayerCost]], keys: Sequence[str],
+                  variants: Sequence[StageVariant], mesh_of: Sequence[int], bs: Sequence[int],
+                  ratio: int) -> _StageArrays:
+    """Each stage's figures from its layers' costs, interpolated in the microbatch between B = 1 and B = r."""
+    num_layers, num_k, num_b = len(keys), len(variants), len(bs)
+    # per layer, variant, B: t, f, act, in; per layer, variant: state, opt, update
+    t = np.zeros((num_layers, num_k, num_b))
+    f, act, inb = np.zeros_like(t), np.zeros_like(t), np.zeros_like(t)
+    fact, fextra = np.zeros_like(t), np.zeros_like(t)  # run as one program (the last stage, recompute)
+    hextra, pend = np.zeros_like(t), np.zeros_like(t)  # the backward an executable apart (LayerCost)
+    state, grad, opt, upd = (np.zeros((num_layers, num_k)) for _ in range(4))
+    in_rep = np.zeros((num_layers, num_k), dtype=bool)
+    for layer in range(num_layers):
+        for k, var in enumerate(variants):
+            big, small = costs[keys[layer], mesh_of[k], MODES.index(var.mode)]
+            state[layer, k], opt[layer, k], upd[layer, k] = small.state_bytes, small.opt_bytes, small.update_s
+            grad[layer, k] = small.grad_bytes
+            in_rep[layer, k] = small.in_replicated
+            for b, big_b in enumerate(bs):
+                t[layer, k, b] = lerp_microbatch(big.time_s, small.time_s, ratio, big_b)
+                f[layer, k, b] = lerp_microbatch(big.forward_s, small.forward_s, ratio, big_b)
+                act[layer, k, b] = lerp_microbatch(big.act_bytes, small.act_bytes, ratio, big_b)
+                inb[layer, k, b] = lerp_microbatch(big.in_bytes, small.in_bytes, ratio, big_b)
+                fact[layer, k, b] = lerp_microbatch(big.fused_act_bytes, small.fused_act_bytes, ratio, big_b)
+                fextra[layer, k, b] = lerp_microbatch(big.fused_extra_bytes, small.fused_extra_bytes, ratio, big_b)
+                hextra[layer, k, b] = lerp_microbatch(big.held_extra_bytes, small.held_extra_bytes, ratio, big_b)
+                pend[layer, k, b] = lerp_microbatch(big.pending_bytes, small.pending_bytes, ratio, big_b)
+    cum = {name: np.concatenate([np.zeros((1,) + a.shape[1:]), np.cumsum(a, axis=0)])
+           for name, a in (("t", t), ("f", f), ("act", act), ("state", state), ("grad", grad), ("opt", opt), ("upd", upd), ("fact", fact), ("pend", pend))}
+    shape4 = (num_layers, num_layers, num_k, num_b)
+    comp, acts, work = np.full(shape4, np.inf), np.zeros(shape4), np.zeros(shape4)
+    sbytes, gbytes, obytes, usec = (np.zeros(shape4[:3]) for _ in range(4))
+    recompute = np.array([v.recompute for v in variants])
+    for i in range(num_layers):
+        run_held, run_fused = np.zeros((num_k, num_b)), np.zeros((num_k, num_b))
+        for j in range(i, num_layers):
+            # the backward runs layer j first: the partial sums it leaves pend while layers i..j-1 run theirs
+            run_held = np.maximum(run_held + pend[j], hextra[j])
+            seg = {name: a[j + 1] - a[i] for name, a in cum.items()}
+            # run as one program: while layer l runs its backward, layers i..l-1 still hold their residuals
+            run_fused = np.maximum(run_fused + pend[j], fextra[j] + seg["fact"])
+            sbytes[i, j], obytes[i, j], usec[i, j] = seg["state"], seg["opt"], seg["upd"]
+            gbytes[i, j] = seg["grad"]
+            comp[i, j] = seg["t"] + np.where(recompute[:, None], seg["f"], 0.0)
+            # one program (recomputing, or the last stage fusing its forward into its backward): only the input
+            # is held per microbatch in flight; its residuals live inside the one program (run_fused)
+            fused = recompute[:, None] | (j == num_layers - 1)
+            acts[i, j] = np.where(fused, inb[i], seg["act"])
+            # ... and at the stage's end XLA reduces them all in one combined collective, whose operands and results
+            # live at once (in either form)
+            combined = 2 * seg["pend"]
+            work[i, j] = np.maximum(np.where(fused, run_fused - inb[i], run_held), combined)
+    return _StageArrays(comp, usec, sbytes, gbytes, obytes, acts, work, in_rep)
+
+
 def price_stage_variants(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrainGraph]],
                          leaf_update_s: Sequence[Sequence[float]], out_bytes: Sequence[float], ratio: int,
                          cluster: ClusterSpec, num_devices: int, global_batch: int, opt_ratio: float,
@@ -280,47 +350,10 @@ def price_stage_variants(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrai
     if options.num_microbatches is not None and options.num_microbatches not in bs:
         bs = tuple(sorted({*bs, options.num_microbatches}))
     keys = tuple(big.key for big, _ in layer_graphs)
+    arrays = _stage_arrays(costs, keys, tuple(variants), tuple(mesh_of), bs, ratio)
+    comp, usec, acts, work, in_rep = arrays.compute_s, arrays.update_s, arrays.act_bytes, arrays.work_bytes, arrays.in_replicated
+    sbytes, gbytes, obytes = arrays.state_bytes, arrays.grad_bytes, arrays.opt_bytes
     num_k, num_b = len(variants), len(bs)
-    # per layer, variant, B: t, f, act, extra; per layer, variant: state, opt, update
-    t = np.zeros((num_layers, num_k, num_b))
-    f, act, extra, inb = np.zeros_like(t), np.zeros_like(t), np.zeros_like(t), np.zeros_like(t)
-    fact, fextra = np.zeros_like(t), np.zeros_like(t)  # run as one program (the last stage, recompute)
-    state, grad, opt, upd = (np.zeros((num_layers, num_k)) for _ in range(4))
-    in_rep = np.zeros((num_layers, num_k), dtype=bool)
-    for layer in range(num_layers):
-        for k, var in enumerate(variants):
-            big, small = costs[keys[layer], mesh_of[k], MODES.index(var.mode)]
-            state[layer, k], opt[layer, k], upd[layer, k] = small.state_bytes, small.opt_bytes, small.update_s
-            grad[layer, k] = small.grad_bytes
-            in_rep[layer, k] = small.in_replicated
-            for b, big_b in enumerate(bs):
-                t[layer, k, b] = lerp_microbatch(big.time_s, small.time_s, ratio, big_b)
-                f[layer, k, b] = lerp_microbatch(big.forward_s, small.forward_s, ratio, big_b)
-                act[layer, k, b] = lerp_microbatch(big.act_bytes, small.act_bytes, ratio, big_b)
-                extra[layer, k, b] = lerp_microbatch(big.extra_bytes, small.extra_bytes, ratio, big_b)
-                inb[layer, k, b] = lerp_microbatch(big.in_bytes, small.in_bytes, ratio, big_b)
-                fact[layer, k, b] = lerp_microbatch(big.fused_act_bytes, small.fused_act_bytes, ratio, big_b)
-                fextra[layer, k, b] = lerp_microbatch(big.fused_extra_bytes, small.fused_extra_bytes, ratio, big_b)
-    cum = {name: np.concatenate([np.zeros((1,) + a.shape[1:]), np.cumsum(a, axis=0)])
-           for name, a in (("t", t), ("f", f), ("act", act), ("state", state), ("grad", grad), ("opt", opt), ("upd", upd), ("fact", fact))}
-    shape4 = (num_layers, num_layers, num_k, num_b)
-    comp, acts, work = np.full(shape4, np.inf), np.zeros(shape4), np.zeros(shape4)
-    sbytes, gbytes, obytes, usec = (np.zeros(shape4[:3]) for _ in range(4))
-    recompute = np.array([v.recompute for v in variants])
-    for i in range(num_layers):
-        run_max, run_max_fused = np.zeros((num_k, num_b)), np.zeros((num_k, num_b))
-        for j in range(i, num_layers):
-            run_max = np.maximum(run_max, extra[j])
-            run_max_fused = np.maximum(run_max_fused, fextra[j])
-            seg = {name: a[j + 1] - a[i] for name, a in cum.items()}
-            sbytes[i, j], obytes[i, j], usec[i, j] = seg["state"], seg["opt"], seg["upd"]
-            gbytes[i, j] = seg["grad"]
-            comp[i, j] = seg["t"] + np.where(recompute[:, None], seg["f"], 0.0)
-            # one program (recomputing, or the last stage fusing its forward into its backward): only the input
-            # is held per microbatch in flight, every layer's residuals live during one backward
-            fused = recompute[:, None] | (j == num_layers - 1)
-            acts[i, j] = np.where(fused, inb[i], seg["act"])
-            work[i, j] = np.where(fused, run_max_fused + seg["fact"] - inb[i], run_max)  # the input counted in acts
     time = comp + usec[..., None] / np.array(bs, dtype=float)
     if options.min_stages > 1:
         time[0, num_layers - 1, [k for k, v in enumerate(variants) if v.submesh[0] * v.submesh[1] == num_devices]] = \
@@ -381,4 +414,10 @@ def at_chosen_microbatch(priced: PricedStages, plan: StagePlan, graphs: Sequence
             at_b = solves.cost(priced.settings, solve_key, lambda t=train, mesh=mesh, u=leaf_update_s[layer]: _solve(
                 t, mesh, variant.mode, u, priced.settings.opt_ratio, options))
             costs[key] = (at_b, at_b)
-    return replace(priced, costs=costs)
+    # the plan's memory is the chosen stages' at B (the DP chose on the interpolated figures, kept for its times)
+    arrays = _stage_arrays(costs, priced.layer_keys, priced.variants, priced.mesh_of, priced.problem.microbatch_options,
+                           priced.ratio)
+    problem = replace(priced.problem, stage_act_bytes=arrays.act_bytes, stage_work_bytes=arrays.work_bytes,
+                      stage_param_bytes=arrays.state_bytes + arrays.opt_bytes)
+    return replace(priced, costs=costs, problem=problem, state_bytes=arrays.state_bytes, grad_bytes=arrays.grad_bytes,
+                   opt_bytes=arrays.opt_bytes)
