@@ -238,7 +238,7 @@ def solve_layers(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrainGraph]]
 
 
 @dataclass(frozen=True)
-class _StageArrays:
+class StageArrays:
     """Per stage (first layer, last layer, variant[, B]): what ``price_stage_variants`` reads off its layers'
     costs."""
 
@@ -252,9 +252,9 @@ class _StageArrays:
     in_replicated: np.ndarray  # [L, K] the layer takes its input replicated
 
 
-def _stage_arrays(costs: Mapping[tuple[str, int, int], tuple[LayerCost, LayerCost]], keys: Sequence[str],
+def stage_arrays(costs: Mapping[tuple[str, int, int], tuple[LayerCost, LayerCost]], keys: Sequence[str],
                   variants: Sequence[StageVariant], mesh_of: Sequence[int], bs: Sequence[int],
-                  ratio: int) -> _StageArrays:
+                  ratio: int) -> StageArrays:
     """Each stage's figures from its layers' costs, interpolated in the microbatch between B = 1 and B = r."""
     num_layers, num_k, num_b = len(keys), len(variants), len(bs)
     # per layer, variant, B: t, f, act, in; per layer, variant: state, opt, update
@@ -304,7 +304,7 @@ def _stage_arrays(costs: Mapping[tuple[str, int, int], tuple[LayerCost, LayerCos
             # live at once (in either form)
             combined = 2 * seg["pend"]
             work[i, j] = np.maximum(np.where(fused, run_fused - inb[i], run_held), combined)
-    return _StageArrays(comp, usec, sbytes, gbytes, obytes, acts, work, in_rep)
+    return StageArrays(comp, usec, sbytes, gbytes, obytes, acts, work, in_rep)
 
 
 def price_stage_variants(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrainGraph]],
@@ -350,7 +350,7 @@ def price_stage_variants(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrai
     if options.num_microbatches is not None and options.num_microbatches not in bs:
         bs = tuple(sorted({*bs, options.num_microbatches}))
     keys = tuple(big.key for big, _ in layer_graphs)
-    arrays = _stage_arrays(costs, keys, tuple(variants), tuple(mesh_of), bs, ratio)
+    arrays = stage_arrays(costs, keys, tuple(variants), tuple(mesh_of), bs, ratio)
     comp, usec, acts, work, in_rep = arrays.compute_s, arrays.update_s, arrays.act_bytes, arrays.work_bytes, arrays.in_replicated
     sbytes, gbytes, obytes = arrays.state_bytes, arrays.grad_bytes, arrays.opt_bytes
     num_k, num_b = len(variants), len(bs)
@@ -415,7 +415,7 @@ def at_chosen_microbatch(priced: PricedStages, plan: StagePlan, graphs: Sequence
                 t, mesh, variant.mode, u, priced.settings.opt_ratio, options))
             costs[key] = (at_b, at_b)
     # the plan's memory is the chosen stages' at B (the DP chose on the interpolated figures, kept for its times)
-    arrays = _stage_arrays(costs, priced.layer_keys, priced.variants, priced.mesh_of, priced.problem.microbatch_options,
+    arrays = stage_arrays(costs, priced.layer_keys, priced.variants, priced.mesh_of, priced.problem.microbatch_options,
                            priced.ratio)
     problem = replace(priced.problem, stage_act_bytes=arrays.act_bytes, stage_work_bytes=arrays.work_bytes,
                       stage_param_bytes=arrays.state_bytes + arrays.opt_bytes)

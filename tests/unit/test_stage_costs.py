@@ -191,13 +191,13 @@ def test_the_chosen_stages_run_plans_solved_at_their_own_microbatch(shallow):
 
 
 def test_stage_memory_holds_residuals_and_combined_gradient_reductions(shallow):
-    """A stage's peak beyond its state and in-flight activations (``_stage_arrays``): a stage whose backward is
+    """A stage's peak beyond its state and in-flight activations (``stage_arrays``): a stage whose backward is
     an executable apart holds every residual to its end (the layer's held peak) while the partial sums of the
     layers it already ran wait; a stage run as one program (the last) holds the residuals of the layers whose
     backward has not run yet; either way XLA reduces the stage's gradients in one combined collective at its
     end, operands and results live at once (the gpt-large 2x8 stage 0 compiled 4.66 GB of temporaries this way,
     where the model had said 0.16 GB)."""
-    from autoshard.passes.stage_costs import MODES, _stage_arrays
+    from autoshard.passes.stage_costs import MODES, stage_arrays
 
     priced = shallow.priced
     variant = dataclasses.replace(priced.variants[0], recompute=False)
@@ -211,7 +211,7 @@ def test_stage_memory_holds_residuals_and_combined_gradient_reductions(shallow):
     for key, fields in layers.items():
         cost = dataclasses.replace(base, **fields)
         costs[key, 0, MODES.index(variant.mode)] = (cost, cost)
-    arrays = _stage_arrays(costs, ("a", "b", "a"), (variant,), (0,), (1,), 1)
+    arrays = stage_arrays(costs, ("a", "b", "a"), (variant,), (0,), (1,), 1)
     work = arrays.work_bytes[..., 0, 0] / MB
     # apart (not the last layer), layers [0, 1] = a, b: b's backward runs first and its 4 MB wait while a's runs
     # (7 + 4), above b's own held peak (2) and the combined 2 x (1 + 4)
