@@ -21,8 +21,8 @@ from autoshard.ir.train_graph import LayerTrainGraph
 from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes.decode import memory_simulation
 from autoshard.passes.emit import annotations_from
-from autoshard.passes.memory_model import MemorySimulation
 from autoshard.passes.intra_op import IntraOpResult
+from autoshard.passes.memory_model import MemorySimulation
 from autoshard.passes.resharding import reshard
 from autoshard.passes.strategies import Strategy
 from autoshard.plans.annotations import TrainPins

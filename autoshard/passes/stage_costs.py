@@ -35,9 +35,12 @@ Per layer l on a variant, with the ILP's plan (storage specs, value specs):
     act_l      = residuals per microbatch, as the runtime keeps them between its forward and backward
                  executables (``ir/train_graph.split_phases``): the forward's values the backward
                  reads, and the layer input
-    extra_l    = the plan's peak - state_l - act_l (temporaries of one backward)
-    fact_l, fextra_l = the same when forward and backward run as one program (the forward's values read
-                 by any later op: XLA holds them inside that one program)
+    held_l     = the plan's peak with the residuals held to its end (the backward an executable apart,
+                 whose arguments they are) - state_l - act_l
+    pend_l     = the partial sums of the ops feeding only the accumulated gradients (XLA reduces a
+                 stage's gradients in one combined collective after its whole backward)
+    fact_l, fextra_l = the residuals and the rest of the peak when forward and backward run as one
+                 program (the forward's values read by any later op, as the buffers they live in)
 
 and a stage i..j (recompute: the backward re-runs the stage forward from its input; the last stage fuses
 its forward into its backward, so it keeps what a recomputing stage keeps)::
@@ -45,7 +48,13 @@ its forward into its backward, so it keeps what a recomputing stage keeps)::
     time       = sum t_l [+ sum f_l]  +  sum u_l / B
     param      = sum (state_l + opt_l)
     act        = sum act_l            [recompute, last stage: the stage input only]
-    work       = max extra_l          [recompute, last stage: max fextra_l + sum fact_l - the stage input]
+    work       = max(max_l (held_l + sum_{m > l} pend_m),  2 x sum pend_l)
+                 [recompute, last stage: max_l (fextra_l + sum_{m <= l} fact_m + sum_{m > l} pend_m)
+                  - the stage input, and at least 2 x sum pend_l]
+
+(the backward runs layer j first: while layer l runs its own, the layers after it have left their partial
+sums pending, and in one program the layers before it still hold their residuals; at the end the combined
+reduction holds its operands and results at once).
 
 Collectives are split between the forward and backward executables by the same cut; a value resharded
 alike in both halves is counted in each (each executable runs its own reshard).
@@ -253,8 +262,8 @@ class StageArrays:
 
 
 def stage_arrays(costs: Mapping[tuple[str, int, int], tuple[LayerCost, LayerCost]], keys: Sequence[str],
-                  variants: Sequence[StageVariant], mesh_of: Sequence[int], bs: Sequence[int],
-                  ratio: int) -> StageArrays:
+                 variants: Sequence[StageVariant], mesh_of: Sequence[int], bs: Sequence[int],
+                 ratio: int) -> StageArrays:
     """Each stage's figures from its layers' costs, interpolated in the microbatch between B = 1 and B = r."""
     num_layers, num_k, num_b = len(keys), len(variants), len(bs)
     # per layer, variant, B: t, f, act, in; per layer, variant: state, opt, update
