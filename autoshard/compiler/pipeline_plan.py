@@ -230,7 +230,8 @@ def stage_collectives(priced: PricedStages, choice: StageChoice, num_microbatche
     the forward's and the backward's per microbatch (the layer plans at B = 1 and B = r, linear in the
     microbatch between, as the stage times), summed over the stage's layers, plus the ``boundary`` reshards
     between them (``boundary_collectives``); the backward also runs the forward when it recomputes it or is
-    the last stage's (which fuses it); the apply once per step."""
+    the last stage's (which fuses it), one program in which a value resharded alike for readers in both
+    halves is moved once (``LayerCost.fused_collectives``); the apply once per step."""
     k = choice.submesh_index
     variant = priced.variants[k]
     out: dict[str, dict[str, float]] = {"forward": dict(boundary[0]), "backward": dict(boundary[1]), "apply": {}}
@@ -247,9 +248,10 @@ def stage_collectives(priced: PricedStages, choice: StageChoice, num_microbatche
     for layer in range(choice.first_layer, choice.last_layer + 1):
         big, small = priced.costs[priced.layer_keys[layer], priced.mesh_of[k], MODES.index(variant.mode)]
         add("forward", big.forward_collectives, small.forward_collectives)
-        add("backward", big.backward_collectives, small.backward_collectives)
-        if last or variant.recompute:
-            add("backward", big.forward_collectives, small.forward_collectives)
+        if last or variant.recompute:  # the backward runs the forward too, in one program: a reshard once
+            add("backward", big.fused_collectives, small.fused_collectives)
+        else:
+            add("backward", big.backward_collectives, small.backward_collectives)
         for kind, value in small.apply_collectives.items():
             out["apply"][kind] = out["apply"].get(kind, 0.0) + float(value)
     if last:

@@ -52,6 +52,9 @@ class LayerCost:
     # accumulation), and once per step in the update (the accumulator resharded to each parameter's layout)
     forward_collectives: Mapping[str, float] = field(default_factory=dict)
     backward_collectives: Mapping[str, float] = field(default_factory=dict)
+    # both halves as one program (the last stage, a recomputing stage's backward): a value resharded alike
+    # for readers in either half is moved once
+    fused_collectives: Mapping[str, float] = field(default_factory=dict)
     apply_collectives: Mapping[str, float] = field(default_factory=dict)
     # the whole plan, op by op, for a stage that runs the train graph itself (``runtime/stage_train.py``)
     train_pins: TrainPins | None = None
@@ -162,6 +165,9 @@ def layer_cost(train: LayerTrainGraph, result: IntraOpResult, leaf_update_s: Seq
     for t, c in result.collectives_by_op(part_of):
         side = fwd_c if t >= 0 and part_of(t) == 0 else bwd_c
         side[c.kind] = side.get(c.kind, 0.0) + c.nbytes
+    fused_c: dict[str, float] = {}
+    for _, c in result.collectives_by_op():
+        fused_c[c.kind] = fused_c.get(c.kind, 0.0) + c.nbytes
     act = residual + in_b
     held_peak, pending = backward_apart(sim, set(train.phases.residuals), graph,
                                         result.node_strategies[len(graph.inputs):])
@@ -175,7 +181,7 @@ def layer_cost(train: LayerTrainGraph, result: IntraOpResult, leaf_update_s: Seq
         summary=_describe(train.groups, specs, mesh),
         eqn_out_specs=tuple(None if t is None else tuple(ann.op_out_specs[t]) for t in train.eqn_ops),
         eqn_in_reshards=tuple({} if t is None else dict(ann.op_in_reshards.get(t, {})) for t in train.eqn_ops),
-        forward_collectives=fwd_c, backward_collectives=bwd_c, apply_collectives=apply_c,
+        forward_collectives=fwd_c, backward_collectives=bwd_c, fused_collectives=fused_c, apply_collectives=apply_c,
         train_pins=TrainPins(train.key, len(graph.ops), ann),
         fused_act_bytes=fused_residual + in_b,
         fused_extra_bytes=max(0.0, float(result.peak_bytes) - acc_b - param_b - fused_residual - in_b),

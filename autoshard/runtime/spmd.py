@@ -100,11 +100,35 @@ def partial_result(op: Op, vals: Sequence[Any], deferral: Deferral, out_spec: Sp
                          out_specs=partition_spec(deferral.partial(out_spec)), check_vma=False)(*vals)
 
 
-def pin_op_inputs(vals: list[Any], moves: Mapping[int, Sequence[Spec]] | None, mesh: Mesh) -> list[Any]:
-    """An op's inputs, those the plan reshards pinned through their chains first (``Annotations.op_in_reshards``)."""
+class SharedPins:
+    """Planned reshards made once per (value, chain) within one trace, their result shared by every op that
+    reads the value through that chain: XLA does not merge equal collectives (each ``with_sharding_constraint``
+    of one value became its own all-to-all or collective-permute in a pipeline stage's program), and the
+    planner prices a value resharded to one layout once however many ops read it there (the ILP's shared
+    reshards). Keyed by the value object itself, so a value of another trace never matches."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        self._made: dict[tuple[int, tuple[Spec, ...]], tuple[Any, Any]] = {}
+
+    def __call__(self, value: Any, chain: Sequence[Spec]) -> Any:
+        key = (id(value), tuple(chain))
+        made = self._made.get(key)
+        if made is not None and made[0] is value:
+            return made[1]
+        moved = pin(value, chain, self.mesh)
+        self._made[key] = (value, moved)  # holding value keeps its id from being reused
+        return moved
+
+
+def pin_op_inputs(vals: list[Any], moves: Mapping[int, Sequence[Spec]] | None, mesh: Mesh,
+                  shared: SharedPins | None = None) -> list[Any]:
+    """An op's inputs, those the plan reshards pinned through their chains first (``Annotations.op_in_reshards``);
+    with ``shared``, a value already moved through the same chain in this trace is read as moved."""
     if not moves:
         return vals
-    return [pin(v, moves[i], mesh) if i in moves else v for i, v in enumerate(vals)]
+    move = shared if shared is not None else (lambda v, chain: pin(v, chain, mesh))
+    return [move(v, moves[i]) if i in moves else v for i, v in enumerate(vals)]
 
 
 def pin_op_outputs(vals: list[Any], specs: Sequence[Spec | None] | None, mesh: Mesh) -> list[Any]:
@@ -138,11 +162,13 @@ class SpmdStep:
         makes = {t: d for j, d in ann.deferred.items() for t in (j, *d.chain)}
         reads = {t: d for d in ann.deferred.values() for t in (*d.chain, d.stack)}
 
+        shared = SharedPins(mesh)
+
         def before(op: Op, vals: list[Any]) -> list[Any]:
             moves = ann.op_in_reshards.get(op.id)
             if moves and op.id in reads:  # a partial sum moves in its partial layouts (its leading dims stay)
                 moves = {p: tuple(reads[op.id].partial(s) for s in chain) for p, chain in moves.items()}
-            return pin_op_inputs(vals, moves, mesh)
+            return pin_op_inputs(vals, moves, mesh, shared)
 
         def bind(op: Op, vals: list[Any]) -> list[Any] | None:
             if op.id in ann.deferred:

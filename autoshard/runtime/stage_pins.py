@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 
 from autoshard.ir.spec import Spec
 from autoshard.ir.split import EqnHook, Forward
-from autoshard.runtime.spmd import pin, pin_op_inputs, pin_op_outputs
+from autoshard.runtime.spmd import SharedPins, pin, pin_op_inputs, pin_op_outputs
 from autoshard.runtime.stage_layout import StageLayout
 
 
@@ -76,8 +76,10 @@ def stage_hooks(forward: Forward, layout: StageLayout, mesh: Mesh) -> tuple[EqnH
             return vals
         return [two_way_pin(v, *pins[k], mesh) if k in pins else v for k, v in enumerate(vals)]
 
+    shared = SharedPins(mesh)  # values of every trace of these hooks: keyed by the value object itself
+
     def before(i: int, vals: list[Any]) -> list[Any]:
-        return pin_op_inputs(crossing(vals, edges.get((i, 0))), moves.get(i), mesh)
+        return pin_op_inputs(crossing(vals, edges.get((i, 0))), moves.get(i), mesh, shared)
 
     def after(i: int, vals: list[Any]) -> list[Any]:
         return crossing(pin_op_outputs(vals, outs.get(i), mesh), edges.get((i, 1)))

@@ -46,7 +46,7 @@ from autoshard.ir.split import Forward
 from autoshard.ir.stage_programs import StageProgram
 from autoshard.ir.train_graph import Groups, Unit, input_signature, split_phases, train_graph
 from autoshard.plans.annotations import TrainPins
-from autoshard.runtime.spmd import pin, pin_op_inputs, pin_op_outputs
+from autoshard.runtime.spmd import SharedPins, pin, pin_op_inputs, pin_op_outputs
 
 # ---------------------------------------------------------------------------
 # Running one layer's graph, pinned
@@ -62,6 +62,9 @@ class LayerRunner:
     def __init__(self, graph: OpGraph, groups: Sequence[int], pins: TrainPins, mesh: Mesh) -> None:
         self.graph, self.groups, self.mesh = graph, tuple(groups), mesh
         self.phases = split_phases(graph, groups)
+        # the planned reshards made once per value and chain: where both halves run in one program (the last
+        # stage, a recomputing backward) the backward reads the forward's moved values (the same tracers)
+        self.shared = SharedPins(mesh)
         sizes = dict(mesh.shape)
         ann = pins.annotations
 
@@ -93,8 +96,6 @@ class LayerRunner:
             self.final.append(tuple(s for s in chain if _fits(s, shape(vid), sizes)))
 
     # ---- hooks -------------------------------------------------------------
-    def _before(self, op: Op, vals: list[Any]) -> list[Any]:
-        return pin_op_inputs(vals, self.moves.get(op.id), self.mesh)
 
     def _after(self, op: Op, vals: list[Any]) -> list[Any]:
         return pin_op_outputs(vals, self.out_specs.get(op.id), self.mesh)
@@ -108,7 +109,10 @@ class LayerRunner:
         return [pin(env[self.graph.outputs[k]], self.final[k], self.mesh) for k in positions]
 
     def _run(self, env: dict[ValueId, Any], which: Sequence[Unit]) -> None:
-        self.graph.run_ops(env, which, before_op=self._before, after_op=self._after)
+        def before(op: Op, vals: list[Any]) -> list[Any]:
+            return pin_op_inputs(vals, self.moves.get(op.id), self.mesh, self.shared)
+
+        self.graph.run_ops(env, which, before_op=before, after_op=self._after)
 
     # ---- the two halves ----------------------------------------------------
     def forward(self, params: Sequence[Any], data: Sequence[Any], acts: Sequence[Any]
