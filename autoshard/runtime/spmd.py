@@ -102,10 +102,11 @@ def partial_result(op: Op, vals: Sequence[Any], deferral: Deferral, out_spec: Sp
 
 class SharedPins:
     """Planned reshards made once per (value, chain) within one trace, their result shared by every op that
-    reads the value through that chain: XLA does not merge equal collectives (each ``with_sharding_constraint``
-    of one value became its own all-to-all or collective-permute in a pipeline stage's program), and the
-    planner prices a value resharded to one layout once however many ops read it there (the ILP's shared
-    reshards). Keyed by the value object itself, so a value of another trace never matches."""
+    reads the value through that chain: XLA does not always merge equal reshards (a chain of two or more
+    constraints per reader compiled to one all-to-all or collective-permute per reader, in the MoE pipeline
+    stages three of each; ``tests/sim/test_shared_pins.py``), and the planner prices a value resharded to one
+    layout once however many ops read it there (the ILP's shared reshards). Keyed by the value object
+    itself, so a value of another trace never matches."""
 
     def __init__(self, mesh: Mesh) -> None:
         self.mesh = mesh
