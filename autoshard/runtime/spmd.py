@@ -163,13 +163,14 @@ class SpmdStep:
         makes = {t: d for j, d in ann.deferred.items() for t in (j, *d.chain)}
         reads = {t: d for d in ann.deferred.values() for t in (*d.chain, d.stack)}
 
-        shared = SharedPins(mesh)
+        shared, loop = SharedPins(mesh), self.graph.loop_of()
 
         def before(op: Op, vals: list[Any]) -> list[Any]:
             moves = ann.op_in_reshards.get(op.id)
             if moves and op.id in reads:  # a partial sum moves in its partial layouts (its leading dims stay)
                 moves = {p: tuple(reads[op.id].partial(s) for s in chain) for p, chain in moves.items()}
-            return pin_op_inputs(vals, moves, mesh, shared)
+            # a loop body is a trace of its own: a value moved there must not be read outside it
+            return pin_op_inputs(vals, moves, mesh, shared if loop[op.id] < 0 else None)
 
         def bind(op: Op, vals: list[Any]) -> list[Any] | None:
             if op.id in ann.deferred:

@@ -64,7 +64,7 @@ class LayerRunner:
         self.phases = split_phases(graph, groups)
         # the planned reshards made once per value and chain: where both halves run in one program (the last
         # stage, a recomputing backward) the backward reads the forward's moved values (the same tracers)
-        self.shared = SharedPins(mesh)
+        self.shared, self.loop = SharedPins(mesh), graph.loop_of()
         sizes = dict(mesh.shape)
         ann = pins.annotations
 
@@ -103,14 +103,15 @@ class LayerRunner:
     def _enter(self, env: dict[ValueId, Any], positions: range, vals: Sequence[Any]) -> None:
         for k, x in zip(positions, vals):
             spec = self.in_specs[k]
-            env[self.graph.inputs[k]] = pin(x, (spec,), self.mesh) if spec is not None else x
+            env[self.graph.inputs[k]] = self.shared(x, (spec,)) if spec is not None else x
 
     def _leave(self, env: dict[ValueId, Any], positions: range) -> list[Any]:
         return [pin(env[self.graph.outputs[k]], self.final[k], self.mesh) for k in positions]
 
     def _run(self, env: dict[ValueId, Any], which: Sequence[Unit]) -> None:
-        def before(op: Op, vals: list[Any]) -> list[Any]:
-            return pin_op_inputs(vals, self.moves.get(op.id), self.mesh, self.shared)
+        def before(op: Op, vals: list[Any]) -> list[Any]:  # a loop body is a trace of its own (runtime/spmd.py)
+            shared = self.shared if self.loop[op.id] < 0 else None
+            return pin_op_inputs(vals, self.moves.get(op.id), self.mesh, shared)
 
         self.graph.run_ops(env, which, before_op=before, after_op=self._after)
 
