@@ -36,7 +36,7 @@ from jax.extend import core as jcore
 from autoshard.ir.graph import OpGraph, Role, ValueId
 from autoshard.ir.split import Forward
 from autoshard.ir.stage_programs import LayerEqns, StageProgram, stage_programs
-from autoshard.ir.trace import trace, trace_jaxpr
+from autoshard.ir.trace import trace
 
 Unit: TypeAlias = tuple[int, int]  # ops [start, stop): one op, or a whole top-level loop region
 Groups: TypeAlias = tuple[int, int, int, int, int]  # input counts: accumulators, params, data, activations, cotangents
@@ -151,7 +151,6 @@ class LayerTrainGraph:
     """One layer class's train graph, as the intra-op pass prices it."""
 
     graph: OpGraph
-    num_forward_ops: int  # its first ops are the forward
     groups: Groups  # input counts: accumulators, params, data, activations, cotangents
     key: str  # the layer structure hash: equal keys, one solve
     phases: Phases  # its forward / backward cut, as the runtime runs it (:func:`split_phases`)
@@ -162,12 +161,7 @@ class LayerTrainGraph:
 def layer_graph(fwd: Forward, program: StageProgram, key: str) -> LayerTrainGraph:
     """The train graph of one layer (:func:`train_graph`) and its forward / backward cut."""
     graph, groups = train_graph(fwd, program)
-    run = program.function(fwd)
-    params = [struct_of(fwd, fwd.invars[k]) for k in program.param_leaves]
-    data = [struct_of(fwd, fwd.invars[k]) for k in program.data_leaves]
-    acts = [struct_of(fwd, v) for v in program.in_acts]
-    forward_ops = len(trace_jaxpr(jax.make_jaxpr(lambda p_, d_, a_: run(p_, d_, a_))(params, data, acts)).ops)
-    return LayerTrainGraph(graph, min(forward_ops, len(graph.ops)), groups, key, split_phases(graph, groups),
+    return LayerTrainGraph(graph, groups, key, split_phases(graph, groups),
                            eqn_ops=align_equations(fwd, program.eqns, graph))
 
 

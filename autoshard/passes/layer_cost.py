@@ -117,6 +117,36 @@ def backward_apart(sim: MemorySimulation, residuals: set[ValueId], graph: OpGrap
     return peak, pending
 
 
+def fused_residuals(graph: OpGraph, in_forward: frozenset[int]) -> set[ValueId]:
+    """The values of the forward ops ``in_forward`` that a later op reads: what the forward leaves the backward
+    when both run as one program."""
+    made = {v for t in in_forward for v in graph.ops[t].outputs}
+    return {v for t, op in enumerate(graph.ops) if t not in in_forward for v in op.inputs if v in made}
+
+
+def held_buffers(graph: OpGraph, sim: MemorySimulation, values: set[ValueId]) -> set[ValueId]:
+    """The buffers (activation spans of ``sim``) that hold ``values`` for a later read: a value's own buffer
+    (a view's: its source's); for a value no buffer holds (a fusion recomputes it where it is read), the
+    buffers it is recomputed from, found through its producers up to the graph's inputs (which are counted as
+    arguments, not here)."""
+    buffers = {sp.value for sp in sim.spans if sp.kind == "activation"}
+    producer = {v: op for op in graph.ops for v in op.outputs}
+    inputs = set(graph.inputs)
+    out: set[ValueId] = set()
+    seen: set[ValueId] = set()
+    stack = list(values)
+    while stack:
+        v = sim.buffer_of(stack.pop())
+        if v in seen or v in inputs:
+            continue
+        seen.add(v)
+        if v in buffers:
+            out.add(v)
+        elif v in producer:
+            stack.extend(producer[v].inputs)
+    return out
+
+
 def layer_cost(train: LayerTrainGraph, result: IntraOpResult, leaf_update_s: Sequence[float],
                opt_ratio: float) -> LayerCost:
     """Read a LayerCost off the ILP's plan of one layer (module docstring)."""
@@ -127,21 +157,19 @@ def layer_cost(train: LayerTrainGraph, result: IntraOpResult, leaf_update_s: Seq
     local = [_local_bytes(graph, vid, s, sizes) for vid, s in zip(graph.inputs, specs)]
     acc_b, param_b = sum(local[:na]), sum(local[na:na + npar])
     in_b = sum(local[na + npar + nd:na + npar + nd + nact])
-    nf = train.num_forward_ops
+    # the forward as the runtime runs it (``Phases``): jax.vjp interleaves the JVP rules' derivative factors with
+    # the primal ops, so the forward is not a prefix of the graph's ops
+    in_forward = train.phases.forward_ops()
 
     def held(vids: Any) -> float:
         return sum(_local_bytes(graph, v, result.value_specs[v], sizes) for v in vids if v in result.value_specs)
 
-    fwd_values = {v for op in graph.ops[:nf] for v in op.outputs}
-    read_later = {v for op in graph.ops[nf:] for v in op.inputs}
     sim = memory_simulation(graph, result.value_specs, sizes, result.reshards,
                             result.node_strategies[len(graph.inputs):], mesh.cluster.f32_compute_dtypes)
-    # run as one program, the residuals are the buffers they live in (a view: its source's; a value the fusions
-    # recompute in the backward: none)
-    buffers = {sp.value for sp in sim.spans if sp.kind == "activation"}
-    fused_residual = held({sim.buffer_of(v) for v in fwd_values & read_later} & buffers)
+    fused_residual = held(held_buffers(graph, sim, fused_residuals(graph, in_forward)))
     residual = held(train.phases.residuals)
-    forward_s = float(sum(result.op_compute_s[:nf]) + sum(result.op_comm_s[:nf]))
+    forward = sorted(in_forward)
+    forward_s = float(np.sum(np.asarray(result.op_compute_s)[forward]) + np.sum(np.asarray(result.op_comm_s)[forward]))
     update_s = 0.0
     apply_c: dict[str, float] = {}
     for p in range(npar):
@@ -156,7 +184,6 @@ def layer_cost(train: LayerTrainGraph, result: IntraOpResult, leaf_update_s: Seq
             for c in moved.collectives:
                 apply_c[c.kind] = apply_c.get(c.kind, 0.0) + c.nbytes
     ann = annotations_from(result)
-    in_forward = train.phases.forward_ops()  # as the runtime runs it: forward and backward two programs
 
     def part_of(t: int) -> int:
         return 0 if t in in_forward else 1

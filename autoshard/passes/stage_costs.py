@@ -27,7 +27,7 @@ independent of depth but for the DP itself.
 Per layer l on a variant, with the ILP's plan (storage specs, value specs):
 
     t_l        = the plan's step seconds (compute + collectives + resharding) per microbatch
-    f_l        = the seconds of its forward ops (the train graph's first ops)
+    f_l        = the seconds of its forward ops (the forward executable's, ``split_phases``)
     state_l    = parameters + gradient accumulator per device, in their storage layouts
     opt_l      = r_opt x accumulator bytes (the optimizer state kept in the accumulator's layout)
     u_l        = once per step: the optimizer's per-op rooflines on the accumulator's shard, plus
@@ -40,7 +40,8 @@ Per layer l on a variant, with the ILP's plan (storage specs, value specs):
     pend_l     = the partial sums of the ops feeding only the accumulated gradients (XLA reduces a
                  stage's gradients in one combined collective after its whole backward)
     fact_l, fextra_l = the residuals and the rest of the peak when forward and backward run as one
-                 program (the forward's values read by any later op, as the buffers they live in)
+                 program (the forward's values read by any later op, as the buffers they live in;
+                 a value a fusion recomputes where it is read holds the buffers it is made from)
 
 and a stage i..j (recompute: the backward re-runs the stage forward from its input; the last stage fuses
 its forward into its backward, so it keeps what a recomputing stage keeps)::

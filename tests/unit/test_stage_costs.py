@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -223,3 +224,51 @@ def test_stage_memory_holds_residuals_and_combined_gradient_reductions(shallow):
     # activations): 10.5, above the combined 2 x 5. (Every residual held through the peak would say 12.5.)
     assert work[1, 2] == pytest.approx(10.5)
     assert work[2, 2] == pytest.approx(2 + 3 - 0.5)
+
+
+def test_a_layer_forward_is_its_forward_executable_not_a_prefix_of_its_ops():
+    """``jax.vjp`` interleaves the JVP rules' derivative factors with the primal ops, so a layer's forward is
+    not the first ops of its train graph: its forward seconds and the residuals it holds in one program are
+    read from the forward the runtime cuts (``Phases``). Checked additively: an attention layer and the MLP
+    after it, priced alone and as one layer, have the forward seconds and one-program residuals of the two
+    added (a prefix cut kept 1.38e-5 of the MLP's 3.74e-5 forward seconds and 49 of its 115 KB)."""
+    from autoshard.ir.split import split_step
+    from autoshard.ir.trace import step_jaxpr
+    from autoshard.ir.train_graph import layer_graph, one_layer_programs
+    from autoshard.meshes.cluster import PRESETS
+    from autoshard.meshes.logical import make_logical_mesh
+    from autoshard.passes.layers import cluster_layers
+    from autoshard.passes.stage_costs import StageCostOptions, _solve
+
+    work = gpt.workload(dataclasses.replace(BASE, num_layers=4), abstract=True)
+    tx = optax.sgd(1e-3)
+
+    def step(params, opt_state, batch):
+        loss, grads = autoshard.value_and_grad(work.loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params, batch = work.args[0], work.args[-1]
+    fwd = split_step(step_jaxpr(step, params, jax.eval_shape(tx.init, params), batch)[0]).forward
+    layers = cluster_layers(fwd, 8)
+    tanh = [i for i, layer in enumerate(layers) if any(fwd.eqns[e].eqn.primitive.name == "tanh" for e in layer.eqns)
+            and not any(fwd.eqns[e].eqn.primitive.name == "exp" for e in layer.eqns)]
+    mlp = next(i for i in tanh if i > 0 and any(fwd.eqns[e].eqn.primitive.name == "exp" for e in layers[i - 1].eqns))
+    eqns = [layer.eqns for layer in layers]
+    alone = one_layer_programs(fwd, eqns)
+    together = one_layer_programs(fwd, eqns[:mlp - 1] + [eqns[mlp - 1] + eqns[mlp]] + eqns[mlp + 1:])[mlp - 1]
+    mesh = make_logical_mesh(PRESETS["cpu-8"], (1,), device_indices=(0,))
+    options = StageCostOptions(time_limit_s=2.0)
+
+    def cost(program, key):
+        train = layer_graph(fwd, program, key)
+        return train, _solve(train, mesh, "fast", [0.0] * len(program.param_leaves), 0.0, options)
+
+    (attn_train, attn), (_, dense), (_, both) = (cost(alone[mlp - 1], "attention"), cost(alone[mlp], "mlp"),
+                                                 cost(together, "block"))
+    in_forward = attn_train.phases.forward_ops()
+    assert max(in_forward) >= len(in_forward)  # not a prefix: backward ops come before its last forward op
+    assert both.forward_s == pytest.approx(attn.forward_s + dense.forward_s, rel=0.01)
+    assert both.forward_s < both.time_s
+    # the MLP's input (the attention's output) is a residual of the block, and an input of the MLP alone
+    assert both.fused_act_bytes == pytest.approx(attn.fused_act_bytes + dense.fused_act_bytes, rel=0.02)
