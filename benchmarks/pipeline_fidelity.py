@@ -6,8 +6,9 @@ kind, and each stage's peak memory).
     python -m benchmarks.pipeline_fidelity [--cells gpt:tiny:2x8-a100 ...] [--time-limit 10]
         [--out benchmarks/PIPELINE_FIDELITY.md]
 
-A cell is ``model:config:cluster`` (the two-node GPT and MoE cells of ``benchmarks/run.py``, at the configs
-that compile here). Targets (issue
+A cell is ``model:config:cluster`` or ``model:config@batch:cluster`` (the config at another global batch, as
+``benchmarks/run.py`` runs gpt-xl at 8): the two-node GPT and MoE cells of ``benchmarks/run.py``, at the configs
+that compile here. Targets (issue
 "Scanned stacks ... pipeline fidelity", item 4): collectives within 10%, peak memory within 15%, on every
 figure checked. Figures a stage cannot check (an estimate: its backward on the jax.vjp path) are counted
 apart. Exit status 1 when a checked figure is off.
@@ -72,11 +73,13 @@ def _marked_step(work: object) -> object:
 
 def measure(cell: str, time_limit_s: float) -> StageFidelity:
     model, config, cluster = cell.split(":")
+    config, _, batch = config.partition("@")
     spec = autoshard.PRESETS[cluster]
     if spec.num_devices > len(jax.devices()):
         raise SystemExit(f"{cell} needs {spec.num_devices} devices; this process has {len(jax.devices())} "
                          f"(set XLA_FLAGS={_DEVICE_FLAG}={spec.num_devices})")
-    work = importlib.import_module(f"examples.{model}").workload(config, abstract=True)
+    work = importlib.import_module(f"examples.{model}").workload(config, abstract=True,
+                                                                  batch_size=int(batch) if batch else None)
     start = time.perf_counter()
     found = plan_pipeline(_marked_step(work), work.args, PipelineRequest(
         cluster=cluster, num_devices=spec.num_devices, options=IntraOpOptions(time_limit_s=time_limit_s),
