@@ -45,6 +45,10 @@ Decomposition. Candidates, the cheapest wins (ties, up to rounding: the earlier 
    permute; ``S(x)R -> RS(x,y)`` on a large array slices y, moves x into
    ``RS(y,x)`` and permutes: all as XLA does them.
 3. One collective-permute, when every target tile lies inside a source tile.
+4. Two dimensions trading their minor-most axes of sizes that divide (``S(y)S(x)R -> S(x)S(y)R`` with
+   |y| = 4, |x| = 2): XLA splits the larger axis, moves its extra sub-axis with one all-to-all and relabels
+   the rest with one collective-permute, each of the shard's bytes (checked on a (2, 4) CPU mesh, unpinned);
+   whole-axis plans would gather a whole axis first.
 
 Consecutive all-gathers of one dimension merge into one over their axes
 (priced hierarchically by ``meshes.cost.all_gather_s``); like XLA, different
@@ -227,12 +231,38 @@ class _Context:
             permute: _Raw = ("collective-permute", moved, dst, dst)
             if best is None or self.price(self.sized(permute)) < best[0] * _TIE:
                 best = (self.price(self.sized(permute)), (permute,))
+        swapped = self._swapped(src, dst)
+        if swapped is not None and (best is None or sum(self.price(self.sized(step)) for step in swapped)
+                                    < best[0] * _TIE):
+            best = (sum(self.price(self.sized(step)) for step in swapped), swapped)
         assert best is not None
         seconds, plan = best
         path: list[Layout] = []
         for _, _, before, after in plan:
             path += [layout for layout in (before, after) if layout not in (src, dst, *path[-1:])]
         return seconds, tuple(map(self.sized, plan)), tuple(path)
+
+    def _swapped(self, src: Layout, dst: Layout) -> tuple[_Raw, ...] | None:
+        """Candidate 4: two dimensions trade their minor-most axes a and b whose sizes divide (|b| = k |a|,
+        k >= 2), everything else kept. XLA splits the larger axis into sub-axes (b = b1 x b2, |b1| = |a|),
+        moves b2 across with one all-to-all (k devices, the shard's bytes; priced over the whole axis b, an
+        upper bound) and relabels b1 and a by one collective-permute of the shard: the tile shape is the same
+        before and after. The middle layout names a sub-axis, so the plan has no path: XLA takes it unpinned."""
+        changed = [d for d, (s, t) in enumerate(zip(src, dst)) if s != t]
+        if len(changed) != 2:
+            return None
+        i, j = changed
+        si, sj, di, dj = src[i], src[j], dst[i], dst[j]
+        if not (si and sj and di and dj) or si[:-1] != di[:-1] or sj[:-1] != dj[:-1]:
+            return None
+        if not (si[-1] == dj[-1] and sj[-1] == di[-1]):
+            return None
+        big, small = sorted((si[-1], sj[-1]), key=self.sizes.__getitem__, reverse=True)
+        if self.sizes[big] == self.sizes[small] or self.sizes[big] % self.sizes[small]:
+            return None
+        if any(size % n for layout in (src, dst) for size, n in zip(self.shape, self.counts(layout))):
+            return None  # padded tiles: XLA's sub-axis plan is not checked there
+        return (("all-to-all", (big,), src, dst), ("collective-permute", (small, big), src, dst))
 
     def sized(self, step: _Raw) -> Step:
         """A step with its per-device nbytes as HLO shows it: an all-gather's (padded) result, else the buffer."""

@@ -87,11 +87,24 @@ def test_hand_worked(mesh, src, dst, expected, seconds):
     ("x,y;", ";x", "y,x;|y;x"),
     ("x;y", ";x,y", ";y,x"),
     ("x,y;", "y;", "y,x;"),
-    ("x;y", "y;x", ";y|y;"),  # gather x (the smaller result), all-to-all y, slice x
+    # the two dimensions trade x and y (|y| = 2 |x|): XLA moves half of y with an all-to-all and relabels the
+    # rest with a permute, through a layout on a sub-axis of y that no Spec names: nothing to pin
+    ("x;y", "y;x", ""),
 ])
 def test_path_lists_the_layouts_to_pin(mesh, src, dst, path):
     r = reshard(SHAPE, 4, spec(src), spec(dst), mesh)
     assert r.path == tuple(spec(p) for p in path.split("|") if p)
+
+
+@pytest.mark.parametrize("src,dst", [("x;y", "y;x"), ("y;x", "x;y")])
+def test_two_dimensions_trading_their_axes_is_an_all_to_all_and_a_permute_of_the_shard(mesh, src, dst):
+    """Candidate 4, as XLA:CPU compiles S(x)S(y) -> S(y)S(x) unpinned on a (2, 4) mesh ([1024, 2048] f32: an
+    all-to-all of two [1, 256, 512] pieces over half of y, then a permute of the [256, 1024] shard), where a
+    whole-axis plan gathers x first (a 4 MiB result, then a 2 MiB all-to-all)."""
+    r = reshard(SHAPE, 4, spec(src), spec(dst), mesh)
+    shard = SHAPE[0] * SHAPE[1] * 4 / 8
+    assert kinds(r) == [("all-to-all", ("y",), shard), ("collective-permute", ("x", "y"), shard)]
+    assert r.path == ()
 
 
 def test_small_arrays_take_fewer_collectives(mesh):
