@@ -175,8 +175,11 @@ def lerp_microbatch(big: float, small: float, ratio: int, num_microbatches: int)
     return max(0.0, small + (big - small) * x)
 
 
-def _solve(train: LayerTrainGraph, mesh: LogicalMesh, mode: str, update: Sequence[float], opt_ratio: float,
-           options: StageCostOptions) -> LayerCost:
+def solve_layer(train: LayerTrainGraph, mesh: LogicalMesh, mode: str, update: Sequence[float], opt_ratio: float,
+                options: StageCostOptions) -> LayerCost:
+    """One layer class's train graph planned by the intra-op pass on ``mesh`` in ``mode`` (``lean`` and ``dp``
+    pin the classic storage layouts), read as a LayerCost; a layer over the budget is priced anyway (the DP
+    rejects what does not fit)."""
     budget = options.memory_budget_bytes if math.isfinite(options.memory_budget_bytes) else None
     opts = IntraOpOptions(time_limit_s=options.time_limit_s, memory_budget_bytes=budget, classic_starts=False)
     if mode in ("lean", "dp"):
@@ -227,7 +230,7 @@ def solve_layers(layer_graphs: Sequence[tuple[LayerTrainGraph, LayerTrainGraph]]
                         log.info("pricing layer class %s on %s (%s, microbatch of %d)", big.key[:8],
                                  "x".join(map(str, mesh.shape)), mode, size)
                     pair.append(solves.cost(settings, solve_key,
-                                            lambda t=train: _solve(t, mesh, mode, update, opt_ratio, options)))
+                                            lambda t=train: solve_layer(t, mesh, mode, update, opt_ratio, options)))
                 costs[key] = (pair[0], pair[1])
 
     lean_meshes: set[int] = set()
@@ -421,7 +424,7 @@ def at_chosen_microbatch(priced: PricedStages, plan: StagePlan, graphs: Sequence
                 continue
             train = graphs[layer]
             solve_key = SolveKey(train.key, variant.submesh, variant.mesh_shape, global_batch // b, variant.mode)
-            at_b = solves.cost(priced.settings, solve_key, lambda t=train, mesh=mesh, u=leaf_update_s[layer]: _solve(
+            at_b = solves.cost(priced.settings, solve_key, lambda t=train, mesh=mesh, u=leaf_update_s[layer]: solve_layer(
                 t, mesh, variant.mode, u, priced.settings.opt_ratio, options))
             costs[key] = (at_b, at_b)
     # the plan's memory is the chosen stages' at B (the DP chose on the interpolated figures, kept for its times)

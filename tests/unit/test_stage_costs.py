@@ -238,7 +238,7 @@ def test_a_layer_forward_is_its_forward_executable_not_a_prefix_of_its_ops():
     from autoshard.meshes.cluster import PRESETS
     from autoshard.meshes.logical import make_logical_mesh
     from autoshard.passes.layers import cluster_layers
-    from autoshard.passes.stage_costs import StageCostOptions, _solve
+    from autoshard.passes.stage_costs import StageCostOptions, solve_layer
 
     work = gpt.workload(dataclasses.replace(BASE, num_layers=4), abstract=True)
     tx = optax.sgd(1e-3)
@@ -262,7 +262,7 @@ def test_a_layer_forward_is_its_forward_executable_not_a_prefix_of_its_ops():
 
     def cost(program, key):
         train = layer_graph(fwd, program, key)
-        return train, _solve(train, mesh, "fast", [0.0] * len(program.param_leaves), 0.0, options)
+        return train, solve_layer(train, mesh, "fast", [0.0] * len(program.param_leaves), 0.0, options)
 
     (attn_train, attn), (_, dense), (_, both) = (cost(alone[mlp - 1], "attention"), cost(alone[mlp], "mlp"),
                                                  cost(together, "block"))
