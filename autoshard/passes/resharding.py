@@ -232,9 +232,10 @@ class _Context:
             if best is None or self.price(self.sized(permute)) < best[0] * _TIE:
                 best = (self.price(self.sized(permute)), (permute,))
         swapped = self._swapped(src, dst)
-        if swapped is not None and (best is None or sum(self.price(self.sized(step)) for step in swapped)
-                                    < best[0] * _TIE):
-            best = (sum(self.price(self.sized(step)) for step in swapped), swapped)
+        if swapped is not None:
+            seconds = sum(self.price(self.sized(step)) for step in swapped)
+            if best is None or seconds < best[0] * _TIE:
+                best = (seconds, swapped)
         assert best is not None
         seconds, plan = best
         path: list[Layout] = []
