@@ -168,8 +168,7 @@ def layer_cost(train: LayerTrainGraph, result: IntraOpResult, leaf_update_s: Seq
                             result.node_strategies[len(graph.inputs):], mesh.cluster.f32_compute_dtypes)
     fused_residual = held(held_buffers(graph, sim, fused_residuals(graph, in_forward)))
     residual = held(train.phases.residuals)
-    forward = sorted(in_forward)
-    forward_s = float(np.sum(np.asarray(result.op_compute_s)[forward]) + np.sum(np.asarray(result.op_comm_s)[forward]))
+    forward_s = float(sum(result.op_compute_s[t] + result.op_comm_s[t] for t in sorted(in_forward)))
     update_s = 0.0
     apply_c: dict[str, float] = {}
     for p in range(npar):

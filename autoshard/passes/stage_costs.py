@@ -58,7 +58,8 @@ sums pending, and in one program the layers before it still hold their residuals
 reduction holds its operands and results at once).
 
 Collectives are split between the forward and backward executables by the same cut; a value resharded
-alike in both halves is counted in each (each executable runs its own reshard).
+alike in both halves is counted in each (each executable runs its own reshard), and once where both halves
+run as one program (the last stage, a recomputing backward: ``LayerCost.fused_collectives``).
 
 Transfers after layer j from variant k1 to k2: the activation forward and its
 gradient back, each ``cross_mesh_send_s`` over the link the two sub-meshes

@@ -16,23 +16,14 @@ from autoshard.compiler.pipeline_driver import plan_pipeline
 from autoshard.passes.stage_costs import logical_shapes, stage_submeshes
 from autoshard.passes.stages import StageInfeasibleError, evaluate_stages, solve_stages
 from examples import gpt
+from pipeline_helpers import marked_step
 
 BASE = dataclasses.replace(gpt.CONFIGS["small"], d_model=32, num_heads=2, seq_len=8, batch_size=8)
 
 
-def _marked_step(work, tx):
-    """The workload's train step with its loss marked for pipelining (``autoshard.value_and_grad``)."""
-    def step(params, opt_state, batch):
-        loss, grads = autoshard.value_and_grad(work.loss_fn)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return step
-
-
 def _plan(num_layers: int, config=BASE, **kwargs):
     work = gpt.workload(dataclasses.replace(config, num_layers=num_layers), abstract=True)
-    step = _marked_step(work, optax.adamw(1e-3))
+    step = marked_step(work.loss_fn, optax.adamw(1e-3))
     kwargs.setdefault("num_stages", 2)
     kwargs.setdefault("num_microbatches", 2)
     return plan_pipeline(step, work.args, PipelineRequest(cluster="cpu-8", num_devices=8, num_layers=num_layers,
@@ -120,7 +111,7 @@ def test_recomputation_is_searched_per_stage():
 
 def test_uniform_gpipe_baseline_is_equal_data_parallel_stages():
     work = gpt.workload(dataclasses.replace(BASE, num_layers=4), abstract=True)
-    step = _marked_step(work, optax.adamw(1e-3))
+    step = marked_step(work.loss_fn, optax.adamw(1e-3))
     plan = plan_uniform_gpipe(step, work.args, cluster="cpu-8", num_devices=8, num_layers=4)
     assert plan.schedule == "gpipe" and len(plan.stages) == 2
     assert [(s.first_layer, s.last_layer) for s in plan.stages] == [(0, 1), (2, 3)]
@@ -240,7 +231,7 @@ def test_a_layer_forward_is_its_forward_executable_not_a_prefix_of_its_ops():
 
     work = gpt.workload(dataclasses.replace(BASE, num_layers=4), abstract=True)
     tx = optax.sgd(1e-3)
-    step = _marked_step(work, tx)
+    step = marked_step(work.loss_fn, tx)
     params, batch = work.args[0], work.args[-1]
     fwd = split_step(step_jaxpr(step, params, jax.eval_shape(tx.init, params), batch)[0]).forward
     layers = cluster_layers(fwd, 8)
