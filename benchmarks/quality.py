@@ -168,10 +168,17 @@ class CellResult:
         return min((b for b in self.baselines if b.fits and b.compiled is not None),
                    key=lambda b: b.compiled.step_s, default=None)  # type: ignore[union-attr]
 
+    @property
+    def compiled_answer(self) -> CompiledRow | None:
+        """What autoshard returns (``answer``: its SPMD plan after compiled arbitration, or the pipeline it
+        chose) priced from its compiled program(s); None when not compiled or over the budget."""
+        mine = self.answer
+        return mine.compiled if mine is not None and mine.fits else None
+
     def compiled_speedup_over(self, row: StrategyRow | None) -> float | None:
-        """``row``'s compiled step over autoshard's (both priced from their HLO); None when either is missing,
-        or autoshard's plan is over the budget."""
-        mine = self.autoshard.compiled if self.autoshard is not None and self.autoshard.fits else None
+        """``row``'s compiled step over autoshard's answer's (both priced from their HLO); None when either is
+        missing, or autoshard's plan is over the budget."""
+        mine = self.compiled_answer
         if mine is None or row is None or row.compiled is None or mine.step_s <= 0:
             return None
         return row.compiled.step_s / mine.step_s
@@ -417,15 +424,58 @@ def _with_pipeline(result: CellResult, cell: Cell, workload: Workload, options: 
         return result
     plan = piped.plan
     stages = " | ".join(f"L{s.first_layer}-{s.last_layer}@{'x'.join(map(str, s.mesh_shape))}" for s in plan.stages)
-    return replace(result, pipeline=_pipeline_row("pipeline", plan), pipeline_s=seconds,
+    rows = []
+    for name, made in (("pipeline", plan), (UNIFORM_GPIPE, gpipe)):
+        priced = None
+        if cell.compiled:
+            say(f"compiling the {name} stage by stage")
+            priced = pipeline_compiled(made, step, workload.args)
+        rows.append(_pipeline_row(name, made, priced))
+    return replace(result, pipeline=rows[0], pipeline_s=seconds,
                    pipeline_decisions=plan_decisions(plan),
                    pipeline_stages=f"{len(plan.stages)} stages [{stages}] B={plan.num_microbatches} {plan.schedule}",
-                   baselines=(*result.baselines, _pipeline_row(UNIFORM_GPIPE, gpipe)))
+                   baselines=(*result.baselines, rows[1]))
 
 
-def _pipeline_row(name: str, plan: Plan) -> StrategyRow:
+def _pipeline_row(name: str, plan: Plan, compiled: CompiledRow | None = None) -> StrategyRow:
     led = plan.ledger
-    return StrategyRow(name, plan.step_s, led.peak_memory_bytes, plan.fits, None, led.compute_s, led.comm_s, 0.0)
+    return StrategyRow(name, plan.step_s, led.peak_memory_bytes, plan.fits, None, led.compute_s, led.comm_s, 0.0,
+                       compiled)
+
+
+def pipeline_compiled(plan: Plan, step: Callable[..., object], args: Sequence[object]) -> CompiledRow | None:
+    """A pipeline plan's stage executables compiled in this process and its step priced from them
+    (``compiler/verify_pipeline.compiled_pipeline_price``); None (logged) when a stage needs more devices than
+    this process has, or compiling fails.
+
+    Each executable runs on its own stage's devices only, so a plan for more devices than this process
+    simulates (16 on two nodes, 8 here) is compiled with its device indices wrapped onto the devices present
+    (index i on device i mod 8): an executable's HLO names its devices by their position in the stage's mesh,
+    and the price reads the stage's own devices of the cluster (node crossings included), so both are as on
+    the cluster. A stage whose indices collide once wrapped is not compiled.
+    """
+    import jax
+
+    from autoshard.compiler.verify_pipeline import compiled_pipeline_price
+    from autoshard.runtime.run import run
+
+    present = jax.devices()
+    for st in plan.stages:
+        if len({i % len(present) for i in st.device_indices}) < len(st.device_indices):
+            log.warning("%s: stage %d needs %d distinct devices, this process has %d: not compiled", plan.name,
+                        st.index, len(st.device_indices), len(present))
+            return None
+    needed = max(i for st in plan.stages for i in st.device_indices) + 1
+    start = time.perf_counter()
+    try:
+        compiled = run(plan, step, [present[i % len(present)] for i in range(needed)]).lower(*args).compile()
+        price = compiled_pipeline_price(plan, compiled)
+    except Exception:  # noqa: BLE001 — a benchmark records the failure and keeps the modeled row
+        log.exception("%s: compiling the pipeline failed", plan.name)
+        return None
+    log.info("%s compiled in %.0f s:\n%s", plan.name, time.perf_counter() - start, price)
+    return CompiledRow(price.step_s, price.busy_compute_s, price.busy_collectives_s, math.nan, math.nan, True,
+                       price.cross_node_collectives, "here, stage by stage")
 
 
 def _long_solve(comparison: Comparison, options: IntraOpOptions, time_limit_s: float) -> LongSolve | None:

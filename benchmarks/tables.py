@@ -81,7 +81,7 @@ def _objective(r: CellResult) -> str:
 
 def _compiled_cells(r: CellResult) -> tuple[str, str, str]:
     """autoshard's compiled step, the fastest compiled classic that fits, and the speedup between them."""
-    mine = r.autoshard.compiled if r.autoshard is not None else None
+    mine = r.compiled_answer
     best = r.compiled_fallback
     return (fmt_s(mine.step_s) if mine else "—",
             f"{best.name} {fmt_s(best.compiled.step_s)}" if best and best.compiled else "—",
@@ -136,11 +136,12 @@ def baselines_table(results: Sequence[CellResult]) -> TextTable:
         if r.autoshard is None:
             rows.append((str(r.cell), "—", "—", "—", "—", "—", "—", "—", "—", r.error or "", "—", "—", "—"))
             continue
-        for s in (r.autoshard, *r.baselines):
+        for s in (r.autoshard, *r.baselines, *((r.pipeline,) if r.pipeline is not None else ())):
             speedup = s.step_s / r.autoshard.step_s if r.autoshard.step_s > 0 else math.nan
             c = s.compiled
             priced = f"{fmt_s(c.step_s)} ({fmt_s(c.compute_s)} + {fmt_s(c.collectives_s)})" if c else "—"
-            errors = (f"{c.flops_error:.1%} / {c.bytes_error:.1%}" + ("" if c.ok else " OFF")) if c else "—"
+            errors = ("—" if c is None else "not compared (stage by stage)" if math.isnan(c.flops_error)
+                      else f"{c.flops_error:.1%} / {c.bytes_error:.1%}" + ("" if c.ok else " OFF"))
             rows.append((str(r.cell), s.name, fmt_s(s.step_s), fmt_s(s.compute_s), fmt_s(s.comm_s),
                          fmt_s(s.reshard_s), fmt_bytes(s.peak_bytes), "yes" if s.fits else "NO",
                          _ceiling(s.batch_ceiling), "" if s is r.autoshard else f"{speedup:.2f}x", priced,

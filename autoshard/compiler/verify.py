@@ -211,22 +211,26 @@ def _axes_of_size(mesh: LogicalMesh, group_size: int) -> tuple[str, ...]:
     return best
 
 
-def compiled_price(plan: Plan, summary: CompiledSummary) -> CompiledPrice:
-    """What the compiled program costs on ``plan.cluster``: its own FLOPs at the peaks the plan's ops run at
-    (``Ledger.flops_by_dtype``: bf16 dots of a fp32-master step at the bf16 peak; a plan without that split,
-    at the parameters' dtype, TF32 for float32), its bytes accessed at HBM bandwidth, and each collective at
-    its replica groups' links and node crossings (``collective_price_s``)."""
+def seconds_per_flop(plan: Plan) -> float:
+    """Seconds per FLOP at the peaks the plan's ops run at (``Ledger.flops_by_dtype``: bf16 dots of a
+    fp32-master step at the bf16 peak; a plan without that split, at the parameters' dtype, TF32 for
+    float32), averaged over the plan's mix of FLOPs."""
     cluster = plan.cluster
-    mesh = make_logical_mesh(cluster, tuple(plan.mesh_shape), tuple(plan.axis_names))
     split = {d: f for d, f in plan.ledger.flops_by_dtype.items() if f > 0}
-    if split:  # seconds per FLOP, averaged over the plan's mix of peaks
-        seconds_per_flop = sum(f / cluster.peak_flops(d) for d, f in split.items()) / sum(split.values())
-    else:
-        dtypes = [dtype for p, (_shape, dtype) in plan.input_shapes.items() if plan.input_roles.get(p) == "param"]
-        dtype = max(set(dtypes), key=dtypes.count) if dtypes else "float32"
-        seconds_per_flop = 1.0 / cluster.peak_flops("tfloat32" if dtype == "float32" else dtype)
+    if split:
+        return sum(f / cluster.peak_flops(d) for d, f in split.items()) / sum(split.values())
+    dtypes = [dtype for p, (_shape, dtype) in plan.input_shapes.items() if plan.input_roles.get(p) == "param"]
+    dtype = max(set(dtypes), key=dtypes.count) if dtypes else "float32"
+    return 1.0 / cluster.peak_flops("tfloat32" if dtype == "float32" else dtype)
+
+
+def price_summary(summary: CompiledSummary, mesh: LogicalMesh, per_flop_s: float,
+                  input_s: float = 0.0) -> CompiledPrice:
+    """One compiled program on ``mesh`` (its cluster and the devices it runs on): its FLOPs at
+    ``per_flop_s``, its bytes accessed at HBM bandwidth, each collective at its replica groups' links and
+    node crossings (``collective_price_s``)."""
     flops, nbytes = float(summary.flops or 0.0), float(summary.bytes_accessed or 0.0)
-    compute = max(flops * seconds_per_flop, nbytes / cluster.memory_bandwidth_bytes_per_s)
+    compute = max(flops * per_flop_s, nbytes / mesh.cluster.memory_bandwidth_bytes_per_s)
     seconds = crossing_bytes = 0.0
     crossing = 0
     for c in summary.collectives:
@@ -234,7 +238,14 @@ def compiled_price(plan: Plan, summary: CompiledSummary) -> CompiledPrice:
         if crosses_nodes(mesh, c):
             crossing += c.count
             crossing_bytes += float(c.nbytes * c.count)
-    return CompiledPrice(compute, seconds, flops, nbytes, crossing, crossing_bytes, plan.ledger.input_s)
+    return CompiledPrice(compute, seconds, flops, nbytes, crossing, crossing_bytes, input_s)
+
+
+def compiled_price(plan: Plan, summary: CompiledSummary) -> CompiledPrice:
+    """What the compiled program of an SPMD ``plan`` costs on ``plan.cluster`` (``price_summary`` at the
+    plan's peaks, ``seconds_per_flop``), with the batch's arrival the ledger prices."""
+    mesh = make_logical_mesh(plan.cluster, tuple(plan.mesh_shape), tuple(plan.axis_names))
+    return price_summary(summary, mesh, seconds_per_flop(plan), plan.ledger.input_s)
 
 
 def verify_compiled(plan: Plan, compiled: Any) -> FidelityReport:

@@ -30,6 +30,13 @@ per-microbatch activations in flight (what the runtime keeps from the forward: i
 stage, whose forward runs inside its backward, the backward's activation
 inputs) times the stage's in-flight count, plus the largest temporary buffer of
 the forward and backward. Tolerances are verify.py's.
+
+``compiled_pipeline_price`` prices the step from those executables, as ``verify.compiled_price`` prices an
+SPMD program: each executable's FLOPs, bytes accessed and HLO collectives on its stage's devices, stage s
+taking forward + backward + apply / B per microbatch (the stage DP's own split,
+``passes/stage_costs.price_stage_variants``), composed by the plan's schedule with the formula the stage DP
+optimised (``plans/schedules.flush_step_s``, ``interleaved_step_s``). The sends between stages run in no
+executable: they keep the plan's price.
 """
 from __future__ import annotations
 
@@ -40,9 +47,12 @@ from typing import Any
 import numpy as np
 
 from autoshard.compiler.hlo import CompiledSummary, summarize_compiled
-from autoshard.compiler.verify import (MEMORY_IMMATERIAL_BYTES, MEMORY_TOLERANCE, FidelityRow, FidelityRows,
-                                       collective_rows)
+from autoshard.compiler.verify import (MEMORY_IMMATERIAL_BYTES, MEMORY_TOLERANCE, CompiledPrice, FidelityRow,
+                                       FidelityRows, collective_rows, price_summary, seconds_per_flop)
+from autoshard.meshes.logical import make_logical_mesh
+from autoshard.plans.ledger import fmt_s
 from autoshard.plans.plan import Plan
+from autoshard.plans.schedules import flush_step_s, interleaved_step_s
 from autoshard.runtime.pipeline_lower import PipelineCompiled
 
 ACTIONS = ("forward", "backward", "apply")
@@ -149,3 +159,74 @@ def verify_pipeline(plan: Plan, compiled: PipelineCompiled) -> PipelineFidelityR
         rows.append(FidelityRow(f"stage {stage.index} peak memory bytes", float(stage.memory.peak_bytes),
                                 compiled_peak, MEMORY_TOLERANCE, MEMORY_IMMATERIAL_BYTES))
     return PipelineFidelityReport(tuple(rows), summaries, tuple(notes))
+
+
+@dataclass(frozen=True)
+class PipelinePrice:
+    """A pipeline plan's step priced from its compiled stage executables (``compiled_pipeline_price``)."""
+
+    executables: Mapping[str, CompiledPrice]  # "stage s forward" -> one call's price
+    stage_s: tuple[float, ...]  # per stage, per microbatch: forward + backward + apply / B
+    modeled_stage_s: tuple[float, ...]  # the plan's figure for the same (``PipelineStage.time_s``)
+    transfer_s: tuple[float, ...]  # between consecutive stages, per microbatch: the plan's (module docstring)
+    step_s: float
+    modeled_step_s: float
+    busy_compute_s: float  # over one step, on the busiest device group: its executables' compute
+    busy_collectives_s: float  # ... and their collectives
+    cross_node_collectives: int  # collectives run per step (every executable, its calls) whose groups span nodes
+
+    @property
+    def busy_s(self) -> float:
+        return self.busy_compute_s + self.busy_collectives_s
+
+    @property
+    def bubble_s(self) -> float:
+        """What the busiest device group waits over a step: fill, drain, and the transfers."""
+        return self.step_s - self.busy_s
+
+    @property
+    def error(self) -> float:
+        """(modeled - compiled) / compiled step."""
+        return (self.modeled_step_s - self.step_s) / self.step_s if self.step_s > 0 else float("nan")
+
+    def __str__(self) -> str:
+        lines = [f"pipeline step: compiled {fmt_s(self.step_s)} (busiest devices: compute "
+                 f"{fmt_s(self.busy_compute_s)} + collectives {fmt_s(self.busy_collectives_s)}, waiting "
+                 f"{fmt_s(self.bubble_s)}), modeled {fmt_s(self.modeled_step_s)} ({self.error:+.1%})"]
+        for s, (got, want) in enumerate(zip(self.stage_s, self.modeled_stage_s)):
+            lines.append(f"  stage {s}: {fmt_s(got)} per microbatch compiled, {fmt_s(want)} modeled")
+        return "\n".join(lines)
+
+
+def compiled_pipeline_price(plan: Plan, compiled: PipelineCompiled) -> PipelinePrice:
+    """What a pipeline ``plan``'s step costs on ``plan.cluster``, from its compiled stage executables (module
+    docstring)."""
+    if plan.pipeline is None or not plan.stages:
+        raise ValueError(f"{plan.name} is an SPMD plan: price its one program with verify.compiled_price")
+    b = plan.pipeline.num_microbatches
+    per_flop = seconds_per_flop(plan)
+    stages = {st.index: st for st in plan.stages}
+    meshes = {i: make_logical_mesh(plan.cluster, tuple(st.mesh_shape), tuple(st.axis_names),
+                                   tuple(st.device_indices)) for i, st in stages.items()}
+    prices: dict[str, CompiledPrice] = {}
+    per_step: dict[int, list[tuple[int, CompiledPrice]]] = {i: [] for i in stages}  # stage -> (calls, price)
+    for exe, comp in compiled:
+        price = price_summary(summarize_compiled(comp), meshes[exe.stage], per_flop)
+        prices[exe.name] = price
+        per_step[exe.stage].append((1 if exe.action == "apply" else b, price))
+    order = sorted(stages)
+    times = tuple(sum(calls * p.step_s for calls, p in per_step[i]) / b for i in order)
+    transfers = tuple(stages[i].transfer_out_s for i in order[:-1])
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i in order:
+        groups.setdefault(tuple(stages[i].device_indices), []).append(i)
+    if plan.pipeline.schedule == "interleaved":
+        step, _ = interleaved_step_s(times, transfers, b, len(groups))
+    else:
+        step, _, _ = flush_step_s(times, transfers, b)
+    busy = [(sum(calls * p.compute_s for i in members for calls, p in per_step[i]),
+             sum(calls * p.collectives_s for i in members for calls, p in per_step[i])) for members in groups.values()]
+    compute, collectives = max(busy, key=sum)
+    crossing = sum(calls * p.cross_node_collectives for i in order for calls, p in per_step[i])
+    return PipelinePrice(prices, times, tuple(stages[i].time_s for i in order), transfers, step,
+                         plan.pipeline.step_s, compute, collectives, crossing)

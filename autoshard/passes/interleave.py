@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from autoshard.passes.stage_problem import StageChoice, StagePlan, StageProblem
-from autoshard.plans.schedules import interleaved_warmup
+from autoshard.plans.schedules import interleaved_step_s, interleaved_warmup
 
 CHUNKS = (2, 3, 4)  # v values searched
 
@@ -84,12 +84,7 @@ def evaluate_interleaved(problem: StageProblem, chunks: Sequence[tuple[int, int]
     transfers = tuple(float(problem.transfer_cross_node_s[j, k, b])
                       if problem.transfer_cross_node_s is not None and crossing[c % groups]
                       else float(problem.transfer_s[j, k, k, b]) for c, (_, j) in enumerate(chunks[:-1]))
-    load = [0.0] * groups
-    for c in range(num_chunks):
-        load[c % groups] += times[c] + (transfers[c] if c < num_chunks - 1 else 0.0)
-    busiest = max(load)
-    fill = sum(times[c] + transfers[c] for c in range(min(groups - 1, num_chunks - 1)))
-    step = num_microbatches * busiest + fill
+    step, busiest = interleaved_step_s(times, transfers, num_microbatches, groups)
     work = problem.work_bytes(b)
     peaks_by_group, flights_by_group = [], []
     for g in range(groups):

@@ -12,7 +12,7 @@ from typing import TypeAlias
 import numpy as np
 
 from autoshard.errors import PlanningError
-from autoshard.plans.schedules import PipelineSchedule
+from autoshard.plans.schedules import PipelineSchedule, flush_step_s
 
 SubmeshShape: TypeAlias = tuple[int, int]  # (nodes, devices_per_node)
 LayerIndex: TypeAlias = int
@@ -152,9 +152,7 @@ def evaluate_stages(problem: StageProblem, stages: Sequence[tuple[LayerIndex, La
     work = problem.work_bytes(b)
     peaks = tuple(float(problem.stage_param_bytes[i, j, k]) + f * float(problem.stage_act_bytes[i, j, k, b])
                   + float(work[i, j, k]) for (i, j, k), f in zip(stages, flights))
-    latency = sum(times) + sum(transfers)
-    bottleneck = max(times + transfers)
-    step = latency + (num_microbatches - 1) * bottleneck
+    step, bottleneck, latency = flush_step_s(times, transfers, num_microbatches)
     bubble = 1.0 - num_microbatches * bottleneck / step if 0 < step < math.inf else 0.0
     return StagePlan(
         stages=tuple(StageChoice(i, j, k, problem.submeshes[k]) for i, j, k in stages),

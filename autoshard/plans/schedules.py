@@ -86,6 +86,33 @@ def dependencies(action: Action, num_stages: int) -> list[Action]:
     return [("F", s, m)] + ([("B", s + 1, m)] if s + 1 < num_stages else [])
 
 
+def flush_step_s(times: Sequence[float], transfers: Sequence[float], num_microbatches: int
+                 ) -> tuple[float, float, float]:
+    """(step, bottleneck, first-microbatch latency) of GPipe and 1F1B: stage s takes ``times[s]`` per microbatch
+    (forward and backward, its once-per-step work spread over the microbatches) and ``transfers[s]`` to the
+    next; the first microbatch passes every stage and transfer, the others follow one bottleneck apart:
+    sum t + sum x + (B - 1) max(t, x). The stage DP's objective and a compiled pipeline's price
+    (``compiler/verify_pipeline.compiled_pipeline_price``) both read it."""
+    latency = sum(times) + sum(transfers)
+    bottleneck = max((*times, *transfers))
+    return latency + (num_microbatches - 1) * bottleneck, bottleneck, latency
+
+
+def interleaved_step_s(times: Sequence[float], transfers: Sequence[float], num_microbatches: int,
+                       groups: int) -> tuple[float, float]:
+    """(step, busiest group's work per microbatch) of interleaved 1F1B: chunk c (time ``times[c]``, transfer
+    ``transfers[c]`` to chunk c + 1) on device group c mod ``groups``; the busiest group's steady state plus
+    the fill through the first p - 1 chunks: B max_g sum_{c on g} (t_c + x_c) + sum_{c < p - 1} (t_c + x_c)
+    (``passes/interleave.py`` derives it)."""
+    num_chunks = len(times)
+    load = [0.0] * groups
+    for c in range(num_chunks):
+        load[c % groups] += times[c] + (transfers[c] if c < num_chunks - 1 else 0.0)
+    busiest = max(load)
+    fill = sum(times[c] + transfers[c] for c in range(min(groups - 1, num_chunks - 1)))
+    return num_microbatches * busiest + fill, busiest
+
+
 def interleaved_warmup(group: int, groups: int, chunks: int, num_microbatches: int) -> int:
     """Forwards device group ``group`` runs before its first backward in interleaved 1F1B (Megatron-LM's count):
     its chunk-microbatches in flight at peak are this plus one, at most B v."""

@@ -217,6 +217,13 @@ def test_pipeline_columns_rate_the_pipeline_against_every_other_row():
     assert "1.50x" in row and "2 stages [L0-7@2x4 \\| L8-15@2x4]" in row  # markdown escapes the bar
     over = replace(piped, pipeline=_row("pipeline", 0.1, fits=False))
     assert over.pipeline_speedup is None
+    # compiled prices rate the answer too: the pipeline's stage executables priced, against uniform GPipe's
+    assert piped.compiled_answer is piped.pipeline.compiled and piped.compiled_speedup == pytest.approx(0.9 / 0.6)
+    slower = replace(piped, pipeline=_row("pipeline", 0.6, compiled=1.8))
+    assert slower.compiled_speedup == pytest.approx(0.5)  # what the model chose, priced as compiled: below 1.0x
+    uncompiled = replace(piped, pipeline=replace(piped.pipeline, compiled=None))
+    assert uncompiled.compiled_speedup is None
+    assert "autoshard's plan (pipeline) was not compiled" in evaluate([uncompiled], [])[0].detail
     assert all(c.pipeline for c in run.default_cells() if c.model == "gpt" and c.cluster == "2x8-a100")
     assert any(c.pipeline for c in run.quick_cells())
 
