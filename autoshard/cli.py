@@ -247,14 +247,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
             plan = planned.plan
         say("compiling")
         start = time.perf_counter()
+        priced = None
         if plan.stages and plan.pipeline is not None:  # one executable per stage and action
             import jax
 
-            from autoshard.compiler.verify_pipeline import verify_pipeline
+            from autoshard.compiler.verify_pipeline import compiled_pipeline_price, verify_pipeline
 
             from autoshard.runtime.run import run
 
-            report: Any = verify_pipeline(plan, run(plan, step, jax.devices()).lower(*step_args).compile())
+            compiled = run(plan, step, jax.devices()).lower(*step_args).compile()
+            report: Any = verify_pipeline(plan, compiled)
+            priced = compiled_pipeline_price(plan, compiled)
         else:
             from autoshard.compiler.verify import verify_compiled
             from autoshard.runtime.run import run
@@ -272,6 +275,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         from autoshard.report import stage_cut
 
         console.print(escape(stage_cut(plan)), highlight=False)
+    if priced is not None:  # the step priced from the stage executables, against the plan's
+        console.print(escape(str(priced)), highlight=False)
     for note in getattr(report, "notes", ()):
         console.print(note)
     flagged = [line.what for line in fidelity_lines(report) if line.flagged]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import optax
+import pytest
 
 import autoshard
 from compiled_examples import FAST_COMPILE
@@ -46,8 +47,16 @@ def test_interleaved_pipeline_matches_one_device(devices8, tmp_path):
     # each stage executable runs the collectives its plan predicts; a device group's peak adds its stages
     from autoshard.compiler.verify_pipeline import verify_pipeline
 
-    report = verify_pipeline(plan, piped.lower(params, tx.init(params), batch).compile())
+    compiled = piped.lower(params, tx.init(params), batch).compile()
+    report = verify_pipeline(plan, compiled)
     assert all(r.ok for r in report.rows), str(report)
+    # priced from the executables as interleaving runs them: the busiest group's chunks B times, the fill once
+    from autoshard.compiler.verify_pipeline import compiled_pipeline_price
+
+    price = compiled_pipeline_price(plan, compiled)
+    t, x, b = price.stage_s, price.transfer_s + (0.0,), plan.pipeline.num_microbatches
+    load = [sum(t[c] + x[c] for c in range(g, len(t), 2)) for g in range(2)]
+    assert price.step_s == pytest.approx(b * max(load) + t[0] + x[0]), str(price)
     assert report.row("stage 0 peak memory bytes").compiled == report.row("stage 2 peak memory bytes").compiled
     path = tmp_path / "interleaved.plan.json"
     plan.save(path)

@@ -153,6 +153,24 @@ def test_verify_reports_each_stage_executable_predicted_vs_compiled(devices8):
     last = f"stage {len(step.plan.stages) - 1} backward "
     assert all(r.ok for r in report.rows if not r.what.startswith(last)), str(report)
 
+    # the step priced from these executables: per stage forward + backward per microbatch and the apply once,
+    # composed as 1F1B runs them (the sends keep the plan's price)
+    from autoshard.compiler.verify_pipeline import compiled_pipeline_price
+
+    price = compiled_pipeline_price(step.plan, compiled)
+    b = step.plan.pipeline.num_microbatches
+    assert set(price.executables) == {exe.name for exe, _ in compiled}
+    for s in range(len(step.plan.stages)):
+        mine = {n: p for n, p in price.executables.items() if n.startswith(f"stage {s} ")}
+        assert price.stage_s[s] == pytest.approx(
+            sum(p.step_s * (1 if n.endswith("apply") else b) for n, p in mine.items()) / b)
+    t, x = price.stage_s, price.transfer_s
+    assert x == tuple(st.transfer_out_s for st in step.plan.stages[:-1])
+    assert price.step_s == pytest.approx(sum(t) + sum(x) + (b - 1) * max(*t, *x))
+    assert price.modeled_step_s == step.plan.pipeline.step_s and price.bubble_s > 0
+    # the model within a factor of the compiled price on this latency-bound toy (measured: compiled 1.42x)
+    assert 0.5 <= price.step_s / price.modeled_step_s <= 2.0, str(price)
+
 
 def test_applied_pipeline_with_recompute_lowers_and_runs(devices8):
     from autoshard.runtime.applied_pipeline import AppliedPipeline
