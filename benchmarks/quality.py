@@ -444,32 +444,15 @@ def _pipeline_row(name: str, plan: Plan, compiled: CompiledRow | None = None) ->
 
 
 def pipeline_compiled(plan: Plan, step: Callable[..., object], args: Sequence[object]) -> CompiledRow | None:
-    """A pipeline plan's stage executables compiled in this process and its step priced from them
-    (``compiler/verify_pipeline.compiled_pipeline_price``); None (logged) when a stage needs more devices than
-    this process has, or compiling fails.
-
-    Each executable runs on its own stage's devices only, so a plan for more devices than this process
-    simulates (16 on two nodes, 8 here) is compiled with its device indices wrapped onto the devices present
-    (index i on device i mod 8): an executable's HLO names its devices by their position in the stage's mesh,
-    and the price reads the stage's own devices of the cluster (node crossings included), so both are as on
-    the cluster. A stage whose indices collide once wrapped is not compiled.
-    """
-    import jax
-
+    """A pipeline plan's stage executables compiled in this process (``compiler/compile_plans.compile_pipeline``:
+    a 16-device plan's stages on 8 simulated devices) and its step priced from them
+    (``compiler/verify_pipeline.compiled_pipeline_price``); None (logged) when it does not compile."""
+    from autoshard.compiler.compile_plans import compile_pipeline
     from autoshard.compiler.verify_pipeline import compiled_pipeline_price
-    from autoshard.runtime.run import run
 
-    present = jax.devices()
-    for st in plan.stages:
-        if len({i % len(present) for i in st.device_indices}) < len(st.device_indices):
-            log.warning("%s: stage %d needs %d distinct devices, this process has %d: not compiled", plan.name,
-                        st.index, len(st.device_indices), len(present))
-            return None
-    needed = max(i for st in plan.stages for i in st.device_indices) + 1
     start = time.perf_counter()
     try:
-        compiled = run(plan, step, [present[i % len(present)] for i in range(needed)]).lower(*args).compile()
-        price = compiled_pipeline_price(plan, compiled)
+        price = compiled_pipeline_price(plan, compile_pipeline(plan, step, args))
     except Exception:  # noqa: BLE001 — a benchmark records the failure and keeps the modeled row
         log.exception("%s: compiling the pipeline failed", plan.name)
         return None

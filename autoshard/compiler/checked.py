@@ -3,8 +3,14 @@
 An SPMD plan goes through ``compare`` with ``contest="best"``: the classic plans are planned (the best
 one that fits is the ILP's hint, as always), then autoshard's plan, its next-best distinct plans and that
 best classic plan are compiled and priced from their HLO, and the fastest is returned
-(``compiler/arbiter.py``). Batch ceilings are not searched. A pipeline plan is returned as planned, with a
-``Plan.checks`` note: its stages compile as separate programs, which this check does not arbitrate.
+(``compiler/arbiter.py``). Batch ceilings are not searched.
+
+A pipeline plan compiles as one program per stage and action (``compile_plans.compile_pipeline``) and is
+priced from them (``verify_pipeline.compiled_pipeline_price``: each executable as an SPMD program is, composed
+by its schedule), its ledger getting that price. With the stage count searched, the SPMD plan is arbitrated
+as above and the faster compiled step of the two is returned (ties: the pipeline, the model's choice); with
+the stage count given, the pipeline is the answer and only gets its price. A pipeline whose stages do not
+compile here keeps the model's choice, and ``Plan.checks`` says why.
 """
 from __future__ import annotations
 
@@ -15,13 +21,14 @@ from typing import Any
 from autoshard.compiler.arbiter import CHECK_NAME
 from autoshard.compiler.baselines import compare
 from autoshard.compiler.collector import without_collector
+from autoshard.compiler.compile_plans import compile_pipeline
 from autoshard.compiler.driver import PlannedStep, Progress
 from autoshard.compiler.pipeline_context import PipelinePlanned
 from autoshard.compiler.target import ClusterLike, MeshLike
+from autoshard.compiler.verify_pipeline import compiled_pipeline_price
 from autoshard.passes.intra_op import IntraOpOptions
+from autoshard.plans.ledger import fmt_s
 
-PIPELINE_NOTE = ("not run: a pipeline plan's stages compile as separate programs, which compiled arbitration does "
-                 "not compare; pass num_stages=1 to arbitrate the SPMD plan")
 
 
 @without_collector
@@ -43,8 +50,42 @@ def checked(fn: Callable[..., Any], args: Sequence[Any], planned: PlannedStep | 
             mesh: MeshLike = None, cluster: ClusterLike = None, memory_budget: float | None = None, options: IntraOpOptions | None = None,
             progress: Progress | None = None) -> PlannedStep | PipelinePlanned:
     """A plan of the pipeline driver arbitrated: an SPMD one again by ``plan_checked`` on its mesh (``mesh``
-    when given: a jax Mesh keeps its devices), a pipeline one returned with a note in ``Plan.checks``."""
+    when given: a jax Mesh keeps its devices), a pipeline one against the SPMD plan (module docstring)."""
     if isinstance(planned, PipelinePlanned):
-        return replace(planned, plan=replace(planned.plan, checks={**planned.plan.checks, CHECK_NAME: PIPELINE_NOTE}))
+        return _pipeline_checked(fn, args, planned, mesh=mesh, cluster=cluster, memory_budget=memory_budget,
+                                 options=options, progress=progress)
     return plan_checked(fn, args, mesh=mesh if mesh is not None else planned.logical_mesh.shape, cluster=cluster,
                         memory_budget=memory_budget, options=options, progress=progress, name=planned.plan.name)
+
+
+def _pipeline_checked(fn: Callable[..., Any], args: Sequence[Any], planned: PipelinePlanned, *, mesh: MeshLike,
+                      cluster: ClusterLike, memory_budget: float | None, options: IntraOpOptions | None,
+                      progress: Progress | None) -> PlannedStep | PipelinePlanned:
+    plan = planned.plan
+    if progress is not None:
+        progress("compiling the pipeline's stage executables")
+    try:
+        price = compiled_pipeline_price(plan, compile_pipeline(plan, fn, args))
+    except Exception as err:  # noqa: BLE001 — the model's choice stays, with the reason
+        why = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
+        return _noted(planned, f"not run: the pipeline's stage executables did not compile here ({why}); kept "
+                               f"the model's choice")
+    plan = replace(plan, ledger=replace(plan.ledger, compiled_step_s=price.step_s,
+                                        compiled_compute_s=price.busy_compute_s,
+                                        compiled_collectives_s=price.busy_collectives_s))
+    mine = f"the pipeline compiles to {fmt_s(price.step_s)} a step (modeled {fmt_s(price.modeled_step_s)})"
+    if planned.context.request.num_stages is not None:  # the user's stage count: nothing else to weigh
+        return _noted(replace(planned, plan=plan), mine)
+    spmd = plan_checked(fn, args, mesh=mesh, cluster=cluster, memory_budget=memory_budget, options=options,
+                        progress=progress, name=plan.name)
+    other = spmd.plan.ledger.compiled_step_s
+    if spmd.plan.fits and 0 < other < price.step_s:
+        return _noted(spmd, f"{spmd.plan.checks.get(CHECK_NAME, '')}; faster than the pipeline the model chose: "
+                            f"{mine}")
+    return _noted(replace(planned, plan=plan), f"{mine}; the best SPMD plan compiled "
+                                               f"{fmt_s(other) if other > 0 else 'not at all'}")
+
+
+def _noted(planned: Any, line: str) -> Any:
+    """``planned`` with ``line`` as its compiled-arbitration entry of ``Plan.checks``."""
+    return replace(planned, plan=replace(planned.plan, checks={**planned.plan.checks, CHECK_NAME: line}))

@@ -15,6 +15,10 @@ collectives with their replica groups, FLOPs, bytes accessed, memory).
 The child compiles the very program traced here, with the same shardings;
 only donation is left out (it changes buffer reuse, not FLOPs, bytes accessed
 or collectives), so its memory figures are not a device's peak.
+
+A pipeline plan is several programs, one per stage and action, each on its own
+stage's devices (``compile_pipeline``): it compiles here whenever every stage
+fits in the devices present, whatever the cluster's size.
 """
 from __future__ import annotations
 
@@ -26,14 +30,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 
 from autoshard.compiler.hlo import CompiledSummary, summarize_compiled
 from autoshard.ir.graph import OpGraph
 from autoshard.runtime.applied import annotations_for
+from autoshard.runtime.pipeline_lower import PipelineCompiled
 from autoshard.plans.plan import Plan
 from autoshard.runtime.spmd import SpmdStep, make_jax_mesh
 
@@ -85,6 +91,26 @@ def compile_here(graph: OpGraph, plan: Plan) -> CompiledPlan:
         log.warning("compiling %s failed: %s", plan.name, err)
         return CompiledPlan(None, _error_text(err), time.perf_counter() - start, "here")
     return CompiledPlan(summary, None, time.perf_counter() - start, "here")
+
+
+def compile_pipeline(plan: Plan, fn: Callable[..., Any], args: Sequence[Any]) -> PipelineCompiled:
+    """Every stage executable of the pipeline ``plan`` of ``fn(*args)`` compiled on this process's devices.
+
+    Each executable runs on its own stage's devices only, so a plan for more devices than are present (16 on
+    two simulated nodes, with 8 here) compiles with its device indices wrapped onto the devices present
+    (index i on device i mod n): an executable's HLO names its devices by their position in its stage's
+    mesh, and its price reads the stage's own devices of the cluster (``verify_pipeline``), so both are as
+    on the cluster. Raises ValueError when a stage needs more distinct devices than are present.
+    """
+    from autoshard.runtime.run import run
+
+    present = jax.devices()
+    for st in plan.stages:
+        if len({i % len(present) for i in st.device_indices}) < len(st.device_indices):
+            raise ValueError(f"stage {st.index} of {plan.name} runs on {len(st.device_indices)} devices "
+                             f"{list(st.device_indices)}; this process has {len(present)} to compile it on")
+    needed = max(i for st in plan.stages for i in st.device_indices) + 1
+    return run(plan, fn, [present[i % len(present)] for i in range(needed)]).lower(*args).compile()
 
 
 def export_job(graph: OpGraph, plan: Plan) -> CompileJob:

@@ -185,3 +185,35 @@ def test_applied_pipeline_with_recompute_lowers_and_runs(devices8):
     ref_losses, _ = _reference_losses(step, args, steps=1)
     *_, loss = run(*args)
     assert abs(float(loss) - ref_losses[0]) <= 1e-5 * abs(ref_losses[0])
+
+
+def test_compiled_check_prices_a_pipeline_and_weighs_it_against_the_spmd_plan(devices8, monkeypatch):
+    """``check="compiled"`` on a pipeline: its stage executables compiled and priced into its ledger; with the
+    stage count searched, the SPMD plan's compiled price decides between the two."""
+    from dataclasses import replace
+
+    from autoshard.compiler import checked as checked_mod
+    from autoshard.compiler.arbiter import CHECK_NAME
+    from autoshard.compiler.pipeline_context import PipelinePlanned, PipelineRequest
+    from autoshard.compiler.pipeline_driver import plan_pipeline
+
+    step, args = train_step(TX), _args(width=128, batch=64)
+    forced = autoshard.plan(step, *args, num_stages=2, num_microbatches=2, check="compiled")
+    assert forced.ledger.compiled_step_s > 0 and forced.ledger.prediction_error is not None
+    assert forced.checks[CHECK_NAME].startswith("the pipeline compiles to"), forced.checks
+
+    search = plan_pipeline(step, args, PipelineRequest(keep_both=True, num_microbatches=2))
+    piped, spmd = search.pipeline, search.spmd
+    assert piped is not None and spmd is not None and piped.context.request.num_stages is None
+
+    def spmd_compiling_to(seconds):
+        plan = replace(spmd.plan, ledger=replace(spmd.plan.ledger, compiled_step_s=seconds), checks={})
+        return lambda *_a, **_k: replace(spmd, plan=plan)
+
+    monkeypatch.setattr(checked_mod, "plan_checked", spmd_compiling_to(1e-9))
+    got = checked_mod.checked(step, args, piped)
+    assert got.plan.pipeline is None and "faster than the pipeline the model chose" in got.plan.checks[CHECK_NAME]
+    monkeypatch.setattr(checked_mod, "plan_checked", spmd_compiling_to(2.5))
+    got = checked_mod.checked(step, args, piped)
+    assert isinstance(got, PipelinePlanned) and got.plan.ledger.compiled_step_s > 0
+    assert "the best SPMD plan compiled 2.5 s" in got.plan.checks[CHECK_NAME], got.plan.checks
