@@ -188,11 +188,11 @@ def _plan_for(fn: Callable[..., Any], shapes: Any, num_stages: int | None, num_m
         if check == "compiled":
             return plan_checked(fn, shapes, name=getattr(fn, "__name__", "autoshard"), **common)
         return plan_step(fn, shapes, **common)
-    planned = plan_pipeline(fn, shapes, PipelineRequest(num_stages=num_stages, num_microbatches=num_microbatches,
-                                                        schedule=schedule, **common)).chosen
-    if check == "compiled":
-        return arbitrated(fn, shapes, planned, **common)
-    return planned
+    search = plan_pipeline(fn, shapes, PipelineRequest(num_stages=num_stages, num_microbatches=num_microbatches,
+                                                       schedule=schedule, keep_both=check == "compiled", **common))
+    if check == "compiled":  # both contenders compiled when the stage count was searched
+        return arbitrated(fn, shapes, search, **common)
+    return search.chosen
 
 
 def _warn_unused_devices(used: int) -> None:

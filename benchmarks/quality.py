@@ -170,10 +170,18 @@ class CellResult:
 
     @property
     def compiled_answer(self) -> CompiledRow | None:
-        """What autoshard returns (``answer``: its SPMD plan after compiled arbitration, or the pipeline it
-        chose) priced from its compiled program(s); None when not compiled or over the budget."""
-        mine = self.answer
-        return mine.compiled if mine is not None and mine.fits else None
+        """What ``check="compiled"`` returns, priced from its compiled program(s): the SPMD plan after compiled
+        arbitration, or, where the cell searched stages, the faster compiled of it and the best pipeline
+        (``compiler/checked.py``); None when neither fits and compiled."""
+        rows = [r for r in (self.autoshard, self.pipeline) if r is not None and r.fits and r.compiled is not None]
+        return min((r.compiled for r in rows), key=lambda c: c.step_s, default=None)
+
+    @property
+    def compiled_answer_row(self) -> StrategyRow | None:
+        """The row ``compiled_answer`` is the price of (None: none)."""
+        mine = self.compiled_answer
+        return next((r for r in (self.autoshard, self.pipeline) if r is not None and r.compiled is mine), None) \
+            if mine is not None else None
 
     def compiled_speedup_over(self, row: StrategyRow | None) -> float | None:
         """``row``'s compiled step over autoshard's answer's (both priced from their HLO); None when either is

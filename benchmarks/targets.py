@@ -64,7 +64,7 @@ def _why_slow(r: CellResult, wanted: float) -> str:
     best = r.compiled_fallback
     kept = f"; autoshard returned {r.kept}'s plan" if r.kept else ""
     text = (f"{r.cell}: {_num(r.compiled_speedup)}x compiled ({_num(r.speedup)}x modeled){kept}; autoshard "
-            f"{_split(r.answer)}, {best.name if best else 'best classic'} {_split(best)}")
+            f"{_split(r.compiled_answer_row or r.answer)}, {best.name if best else 'best classic'} {_split(best)}")
     if r.comm_headroom is not None and r.comm_headroom < wanted:
         return text + (f"; the best classic plan is {r.comm_headroom:.2f}x the least modeled compute of any plan, "
                        f"so even a plan with no communication at all could not reach {wanted:.1f}x")
@@ -81,7 +81,7 @@ def _unrated(r: CellResult) -> str:
         return r.error
     if r.over_budget:
         return "autoshard's plan over budget"
-    if r.answer is not None and r.answer.compiled is None:
+    if r.answer is not None and r.compiled_answer is None:
         return f"autoshard's plan ({r.answer.name}) was not compiled" + (f" ({r.contest[0].error})" if r.contest else "")
     return "no classic strategy that fits compiled"
 
@@ -143,7 +143,7 @@ def _over_dp_target(results: Sequence[CellResult]) -> Target:
     got = cell.compiled_speedup_over(dp)
     if got is None:
         return Target(name, None, f"not rated: {_unrated(cell)}" + ("" if dp and dp.compiled else "; DP not compiled"))
-    mine = cell.answer
+    mine = cell.compiled_answer_row
     detail = (f"{got:.2f}x: autoshard ({mine.name}) {_split(mine)}, DP {_split(dp)}; collectives crossing nodes: "
               f"autoshard {mine.compiled.cross_node}, DP {dp.compiled.cross_node}")
     return Target(name, got >= OVER_DP, detail)

@@ -7,10 +7,11 @@ best classic plan are compiled and priced from their HLO, and the fastest is ret
 
 A pipeline plan compiles as one program per stage and action (``compile_plans.compile_pipeline``) and is
 priced from them (``verify_pipeline.compiled_pipeline_price``: each executable as an SPMD program is, composed
-by its schedule), its ledger getting that price. With the stage count searched, the SPMD plan is arbitrated
-as above and the faster compiled step of the two is returned (ties: the pipeline, the model's choice); with
-the stage count given, the pipeline is the answer and only gets its price. A pipeline whose stages do not
-compile here keeps the model's choice, and ``Plan.checks`` says why.
+by its schedule), its ledger getting that price. With the stage count searched, the pipeline driver keeps
+the best pipeline beside the SPMD plan whichever the model prefers; the SPMD plan is arbitrated as above and
+the faster compiled step of the two is returned (ties: the model's choice); with the stage count given, the
+pipeline is the answer and only gets its price. A pipeline whose stages do not compile here is not a
+contender, and ``Plan.checks`` says why.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from autoshard.compiler.baselines import compare
 from autoshard.compiler.collector import without_collector
 from autoshard.compiler.compile_plans import compile_pipeline
 from autoshard.compiler.driver import PlannedStep, Progress
-from autoshard.compiler.pipeline_context import PipelinePlanned
+from autoshard.compiler.pipeline_context import PipelinePlanned, PipelineSearch
 from autoshard.compiler.target import ClusterLike, MeshLike
 from autoshard.compiler.verify_pipeline import compiled_pipeline_price
 from autoshard.passes.intra_op import IntraOpOptions
@@ -46,21 +47,38 @@ def plan_checked(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike 
     return replace(planned, plan=plan)
 
 
-def checked(fn: Callable[..., Any], args: Sequence[Any], planned: PlannedStep | PipelinePlanned, *,
-            mesh: MeshLike = None, cluster: ClusterLike = None, memory_budget: float | None = None, options: IntraOpOptions | None = None,
+def checked(fn: Callable[..., Any], args: Sequence[Any], search: PipelineSearch, *, mesh: MeshLike = None,
+            cluster: ClusterLike = None, memory_budget: float | None = None, options: IntraOpOptions | None = None,
             progress: Progress | None = None) -> PlannedStep | PipelinePlanned:
-    """A plan of the pipeline driver arbitrated: an SPMD one again by ``plan_checked`` on its mesh (``mesh``
-    when given: a jax Mesh keeps its devices), a pipeline one against the SPMD plan (module docstring)."""
-    if isinstance(planned, PipelinePlanned):
-        return _pipeline_checked(fn, args, planned, mesh=mesh, cluster=cluster, memory_budget=memory_budget,
-                                 options=options, progress=progress)
-    return plan_checked(fn, args, mesh=mesh if mesh is not None else planned.logical_mesh.shape, cluster=cluster,
-                        memory_budget=memory_budget, options=options, progress=progress, name=planned.plan.name)
+    """What the pipeline driver found (``keep_both``: the best pipeline beside the SPMD plan when the stage
+    count was searched), arbitrated on compiled programs: the SPMD plan again by ``plan_checked`` on its mesh
+    (``mesh`` when given: a jax Mesh keeps its devices), the pipeline stage by stage; the faster compiled step
+    is returned (module docstring)."""
+    piped = _priced_pipeline(fn, args, search.pipeline, progress) if search.pipeline is not None else None
+    if search.spmd is None:  # the user's stage count: nothing else to weigh
+        if piped is None:
+            raise ValueError("internal: a pipeline search with neither plan")
+        return piped
+    spmd = plan_checked(fn, args, mesh=mesh if mesh is not None else search.spmd.logical_mesh.shape,
+                        cluster=cluster, memory_budget=memory_budget, options=options, progress=progress,
+                        name=search.spmd.plan.name)
+    if piped is None:
+        return spmd
+    mine, other = piped.plan.ledger.compiled_step_s, spmd.plan.ledger.compiled_step_s
+    spmd_line = spmd.plan.checks.get(CHECK_NAME, "")
+    if mine <= 0:  # the pipeline did not compile: the SPMD plan, arbitrated, is what runs
+        return _noted(spmd, f"{spmd_line}; {piped.plan.checks[CHECK_NAME]}")
+    pipe_line = piped.plan.checks[CHECK_NAME]
+    if spmd.plan.fits and 0 < other and (other < mine or (other == mine and search.chosen is search.spmd)):
+        return _noted(spmd, f"{spmd_line}; faster than the best pipeline: {pipe_line}")
+    return _noted(piped, f"{pipe_line}; the best SPMD plan compiled {fmt_s(other) if other > 0 else 'not at all'}"
+                         + (f" ({spmd_line})" if spmd_line else ""))
 
 
-def _pipeline_checked(fn: Callable[..., Any], args: Sequence[Any], planned: PipelinePlanned, *, mesh: MeshLike,
-                      cluster: ClusterLike, memory_budget: float | None, options: IntraOpOptions | None,
-                      progress: Progress | None) -> PlannedStep | PipelinePlanned:
+def _priced_pipeline(fn: Callable[..., Any], args: Sequence[Any], planned: PipelinePlanned,
+                     progress: Progress | None) -> PipelinePlanned:
+    """``planned`` with its compiled price in its ledger and a line in ``Plan.checks`` (the ledger unpriced and
+    the reason when its stages do not compile here)."""
     plan = planned.plan
     if progress is not None:
         progress("compiling the pipeline's stage executables")
@@ -68,22 +86,12 @@ def _pipeline_checked(fn: Callable[..., Any], args: Sequence[Any], planned: Pipe
         price = compiled_pipeline_price(plan, compile_pipeline(plan, fn, args))
     except Exception as err:  # noqa: BLE001 — the model's choice stays, with the reason
         why = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
-        return _noted(planned, f"not run: the pipeline's stage executables did not compile here ({why}); kept "
-                               f"the model's choice")
+        return _noted(planned, f"the pipeline's stage executables did not compile here ({why})")
     plan = replace(plan, ledger=replace(plan.ledger, compiled_step_s=price.step_s,
                                         compiled_compute_s=price.busy_compute_s,
                                         compiled_collectives_s=price.busy_collectives_s))
-    mine = f"the pipeline compiles to {fmt_s(price.step_s)} a step (modeled {fmt_s(price.modeled_step_s)})"
-    if planned.context.request.num_stages is not None:  # the user's stage count: nothing else to weigh
-        return _noted(replace(planned, plan=plan), mine)
-    spmd = plan_checked(fn, args, mesh=mesh, cluster=cluster, memory_budget=memory_budget, options=options,
-                        progress=progress, name=plan.name)
-    other = spmd.plan.ledger.compiled_step_s
-    if spmd.plan.fits and 0 < other < price.step_s:
-        return _noted(spmd, f"{spmd.plan.checks.get(CHECK_NAME, '')}; faster than the pipeline the model chose: "
-                            f"{mine}")
-    return _noted(replace(planned, plan=plan), f"{mine}; the best SPMD plan compiled "
-                                               f"{fmt_s(other) if other > 0 else 'not at all'}")
+    return _noted(replace(planned, plan=plan), f"the pipeline compiles to {fmt_s(price.step_s)} a step (modeled "
+                                               f"{fmt_s(price.modeled_step_s)})")
 
 
 def _noted(planned: Any, line: str) -> Any:

@@ -189,12 +189,13 @@ def test_applied_pipeline_with_recompute_lowers_and_runs(devices8):
 
 def test_compiled_check_prices_a_pipeline_and_weighs_it_against_the_spmd_plan(devices8, monkeypatch):
     """``check="compiled"`` on a pipeline: its stage executables compiled and priced into its ledger; with the
-    stage count searched, the SPMD plan's compiled price decides between the two."""
+    stage count searched, the best pipeline and the SPMD plan are both compiled and the faster one returned,
+    whichever the model preferred."""
     from dataclasses import replace
 
     from autoshard.compiler import checked as checked_mod
     from autoshard.compiler.arbiter import CHECK_NAME
-    from autoshard.compiler.pipeline_context import PipelinePlanned, PipelineRequest
+    from autoshard.compiler.pipeline_context import PipelinePlanned, PipelineRequest, PipelineSearch
     from autoshard.compiler.pipeline_driver import plan_pipeline
 
     step, args = train_step(TX), _args(width=128, batch=64)
@@ -203,17 +204,21 @@ def test_compiled_check_prices_a_pipeline_and_weighs_it_against_the_spmd_plan(de
     assert forced.checks[CHECK_NAME].startswith("the pipeline compiles to"), forced.checks
 
     search = plan_pipeline(step, args, PipelineRequest(keep_both=True, num_microbatches=2))
-    piped, spmd = search.pipeline, search.spmd
-    assert piped is not None and spmd is not None and piped.context.request.num_stages is None
+    assert search.pipeline is not None and search.spmd is not None
 
     def spmd_compiling_to(seconds):
-        plan = replace(spmd.plan, ledger=replace(spmd.plan.ledger, compiled_step_s=seconds), checks={})
-        return lambda *_a, **_k: replace(spmd, plan=plan)
+        plan = replace(search.spmd.plan, ledger=replace(search.spmd.plan.ledger, compiled_step_s=seconds), checks={})
+        return lambda *_a, **_k: replace(search.spmd, plan=plan)
 
     monkeypatch.setattr(checked_mod, "plan_checked", spmd_compiling_to(1e-9))
-    got = checked_mod.checked(step, args, piped)
-    assert got.plan.pipeline is None and "faster than the pipeline the model chose" in got.plan.checks[CHECK_NAME]
+    got = checked_mod.checked(step, args, search)
+    assert got.plan.pipeline is None and "faster than the best pipeline" in got.plan.checks[CHECK_NAME]
     monkeypatch.setattr(checked_mod, "plan_checked", spmd_compiling_to(2.5))
-    got = checked_mod.checked(step, args, piped)
+    got = checked_mod.checked(step, args, search)
     assert isinstance(got, PipelinePlanned) and got.plan.ledger.compiled_step_s > 0
     assert "the best SPMD plan compiled 2.5 s" in got.plan.checks[CHECK_NAME], got.plan.checks
+    # the model preferring SPMD does not keep the pipeline out: it is compiled and wins when faster
+    slow = replace(search.pipeline, stage_plan=replace(search.pipeline.stage_plan, step_time_s=1e9))
+    spmd_first = PipelineSearch(search.spmd, slow)
+    assert spmd_first.chosen is spmd_first.spmd
+    assert isinstance(checked_mod.checked(step, args, spmd_first), PipelinePlanned)

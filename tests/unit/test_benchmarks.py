@@ -219,9 +219,14 @@ def test_pipeline_columns_rate_the_pipeline_against_every_other_row():
     assert over.pipeline_speedup is None
     # compiled prices rate the answer too: the pipeline's stage executables priced, against uniform GPipe's
     assert piped.compiled_answer is piped.pipeline.compiled and piped.compiled_speedup == pytest.approx(0.9 / 0.6)
+    # check="compiled" weighs both compiled: a pipeline the model chose but that compiles slower than the SPMD
+    # plan is not the answer, and one the model passed over is when it compiles faster
     slower = replace(piped, pipeline=_row("pipeline", 0.6, compiled=1.8))
-    assert slower.compiled_speedup == pytest.approx(0.5)  # what the model chose, priced as compiled: below 1.0x
-    uncompiled = replace(piped, pipeline=replace(piped.pipeline, compiled=None))
+    assert slower.compiled_answer_row is slower.autoshard and slower.compiled_speedup == pytest.approx(0.9)
+    passed_over = replace(piped, pipeline=_row("pipeline", 5.0, compiled=0.3))
+    assert passed_over.answer is passed_over.autoshard and passed_over.compiled_speedup == pytest.approx(3.0)
+    uncompiled = replace(piped, pipeline=replace(piped.pipeline, compiled=None),
+                         autoshard=replace(piped.autoshard, compiled=None))
     assert uncompiled.compiled_speedup is None
     assert "autoshard's plan (pipeline) was not compiled" in evaluate([uncompiled], [])[0].detail
     assert all(c.pipeline for c in run.default_cells() if c.model == "gpt" and c.cluster == "2x8-a100")
