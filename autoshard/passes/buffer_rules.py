@@ -7,20 +7,21 @@
 8. *Layout copies* (``transposed_operands``): the dot and convolution operands
    XLA:CPU copies into a canonical layout.
 10. *Narrow floats computed in float32* (``f32_dot_buffers``): the buffers of
-   a bfloat16 / float16 dot that XLA:CPU holds in float32.
+   a bfloat16 / float16 dot that XLA:CPU holds in float32; and
+   (``excess_precision``) narrow-float math between float32 math.
 
 ``Span`` is one buffer's life, the unit every rule speaks in.
 """
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from autoshard.ir.graph import Op, OpGraph, ValueId
-from autoshard.ir.primitives import CONTRACTIONS
+from autoshard.ir.graph import Op, OpGraph, ValueId, dtype_itemsize
+from autoshard.ir.primitives import CONTRACTIONS, Family, OpKind, Values, facts
 from autoshard.ir.spec import Collective
 from autoshard.passes.liveness import InstructionOrder, NodeId, OpIndex
 
@@ -141,6 +142,53 @@ def f32_dot_buffers(graph: OpGraph, f32_dtypes: frozenset[str], root_of: Callabl
             elif root not in outputs:
                 widened.add(root)
     return F32DotBuffers(frozenset(widened), {v: tuple(ts) for v, ts in copies.items()})
+
+
+def _computes_in_f32(op: Op) -> bool:
+    """An op a backend without narrow-float arithmetic runs in float32: elementwise math, reductions,
+    contractions (not data movement, selection or comparisons, which keep their dtype)."""
+    f = facts(op.primitive)
+    if f.family in (Family.REDUCTION, Family.CONTRACTION):
+        return True
+    return f.family is Family.ELEMENTWISE and f.values is Values.NEW and f.order is None \
+        and op.primitive not in ("select_n", "clamp")
+
+
+def excess_precision(graph: OpGraph, f32_dtypes: frozenset[str], buffers: Iterable[ValueId]) -> set[ValueId]:
+    """Rule 10, between elementwise ops: XLA:CPU computes narrow-float math in float32, with a convert to the
+    narrow type after each op and back before the next; with excess precision allowed (its default)
+    ``simplify-fp-conversions`` removes each such pair, so a value made by math in float32 and read only by
+    math in float32 (or converted up to float32) stays float32. Of ``buffers`` (materialised values), those:
+    produced by such an op, in a dtype of ``f32_dtypes``, not a step output, every reader (through views)
+    computing in float32 or converting to a wider float."""
+    consumers = graph.consumers()
+    producer = {v: op for op in graph.ops for v in op.outputs}
+    outputs = set(graph.outputs)
+
+    def reads_in_f32(vid: ValueId, depth: int = 4) -> bool:
+        readers = consumers.get(vid, ())
+        if not readers or vid in outputs:
+            return False
+        for r in readers:
+            kind = facts(r.primitive)
+            if kind.kind is OpKind.VIEW:
+                if depth == 0 or not all(reads_in_f32(o, depth - 1) for o in r.outputs):
+                    return False
+            elif kind.values is Values.CAST:
+                if any(dtype_itemsize(graph.values[o].dtype) < 4 for o in r.outputs):
+                    return False
+            elif not _computes_in_f32(r):
+                return False
+        return True
+
+    found = set()
+    for vid in buffers:
+        op = producer.get(vid)
+        if op is None or graph.values[vid].dtype not in f32_dtypes or not _computes_in_f32(op):
+            continue
+        if op.primitive in CONTRACTIONS or reads_in_f32(vid):
+            found.add(vid)
+    return found
 
 
 def donation(graph: OpGraph, sched: InstructionOrder, readers_of: Mapping[ValueId, list[NodeId]],

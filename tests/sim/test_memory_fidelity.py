@@ -49,13 +49,11 @@ def test_predicted_peak_memory_matches_xla(devices8, example, mesh):
     assert row.rel_error <= MEMORY_TOLERANCE, f"{example} on {mesh}:\n{shared.report}\nby kind: {plan.ledger.memory_by_kind}"
 
 
-PRECISION_CASES = [("tiny", (1,)), ("tiny-bf16", (2, 4)), ("tiny-mixed", (2, 4)),
-                   pytest.param("tiny-bf16", (1,), marks=pytest.mark.xfail(strict=True, reason=(
-                       "one device in bf16: predicted 17% under XLA:CPU's peak (2.28 vs 2.76 MB); the fp32 step "
-                       "on one device is 9% under too, and bf16 adds f32 buffers rule 10 does not model yet"))),
-                   pytest.param("tiny-mixed", (1,), marks=pytest.mark.xfail(strict=True, reason=(
-                       "one device in mixed precision: predicted 17% under XLA:CPU's peak (2.62 vs 3.14 MB), "
-                       "as bf16")))]
+# one device too: XLA:CPU keeps narrow-float math in float32 between ops (rule 10's excess precision); without it
+# bf16 and mixed were 17% under on one device (now 7-8% under: the broadcasts XLA:CPU's YNNPACK reductions
+# materialise, a LayerNorm scale's and its rsqrt's, are not modeled; the fp32 step is 9% under from them)
+PRECISION_CASES = [("tiny", (1,)), ("tiny-bf16", (2, 4)), ("tiny-mixed", (2, 4)), ("tiny-bf16", (1,)),
+                   ("tiny-mixed", (1,))]
 
 
 @pytest.mark.parametrize(("config", "mesh"), PRECISION_CASES,
