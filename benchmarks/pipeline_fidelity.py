@@ -32,7 +32,8 @@ import optax  # noqa: E402
 import autoshard  # noqa: E402
 from autoshard.compiler.pipeline_context import PipelineRequest  # noqa: E402
 from autoshard.compiler.pipeline_driver import plan_pipeline  # noqa: E402
-from autoshard.compiler.verify_pipeline import verify_pipeline  # noqa: E402
+from autoshard.compiler.verify_pipeline import compiled_pipeline_price, verify_pipeline  # noqa: E402
+from autoshard.plans.ledger import fmt_s  # noqa: E402
 from autoshard.passes.intra_op import IntraOpOptions  # noqa: E402
 from autoshard.runtime.pipeline_lower import lower_pipeline  # noqa: E402
 from benchmarks.machine import cells_main  # noqa: E402
@@ -53,6 +54,8 @@ class StageFidelity:
     unchecked: int  # estimates shown but not checked
     worst: str  # the checked figure furthest off, with its error
     report: str  # the whole table
+    compiled_step_s: float = float("nan")  # the step priced from the compiled executables (verify_pipeline)
+    modeled_step_s: float = float("nan")  # the plan's
 
     @property
     def ok(self) -> bool:
@@ -89,14 +92,17 @@ def measure(cell: str, time_limit_s: float) -> StageFidelity:
     if piped is None:
         raise RuntimeError(f"{cell}: no pipeline of two or more stages fits")
     runtime = piped.runtime(jax.devices()[:spec.num_devices])
-    report = verify_pipeline(piped.plan, lower_pipeline(runtime).compile())
+    compiled = lower_pipeline(runtime).compile()
+    report = verify_pipeline(piped.plan, compiled)
+    price = compiled_pipeline_price(piped.plan, compiled)
     checked = [r for r in report.rows if r.checked]
     # off first, then the largest error among differences that are not immaterial (a few scalars)
     worst = max(checked, key=lambda r: (not r.ok, r.rel_error if abs(r.predicted - r.compiled) > r.immaterial_bytes
                                         else 0.0), default=None)
     worst_text = "-" if worst is None else f"{worst.what} {worst.rel_error:.1%}" + ("" if worst.ok else " (off)")
     return StageFidelity(cell, str(piped.stage_plan), plan_s, len(checked), sum(r.ok for r in checked),
-                         len(report.rows) - len(checked), worst_text, str(report))
+                         len(report.rows) - len(checked), worst_text, f"{report}\n{price}", price.step_s,
+                         price.modeled_step_s)
 
 
 def markdown(rows: Sequence[StageFidelity], load: str, time_limit_s: float) -> str:
@@ -105,13 +111,16 @@ def markdown(rows: Sequence[StageFidelity], load: str, time_limit_s: float) -> s
              "stages (stages searched, kept even where SPMD is faster), every stage executable compiled on "
              f"simulated devices and checked by `compiler/verify_pipeline.py`. Solver limit {time_limit_s:g} s "
              f"(the layer solves use the pipeline's own shorter limit). Machine load while measuring: {load}.",
-             "Tolerances: collectives 10% (or an immaterial absolute difference), peak memory 15%.", "",
-             "| cell | stages | plan s | checked figures within tolerance | unchecked | worst checked figure |",
-             "|---|---|---|---|---|---|"]
+             "Tolerances: collectives 10% (or an immaterial absolute difference), peak memory 15%. The step "
+             "is also priced from the compiled executables (`verify_pipeline.compiled_pipeline_price`: each one's "
+             "FLOPs, bytes and HLO collectives on the cell's cluster, composed by the schedule; not checked).", "",
+             "| cell | stages | plan s | checked figures within tolerance | unchecked | worst checked figure | "
+             "step compiled / modeled |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         stages = r.pipeline.replace("|", "\\|")  # the stage plan separates its stages with bars
         lines.append(f"| {r.cell} | {stages} | {r.plan_s:.0f} | {r.within}/{r.checked} | {r.unchecked} | "
-                     f"{r.worst} |")
+                     f"{r.worst} | {fmt_s(r.compiled_step_s)} / {fmt_s(r.modeled_step_s)} |")
     for r in rows:
         lines += ["", f"## {r.cell}", "", "```", r.report, "```"]
     return "\n".join(lines) + "\n"

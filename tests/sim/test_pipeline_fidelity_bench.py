@@ -16,3 +16,4 @@ def test_pipeline_fidelity_checks_every_stage_executable(devices8):
     assert row.ok, row.report
     table = pipeline_fidelity.markdown([row], "0.0", 10.0)
     assert f"| {row.within}/{row.checked} |" in table and "## gpt:tiny@16:cpu-8" in table
+    assert row.compiled_step_s > 0 and row.modeled_step_s > 0 and "pipeline step: compiled" in row.report
