@@ -31,7 +31,6 @@ from autoshard.passes.intra_op import IntraOpOptions
 from autoshard.plans.ledger import fmt_s
 
 
-
 @without_collector
 def plan_checked(fn: Callable[..., Any], args: Sequence[Any], *, mesh: MeshLike = None, cluster: ClusterLike = None,
                  memory_budget: float | None = None, options: IntraOpOptions | None = None,
