@@ -135,7 +135,7 @@ def scanned_step(plan: Plan, traced: TracedStep, layouts: Sequence[StageLayout],
         if s in chunk_of_stage:
             eqns.append(run.chunk_eqns[chunk_of_stage[s]])
         rt_layers.append(tuple(sorted(eqns)))
-        rt_layouts.append(_runtime_layout(layout, s, pricing, run, chunk_of_stage.get(s)))
+        rt_layouts.append(_runtime_layout(layout, s, pricing, run, chunk_of_stage.get(s), traced.graph.carried))
     _, split = batch_inputs(run.parts)
     step = ScanPipelineStep(PipelineRun(run.parts, tuple(rt_layers), tuple(rt_layouts), big_b, plan.pipeline.schedule,
                                         tuple(split)), devices, options)
@@ -144,9 +144,10 @@ def scanned_step(plan: Plan, traced: TracedStep, layouts: Sequence[StageLayout],
     return step
 
 
-def _runtime_layout(layout: StageLayout, s: int, pricing: StackSplit, run: StackSplit, chunk: int | None
-                    ) -> StageLayout:
-    """Stage s's layout (keyed by the per-iteration rewrite's leaves and inputs) keyed by the runtime rewrite's."""
+def _runtime_layout(layout: StageLayout, s: int, pricing: StackSplit, run: StackSplit, chunk: int | None,
+                    carried: Sequence[int | None]) -> StageLayout:
+    """Stage s's layout (keyed by the per-iteration rewrite's leaves and inputs) keyed by the runtime rewrite's;
+    ``carried``: the user's step output -> the input it updates (``OpGraph.carried``)."""
     leaf_index = {key: j for j, key in enumerate(pricing.leaf_of)}
     input_index = {key: j for j, key in enumerate(pricing.inputs)}
 
@@ -169,12 +170,23 @@ def _runtime_layout(layout: StageLayout, s: int, pricing: StackSplit, run: Stack
         p = input_index.get((i, None if c is None else run.bounds[c]))
         if p is not None and p in layout.input_specs:
             inputs[j] = layout.input_specs[p]
-    # The per-equation pins and the update's output specs are keyed by the per-iteration rewrite's equations
-    # and outputs, which the chunk scans do not keep: inside a chunk the stage's layouts come from its stored
-    # parameters, accumulators and inputs (XLA propagates), and the update's outputs are left to XLA.
+    # The updated state is written back in its stored layout: a chunk's updated slice of a stacked leaf as its
+    # slice came in (the chunk's output of the user's output that updates that input), as ``output_specs`` does
+    # for a step without a stack. Without it XLA chose the update's output layouts itself: a ZeRO-2 stage
+    # returned its parameters split like their gradients, and their all-gather moved out of the executables.
+    flat_in = {key: j for j, key in enumerate(run.inputs)}
+    outputs = {}
+    for j, (k, c) in enumerate(run.outputs):
+        i = carried[k] if k < len(carried) else None
+        src = flat_in.get((i, c)) if i is not None else None
+        if src is not None and src in inputs:
+            outputs[j] = inputs[src]
+    # The per-equation pins are keyed by the per-iteration rewrite's equations, which the chunk scans do not
+    # keep: inside a chunk the stage's layouts come from its stored parameters, accumulators and inputs (XLA
+    # propagates).
     return dataclasses.replace(layout, first_layer=s, last_layer=s, param_specs=params, grad_specs=grads,
                                input_specs=inputs, op_out_specs={}, op_in_reshards={}, edge_pins={}, train_pins={},
-                               output_specs={})
+                               output_specs=outputs)
 
 
 class ScanPipelineStep(PipelineStep):

@@ -65,6 +65,14 @@ def test_scanned_gpt_two_stages_match_one_device(scanned, schedule, devices8):
     assert len(plan.stages) == 2 and plan.schedule == schedule and plan.num_microbatches == 2
     if schedule == "1f1b":
         _check_stage_executables(run)
+        # each stage's apply writes its updated slices back in their stored layout, so the all-gather of a
+        # ZeRO-2 stage's parameters runs inside it, as planned (it used to leave them split like their
+        # gradients, the gather moved out of every executable)
+        from autoshard.compiler.verify_pipeline import verify_pipeline
+
+        report = verify_pipeline(plan, lower_pipeline(run).compile())
+        applies = [r for r in report.rows if " apply " in r.what]
+        assert applies and all(r.ok for r in applies), str(report)
 
 
 def _check_stage_executables(run):
