@@ -217,7 +217,8 @@ def autoshard(fn: Callable[..., Any] | None = None, *, mesh: Mesh | tuple[int, .
     compiling. ``while_trip_count``: the iterations a ``while`` loop whose trip count cannot be derived from its
     counter is priced at (None: a guess, with a ``TripCountGuessWarning``). ``check="compiled"``: compile the
     chosen plan, its next-best plans and the best classic plan and run the fastest compiled program
-    (``compiler/arbiter.py``; minutes on a big model); None (default): the cost model alone decides. Every
+    (``compiler/arbiter.py``; minutes on a big model), a pipeline weighed against the SPMD plan stage by stage
+    (``compiler/checked.py``); None (default): the cost model alone decides. Every
     argument is checked here (and the mesh against the devices at the first call), before any work:
     ``ArgumentError`` says what to change. ``compiler_options``: passed to XLA for the step's executables, as
     ``jax.jit``'s; planning ignores them.
@@ -249,7 +250,8 @@ def plan(fn: Callable[..., Any], *args: Any, mesh: Mesh | tuple[int, ...] | None
     SPMD only, an integer forces that many stages; ``num_microbatches`` likewise; ``schedule`` "1f1b"|"interleaved"|"gpipe";
     ``progress`` is told a short line as each long phase starts (tracing, each solve); ``while_trip_count`` as
     for ``autoshard``; ``memory_budget`` and ``check`` too (``check="compiled"``: the plan's ledger carries its
-    compiled price, and ``Plan.arbitration`` every plan compiled). Every argument is checked before any work
+    compiled price, ``Plan.arbitration`` every SPMD plan compiled, and with stages searched the best pipeline and
+    the SPMD plan are both compiled, the faster returned). Every argument is checked before any work
     (``ArgumentError``).
     """
     check = check_option(check)
