@@ -115,7 +115,9 @@ def _geomean_target(name: str, cells: Sequence[CellResult], wanted: float) -> Ta
         return Target(name, None, f"no rated cell: {missing}")
     gm = geomean([r.compiled_speedup for r in rated])
     per_cell = ", ".join(f"{r.cell.workload} on {r.cell.cluster} {r.compiled_speedup:.2f}x" for r in rated)
-    detail = f"geomean {gm:.2f}x (compiled) over {per_cell}"
+    # two decimals, or four where two would round a miss up to the target
+    shown = f"{gm:.4f}" if gm < wanted <= round(gm, 2) else f"{gm:.2f}"
+    detail = f"geomean {shown}x (compiled) over {per_cell}"
     unrated = [r for r in cells if r.compiled_speedup is None]
     if unrated:
         detail += "; not rated: " + ", ".join(f"{r.cell} ({_unrated(r)})" for r in unrated)

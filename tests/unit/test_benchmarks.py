@@ -129,6 +129,11 @@ def test_targets_judge_compiled_speedups_budgets_and_toys():
     assert moe.met is False and "1.10x" in moe.detail
     assert two_node.met is True and two_node.caveat is None  # fast alone reaches 2.0x
 
+    # a geomean that two decimals would round up to the target is printed with four
+    near = _cell("gpt", "2x8-a100", _row("autoshard", 1.0), _row("DP", 1.4996))
+    near_two_node = evaluate([near], [])[4]
+    assert near_two_node.met is False and "geomean 1.4996x" in near_two_node.detail
+
     slow = _cell("gpt", "2x8-a100", _row("autoshard", 1.0), _row("DP", 1.01))
     two_node = evaluate([slow, toy], [])[4]
     assert two_node.met is True and two_node.caveat and "1.01x" in two_node.caveat
