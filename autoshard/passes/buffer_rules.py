@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autoshard.ir.graph import Op, OpGraph, ValueId, dtype_itemsize
-from autoshard.ir.primitives import CONTRACTIONS, Family, OpKind, Values, facts
+from autoshard.ir.primitives import CONTRACTIONS, Family, FlopRule, OpKind, Values, facts
 from autoshard.ir.spec import Collective
 from autoshard.passes.liveness import InstructionOrder, NodeId, OpIndex
 
@@ -144,14 +144,15 @@ def f32_dot_buffers(graph: OpGraph, f32_dtypes: frozenset[str], root_of: Callabl
     return F32DotBuffers(frozenset(widened), {v: tuple(ts) for v, ts in copies.items()})
 
 
-def _computes_in_f32(op: Op) -> bool:
-    """An op a backend without narrow-float arithmetic runs in float32: elementwise math, reductions,
-    contractions (not data movement, selection or comparisons, which keep their dtype)."""
+def _computes_in_f32(graph: OpGraph, op: Op) -> bool:
+    """An op a backend without narrow-float arithmetic runs in float32: a reduction, a contraction, or elementwise
+    math that XLA counts FLOPs for (not data movement, a select or a convert) and that yields numbers (not a
+    comparison's booleans)."""
     f = facts(op.primitive)
     if f.family in (Family.REDUCTION, Family.CONTRACTION):
         return True
-    return f.family is Family.ELEMENTWISE and f.values is Values.NEW and f.order is None \
-        and op.primitive not in ("select_n", "clamp")
+    return (f.family is Family.ELEMENTWISE and f.values is Values.NEW and f.flops is not FlopRule.ZERO
+            and all(graph.values[v].dtype != "bool" for v in op.outputs))
 
 
 def excess_precision(graph: OpGraph, f32_dtypes: frozenset[str], buffers: Iterable[ValueId]) -> set[ValueId]:
@@ -177,14 +178,14 @@ def excess_precision(graph: OpGraph, f32_dtypes: frozenset[str], buffers: Iterab
             elif kind.values is Values.CAST:
                 if any(dtype_itemsize(graph.values[o].dtype) < 4 for o in r.outputs):
                     return False
-            elif not _computes_in_f32(r):
+            elif not _computes_in_f32(graph, r):
                 return False
         return True
 
     found = set()
     for vid in buffers:
         op = producer.get(vid)
-        if op is None or graph.values[vid].dtype not in f32_dtypes or not _computes_in_f32(op):
+        if op is None or graph.values[vid].dtype not in f32_dtypes or not _computes_in_f32(graph, op):
             continue
         if op.primitive in CONTRACTIONS or reads_in_f32(vid):
             found.add(vid)
