@@ -187,7 +187,7 @@ def excess_precision(graph: OpGraph, f32_dtypes: frozenset[str], buffers: Iterab
         op = producer.get(vid)
         if op is None or graph.values[vid].dtype not in f32_dtypes or not _computes_in_f32(graph, op):
             continue
-        if op.primitive in CONTRACTIONS or reads_in_f32(vid):
+        if reads_in_f32(vid):  # a contraction's result is float32 already (``f32_dot_buffers``)
             found.add(vid)
     return found
 

@@ -29,7 +29,7 @@ from autoshard.ir.step_trace import TracedStep
 from autoshard.ir.trace import trace
 from autoshard.plans.plan import Plan
 from autoshard.runtime.pipeline import PipelineStep
-from autoshard.runtime.stage_layout import PipelineRun, StageLayout, StepOptions
+from autoshard.runtime.stage_layout import PipelineRun, StageLayout, StepOptions, output_specs
 
 
 def per_layer(parts: StepParts) -> StackSplit:
@@ -175,18 +175,14 @@ def _runtime_layout(layout: StageLayout, s: int, pricing: StackSplit, run: Stack
     # for a step without a stack. Without it XLA chose the update's output layouts itself: a ZeRO-2 stage
     # returned its parameters split like their gradients, and their all-gather moved out of the executables.
     flat_in = {key: j for j, key in enumerate(run.inputs)}
-    outputs = {}
-    for j, (k, c) in enumerate(run.outputs):
-        i = carried[k] if k < len(carried) else None
-        src = flat_in.get((i, c)) if i is not None else None
-        if src is not None and src in inputs:
-            outputs[j] = inputs[src]
+    updates = [flat_in.get((carried[k], c)) if k < len(carried) and carried[k] is not None else None
+               for k, c in run.outputs]  # ``OpGraph.carried`` of the rewritten step
     # The per-equation pins are keyed by the per-iteration rewrite's equations, which the chunk scans do not
     # keep: inside a chunk the stage's layouts come from its stored parameters, accumulators and inputs (XLA
     # propagates).
     return dataclasses.replace(layout, first_layer=s, last_layer=s, param_specs=params, grad_specs=grads,
                                input_specs=inputs, op_out_specs={}, op_in_reshards={}, edge_pins={}, train_pins={},
-                               output_specs=outputs)
+                               output_specs=output_specs(updates, inputs))
 
 
 class ScanPipelineStep(PipelineStep):
