@@ -174,7 +174,7 @@ class PipelinePlanned:
     def runtime(self, devices: Sequence[jax.Device] | None = None,
                 options: StepOptions = StepOptions()) -> PipelineStep:
         """The stage executables, built from the Plan as ``autoshard.apply`` builds them, on the traces planning
-        made: the step is traced again only when its microbatch was not the one priced."""
+        made: the step is not traced again (a microbatch count not priced is extrapolated, ``ir/rescale.py``)."""
         devices = list(devices) if devices is not None else jax.devices()
         ctx = self.context
         if self.view.stacked is not None:

@@ -90,8 +90,8 @@ def price_pipeline(ctx: PipelineContext, cost_options: StageCostOptions) -> Pric
 
 def at_runtime_microbatch(ctx: PipelineContext, priced: PricedPipeline, stage_plan: StagePlan) -> PricedPipeline:
     """``priced`` with the chosen stages' layers planned at the chosen microbatch count, the one the runtime
-    runs (``passes/stage_costs.at_chosen_microbatch``); the step at batch / B is traced once (kept by the
-    context's TracedStep, which the runtime reads too)."""
+    runs (``passes/stage_costs.at_chosen_microbatch``); the step at batch / B is the context's TracedStep's
+    (extrapolated from its two traces, ``ir/rescale.py``), which the runtime reads too."""
     stages, b = priced.stages, stage_plan.num_microbatches
     if b == stages.ratio:
         return priced

@@ -6,6 +6,10 @@ cost at a smaller microbatch, and the programs the runtime runs). :class:`Traced
 trace and makes each microbatch trace at most once (``at_microbatches``), so the planner's pricing trace
 is the runtime's when they share a microbatch count, and nothing traces the step again.
 
+The first microbatch count is traced; any other is extrapolated from the two jaxprs (``ir/rescale.py``: the
+numbers that differ between them are the batch's), so a pipeline whose stage DP chooses a third microbatch
+count still traces the step twice. It is traced only where the extrapolation cannot explain the two jaxprs.
+
 A microbatch trace is only a jaxpr taken apart (``ir/split.py``): no OpGraph is built from it, so it
 needs no trip-count option and warns of nothing the full trace has not said.
 """
@@ -20,6 +24,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from autoshard.ir.graph import OpGraph
+from autoshard.ir.rescale import extrapolate
 from autoshard.ir.split import StepParts, batch_inputs, microbatch_shapes, split_step
 from autoshard.ir.trace import step_jaxpr
 
@@ -56,6 +61,9 @@ class TracedStep:
     split_inputs: tuple[bool, ...]  # per flat step input: a batch leaf, cut into microbatches
     # microbatch count -> the step traced at batch / count and split (None: it traces to other equations)
     microbatch_traces: dict[int, StepParts | None] = field(default_factory=dict, repr=False)
+    # the first microbatch count traced and its jaxpr: the other counts are extrapolated from it
+    traced_microbatch: list[tuple[int, jcore.ClosedJaxpr]] = field(default_factory=list, repr=False)
+    extrapolated: set[int] = field(default_factory=set, repr=False)  # the counts made without a trace
 
     @classmethod
     def of(cls, fn: Callable[..., Any], args: Sequence[Any], graph: OpGraph, parts: StepParts) -> TracedStep:
@@ -90,12 +98,30 @@ class TracedStep:
         return tuple(jax.tree_util.tree_unflatten(self.in_tree, leaves))
 
     def at_microbatches(self, count: int) -> StepParts | None:
-        """The step traced at batch / ``count`` and split, or None when it traces to other equations there (loss
-        code whose equations depend on the batch size); traced once per count."""
+        """The step at batch / ``count`` and split, or None when it traces to other equations there (loss code
+        whose equations depend on the batch size): the first count traced, the others extrapolated from it and
+        the full batch where they can be (module docstring); once per count."""
         if count == 1:
             return self.parts
         if count not in self.microbatch_traces:
-            closed, _ = step_jaxpr(self.fn, *self.microbatch_args(count))
+            closed = self._extrapolated(count)
+            if closed is None:
+                closed, _ = step_jaxpr(self.fn, *self.microbatch_args(count))
+                if not self.traced_microbatch:
+                    self.traced_microbatch.append((count, closed))
             small = split_step(closed)
             self.microbatch_traces[count] = small if small is not None and same_step(self.parts, small) else None
         return self.microbatch_traces[count]
+
+    def _extrapolated(self, count: int) -> jcore.ClosedJaxpr | None:
+        """The step's jaxpr at batch / ``count`` from its full-batch trace and its first microbatch trace (None:
+        no microbatch traced yet, that one traced to other equations, or the two do not explain a third)."""
+        if not self.traced_microbatch or self.graph.jaxpr is None:
+            return None
+        ratio, small = self.traced_microbatch[0]
+        if self.microbatch_traces.get(ratio) is None:
+            return None
+        closed = extrapolate(self.graph.jaxpr, small, ratio, count)
+        if closed is not None:
+            self.extrapolated.add(count)
+        return closed

@@ -21,7 +21,8 @@ from pipeline_helpers import assert_adamw_steps_match, assert_leaves_close, mark
 CONFIG = dataclasses.replace(gpt.CONFIGS["small"], num_layers=8, d_model=32, num_heads=2, seq_len=8, batch_size=8)
 CASES = [(2, "gpipe", b) for b in (1, 2, 4)] + [(4, "1f1b", b) for b in (1, 2, 4)]
 # every run: one case per stage count; the others with -m slow (tests/sim/test_pipeline_intra.py covers B = 1, 2, 4 too)
-DEFAULT = {(2, "gpipe", 1), (4, "1f1b", 2)}
+# B = 1 on two stages runs in tests/sim/test_pipeline_intra.py; the default two-stage case here is the searched B below
+DEFAULT = {(4, "1f1b", 2)}
 CASES = [c if c in DEFAULT else pytest.param(*c, marks=pytest.mark.slow) for c in CASES]
 
 
@@ -60,6 +61,32 @@ def test_sgd_pipeline_matches_one_device(work, sgd_reference, stages, schedule, 
     assert_leaves_close(state[0], ref_params, "params")
     text = str(plan)
     assert "bubble" in text and "stage 1: layers" in text
+
+
+def test_pipeline_at_a_microbatch_count_it_did_not_trace_matches_one_device(devices8):
+    """Batch 16: the planner prices r = 8 microbatches and its stage DP chooses B = 4, a count it never traced:
+    the runtime runs the step extrapolated from its two traces (``ir/rescale.py``), and three SGD steps equal
+    the same steps on one device."""
+    work = gpt.workload(dataclasses.replace(CONFIG, batch_size=16))
+    params, _, batch = work.args
+    tx = optax.sgd(0.1)
+    step = marked_step(work.loss_fn, tx)
+    reference = jax.jit(step, compiler_options=FAST_COMPILE)
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return step(*args)
+
+    piped = autoshard.autoshard(counted, num_stages=2, compiler_options=FAST_COMPILE)
+    ref, state = (params, tx.init(params)), (params, tx.init(params))
+    for k in range(3):
+        *ref, ref_loss = reference(*ref, batch)
+        *state, loss = piped(*state, batch)
+        assert rel(loss, ref_loss) <= 1e-5, f"step {k}: loss {float(loss)} vs one device {float(ref_loss)}"
+    assert piped.plan.num_microbatches not in (1, 8), "the stage DP chose a traced count: pick another batch"
+    assert len(calls) == 2  # the full batch and r = 8: B = 4 was extrapolated, not traced
+    assert_leaves_close(state[0], ref[0], "params")
 
 
 def test_adamw_pipeline_loss_and_first_moment(work, devices8):

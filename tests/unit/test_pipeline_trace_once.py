@@ -70,14 +70,18 @@ def counted_scan(monkeypatch):
 OPTIONS = IntraOpOptions(time_limit_s=1.0)
 
 
-@pytest.mark.parametrize(("num_stages", "num_microbatches"), [(2, 2), (None, None)],
-                         ids=["stages-given", "stages-and-microbatches-searched"])
+@pytest.mark.parametrize(("num_stages", "num_microbatches"), [(2, 2), (None, None), (2, None)],
+                         ids=["stages-given", "stages-and-microbatches-searched", "microbatches-searched"])
 def test_pipeline_plan_traces_the_step_at_most_twice(counted, num_stages, num_microbatches):
+    """With B searched on batch 8 the layers are priced at r = 4 and the stage DP chooses B = 2: that count is
+    extrapolated from the two traces (``ir/rescale.py``), not traced."""
     step, seen = counted
     plan = autoshard.plan(step, *_args(), cluster="cpu-8", num_stages=num_stages,
                           num_microbatches=num_microbatches, options=OPTIONS)
     if num_stages == 2:
         assert len(plan.stages) == 2 and plan.pipeline is not None
+    if (num_stages, num_microbatches) == (2, None):
+        assert plan.num_microbatches == 2, "the stage DP chose a traced count here: pick a case that does not"
     assert seen["traces"] == 2  # the full batch and one microbatch
     assert seen["calls"] <= 2
 
@@ -91,11 +95,13 @@ def test_scanned_stack_pipeline_plan_traces_the_step_twice(counted_scan):
     assert seen["traces"] == 2 and seen["calls"] <= 2
 
 
-def test_decorated_pipeline_plans_and_builds_its_runtime_on_two_traces(counted):
-    """The runtime runs on the planner's microbatch trace when it runs the microbatch priced (here B is given;
-    a B the stage DP chose below the priced one is traced once more, at batch / B)."""
+@pytest.mark.parametrize("num_microbatches", [2, None], ids=["given", "searched"])
+def test_decorated_pipeline_plans_and_builds_its_runtime_on_two_traces(counted, num_microbatches):
+    """The runtime runs on the planner's microbatch traces: the priced one, or (a B the stage DP chose) the one
+    extrapolated from it (``ir/rescale.py``)."""
     step, seen = counted
-    wrapped = autoshard.autoshard(step, cluster="cpu-8", num_stages=2, num_microbatches=2, options=OPTIONS)
+    wrapped = autoshard.autoshard(step, cluster="cpu-8", num_stages=2, num_microbatches=num_microbatches,
+                                  options=OPTIONS)
     planned = wrapped.planned(*_args())  # plans and builds the pipeline runtime (lowering would compile)
     assert len(planned.plan.stages) == 2 and planned.plan is wrapped.plan
     assert seen["traces"] == 2 and seen["calls"] <= 2
