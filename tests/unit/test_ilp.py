@@ -401,3 +401,28 @@ def test_presolve_drops_a_strategy_only_when_another_is_no_worse_everywhere(extr
     problem = _dominance_problem(**extra)
     assert list(presolve(problem).allowed[0]) == kept
     assert solve(problem).objective_s == pytest.approx(brute_force(problem).objective_s)
+
+
+def _frustrated_ring(size: int = 5) -> IlpProblem:
+    """An odd ring of two-strategy nodes whose every edge charges 1 s for equal choices: some edge must pay
+    (optimum 1 s), while the LP relaxation pays nothing (every node half on each strategy)."""
+    equal = np.array([[1.0, 0.0], [0.0, 1.0]])
+    return IlpProblem(node_names=tuple(f"n{i}" for i in range(size)),
+                      node_costs=tuple(np.zeros(2) for _ in range(size)),
+                      edges=tuple((i, (i + 1) % size) for i in range(size)),
+                      edge_costs=tuple(equal for _ in range(size)), memory_points=(), time_limit_s=5.0)
+
+
+def test_a_fractional_lp_without_time_for_the_mip_still_bounds_the_plan(monkeypatch) -> None:
+    """Left no time for HiGHS's MIP, the fractional LP's rounding is priced and returned, and its optimum
+    (0 s) is the bound: the gap is finite and true (100%), not unknown."""
+    import autoshard.passes.ilp.mip as mip
+
+    monkeypatch.setattr(mip, "_MIP_SHARE", 2.0)  # never enough time left for the MIP
+    problem = _frustrated_ring()
+    found = mip.solve_mip(problem)
+    assert found.status == "feasible" and found.gap == pytest.approx(1.0)
+    assert found.objective_s == evaluate(problem, found.choices).objective_s >= 1.0
+    assert solve(problem).objective_s == pytest.approx(1.0)  # the local search mends the rounding
+    monkeypatch.setattr(mip, "_MIP_SHARE", 0.3)
+    assert mip.solve_mip(problem).status == "optimal"  # with time, the MIP proves it

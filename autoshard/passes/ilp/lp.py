@@ -106,6 +106,26 @@ class MipBuilder:
             options={"time_limit": float(time_limit_s), "mip_rel_gap": MIP_REL_GAP, "disp": False})
 
 
+def plan_objective(b: MipBuilder, highs: highspy.Highs, positions: list[np.ndarray], seconds: float) -> float | None:
+    """The LP's (scaled) objective with every free node's strategy fixed (``positions``: per node, its chosen
+    position among its allowed strategies): the plan's own cost in the LP's units, the pairs, charges and
+    shared reshards following from the strategies; None when that plan takes a forbidden pair or runs out of
+    time. Continues from the basis ``highs`` holds (the LP's optimum), so it takes a fraction of the LP."""
+    columns, lower = [], []
+    for i, allowed in enumerate(b.red.allowed):
+        if b.first[i] >= 0:
+            ss = b.s(i, np.arange(len(allowed)))
+            columns.append(ss)
+            lower.append((np.arange(len(allowed)) == positions[i]).astype(float))
+    if not columns:
+        return 0.0
+    cols = np.concatenate(columns).astype(np.int32)
+    fixed = np.concatenate(lower)
+    highs.changeColsBounds(len(cols), cols, fixed, fixed)
+    priced = run_highs(highs, seconds)
+    return float(priced.fun) if priced.status == 0 else None
+
+
 def integral(b: MipBuilder, x: np.ndarray) -> bool:
     """Whether every free node's strategy variables in ``x`` are 0 or 1."""
     columns = np.concatenate([b.s(i, np.arange(len(a))) for i, a in enumerate(b.red.allowed) if b.first[i] >= 0]
@@ -131,6 +151,9 @@ def highs_lp(b: MipBuilder, upper: np.ndarray) -> highspy.Highs:
     highs = highspy.Highs()
     highs.setOptionValue("output_flag", False)
     highs.setOptionValue("solver", "simplex")
+    highs.setOptionValue("simplex_strategy", 1)  # the serial dual simplex (deterministic), without presolve:
+    # on these LPs HiGHS's presolve takes longer than the simplex (``solve_lp``)
+    highs.setOptionValue("presolve", "off")
     highs.passModel(lp)
     return highs
 
@@ -153,14 +176,16 @@ def run_highs(highs: highspy.Highs, seconds: float) -> scipy.optimize.OptimizeRe
 def solve_lp(b: MipBuilder, time_limit_s: float) -> scipy.optimize.OptimizeResult:
     """The LP relaxation, restricted first: without the priced pairs (``MipBuilder.restricted``: an edge's pairs
     that pay a reshard, a shared reshard's t and the y that need it), held at 0, the LP is a fifth of the
-    size and its optimum, a plan in which every value is read as it was made where that pays, is nearly
-    always integral and often optimal. When no left-out column has a negative reduced cost there, it is the
-    whole LP's optimum; otherwise the left-out columns are opened and the simplex continues from the
-    restricted optimum's basis, which is primal feasible for the whole LP (the opened columns sit at 0): on
-    GPT-small's 95k columns the whole LP then takes 1.5 s where a cold start took 23 s (12 s by interior
-    point). Adding only the columns that price out (column generation) does not pay here: the duals of
+    size and its optimum, a plan in which every value is read as it was made where that pays, is often
+    integral and sometimes optimal. When no left-out column has a negative reduced cost there, it is the
+    whole LP's optimum; otherwise the whole LP is solved, by the dual simplex from a cold start: continuing
+    from the restricted optimum's basis was slower on the larger problems (GPT-large at 12 and 24 layers on
+    1x8-a100, 98k columns: 19.8 and 15.3 s against 5.1 and 5.4 s cold; GPT-medium on 2x8-a100 1.6 against
+    2.4 s; MoE-large 10.6 against 16.3 s), and HiGHS's presolve costs more than it saves on every one of them
+    (12-40 s). Adding only the columns that price out (column generation) does not pay either: the duals of
     these degenerate LPs price thousands of columns in every round while the objective stays. Out of time,
-    the restricted optimum is returned (status 1) when it is integral: a plan without a proof."""
+    the restricted optimum is returned (status 1) when it is integral: a plan without a proof. An optimum
+    carries its HiGHS model (``highs``), on which ``plan_objective`` prices a plan."""
     if b.num_cols == 0:
         return b.solve(time_limit_s, relaxed=True)
     start = time.perf_counter()
@@ -168,6 +193,8 @@ def solve_lp(b: MipBuilder, time_limit_s: float) -> scipy.optimize.OptimizeResul
     left_out = b.restricted()
     highs = highs_lp(b, np.where(left_out, 0.0, upper))
     restricted = run_highs(highs, time_limit_s)
+    if restricted.status == 0 and not left_out.any():
+        restricted.highs = highs
     if not left_out.any() or restricted.status not in (0, 2):  # the whole LP already, or out of time
         return restricted
     incumbent = None
@@ -175,12 +202,16 @@ def solve_lp(b: MipBuilder, time_limit_s: float) -> scipy.optimize.OptimizeResul
         entering = int((left_out & (restricted.reduced < -REDUCED_COST_TOL)).sum())
         log.debug("mip: restricted LP %.2fs, %d of %d columns, %d price out", time.perf_counter() - start,
                   int((~left_out).sum()), b.num_cols, entering)
-        if not entering:
+        if not entering:  # the whole LP's optimum already (its basis stays optimal with the columns opened)
+            opened = np.flatnonzero(left_out).astype(np.int32)
+            highs.changeColsBounds(len(opened), opened, np.zeros(len(opened)), upper[opened])
+            restricted.highs = highs
             return restricted
         incumbent = restricted if integral(b, restricted.x) else None
-    opened = np.flatnonzero(left_out).astype(np.int32)
-    highs.changeColsBounds(len(opened), opened, np.zeros(len(opened)), upper[opened])
+    highs = highs_lp(b, upper)  # the whole LP from a cold start (module docstring: faster than from that basis)
     full = run_highs(highs, time_limit_s - (time.perf_counter() - start))
+    if full.status == 0:
+        full.highs = highs  # a fractional optimum prices its rounded plan on it (``plan_objective``)
     if full.status in (0, 2) or incumbent is None:
         return full
     return scipy.optimize.OptimizeResult(status=1, x=incumbent.x, fun=incumbent.fun,
