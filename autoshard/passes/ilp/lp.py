@@ -21,6 +21,7 @@ from autoshard.passes.ilp.presolve import Reduced
 log = logging.getLogger(__name__)
 
 MIP_REL_GAP = 1e-6  # HiGHS's MIP stops when its incumbent is this close to its bound
+CONTINUE_SHARE = 0.3  # of the time left: the whole LP continues from the restricted basis this long at most
 REDUCED_COST_TOL = 1e-3  # a left-out column prices out below this reduced cost (costs scaled as the MIP's)
 
 
@@ -133,8 +134,9 @@ def integral(b: MipBuilder, x: np.ndarray) -> bool:
     return bool(np.all(np.minimum(x[columns], 1.0 - x[columns]) <= 1e-6))
 
 
-def highs_lp(b: MipBuilder, upper: np.ndarray) -> highspy.Highs:
-    """HiGHS (its own Python interface, ``highspy``) holding the LP relaxation with column bounds [0, upper]."""
+def highs_lp(b: MipBuilder, upper: np.ndarray, dual: bool = False) -> highspy.Highs:
+    """HiGHS (its own Python interface, ``highspy``) holding the LP relaxation with column bounds [0, upper];
+    ``dual``: solved by the serial dual simplex without presolve (``solve_lp``), else as HiGHS chooses."""
     matrix = b.matrix().tocsc()
     lo, hi = np.array(b.lower_rhs, dtype=float), np.array(b.upper_rhs, dtype=float)
     lp = highspy.HighsLp()
@@ -151,9 +153,9 @@ def highs_lp(b: MipBuilder, upper: np.ndarray) -> highspy.Highs:
     highs = highspy.Highs()
     highs.setOptionValue("output_flag", False)
     highs.setOptionValue("solver", "simplex")
-    highs.setOptionValue("simplex_strategy", 1)  # the serial dual simplex (deterministic), without presolve:
-    # on these LPs HiGHS's presolve takes longer than the simplex (``solve_lp``)
-    highs.setOptionValue("presolve", "off")
+    if dual:  # the serial dual simplex (deterministic), without presolve, which takes longer than it here
+        highs.setOptionValue("simplex_strategy", 1)
+        highs.setOptionValue("presolve", "off")
     highs.passModel(lp)
     return highs
 
@@ -178,12 +180,15 @@ def solve_lp(b: MipBuilder, time_limit_s: float) -> scipy.optimize.OptimizeResul
     that pay a reshard, a shared reshard's t and the y that need it), held at 0, the LP is a fifth of the
     size and its optimum, a plan in which every value is read as it was made where that pays, is often
     integral and sometimes optimal. When no left-out column has a negative reduced cost there, it is the
-    whole LP's optimum; otherwise the whole LP is solved, by the dual simplex from a cold start: continuing
-    from the restricted optimum's basis was slower on the larger problems (GPT-large at 12 and 24 layers on
-    1x8-a100, 98k columns: 19.8 and 15.3 s against 5.1 and 5.4 s cold; GPT-medium on 2x8-a100 1.6 against
-    2.4 s; MoE-large 10.6 against 16.3 s), and HiGHS's presolve costs more than it saves on every one of them
-    (12-40 s). Adding only the columns that price out (column generation) does not pay either: the duals of
-    these degenerate LPs price thousands of columns in every round while the objective stays. Out of time,
+    whole LP's optimum; otherwise the left-out columns are opened and the simplex continues from the
+    restricted optimum's basis, which is primal feasible for the whole LP (the opened columns sit at 0): on
+    GPT-small's 95k columns the whole LP then takes 1.5 s where a cold start by HiGHS's default took 23 s,
+    and GPT-medium's on 2x8-a100 1.6 s. On some LPs that continuation stalls (GPT-large at 12 and 24 layers
+    on 1x8-a100: 19.8 and 15.3 s) where the serial dual simplex from a cold start, without HiGHS's presolve,
+    takes 5.1 and 5.4 s; so the continuation gets ``CONTINUE_SHARE`` of the time left, then the LP restarts
+    cold (presolve cost more than it saved on every one of these LPs: 12-40 s). Adding only the columns
+    that price out (column generation) does not pay either: the duals of these degenerate LPs price
+    thousands of columns in every round while the objective stays. Out of time,
     the restricted optimum is returned (status 1) when it is integral: a plan without a proof. An optimum
     carries its HiGHS model (``highs``), on which ``plan_objective`` prices a plan."""
     if b.num_cols == 0:
@@ -198,18 +203,23 @@ def solve_lp(b: MipBuilder, time_limit_s: float) -> scipy.optimize.OptimizeResul
     if not left_out.any() or restricted.status not in (0, 2):  # the whole LP already, or out of time
         return restricted
     incumbent = None
+    opened = np.flatnonzero(left_out).astype(np.int32)
+    highs.changeColsBounds(len(opened), opened, np.zeros(len(opened)), upper[opened])
     if restricted.status == 0:  # (infeasible restricted: a forbidden pair everywhere else; the whole LP decides)
         entering = int((left_out & (restricted.reduced < -REDUCED_COST_TOL)).sum())
         log.debug("mip: restricted LP %.2fs, %d of %d columns, %d price out", time.perf_counter() - start,
                   int((~left_out).sum()), b.num_cols, entering)
         if not entering:  # the whole LP's optimum already (its basis stays optimal with the columns opened)
-            opened = np.flatnonzero(left_out).astype(np.int32)
-            highs.changeColsBounds(len(opened), opened, np.zeros(len(opened)), upper[opened])
             restricted.highs = highs
             return restricted
         incumbent = restricted if integral(b, restricted.x) else None
-    highs = highs_lp(b, upper)  # the whole LP from a cold start (module docstring: faster than from that basis)
-    full = run_highs(highs, time_limit_s - (time.perf_counter() - start))
+    left = time_limit_s - (time.perf_counter() - start)
+    full = run_highs(highs, CONTINUE_SHARE * left)
+    if full.status == 1:  # stalled from that basis: the dual simplex from a cold start, for the rest
+        log.debug("mip: the whole LP from the restricted basis stalled after %.2fs; restarting cold",
+                  CONTINUE_SHARE * left)
+        highs = highs_lp(b, upper, dual=True)
+        full = run_highs(highs, time_limit_s - (time.perf_counter() - start))
     if full.status == 0:
         full.highs = highs  # a fractional optimum prices its rounded plan on it (``plan_objective``)
     if full.status in (0, 2) or incumbent is None:

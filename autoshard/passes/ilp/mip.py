@@ -246,21 +246,23 @@ def _solve_relaxation_first(b: MipBuilder, time_limit_s: float) -> scipy.optimiz
     left = time_limit_s - (time.perf_counter() - start)
     if lp.status != 0 or lp.x is None:
         return b.solve(max(left, 0.1))
-    if left >= _MIP_SHARE * time_limit_s:
-        found = b.solve(left)
-        if found.x is not None:
-            found.mip_dual_bound = max(float(getattr(found, "mip_dual_bound", -math.inf) or -math.inf), lp.fun)
-            return found
+    found = b.solve(left) if left >= _MIP_SHARE * time_limit_s else None
+    if found is not None and found.x is not None and found.status == 0:
+        return found
+    bound = max(lp.fun, float(getattr(found, "mip_dual_bound", None) or -math.inf))
     positions = [int(np.argmax(lp.x[f:f + len(a)])) if f >= 0 else 0 for f, a in zip(b.first, b.red.allowed)]
     price = plan_objective(b, lp.highs, positions, max(left, _PRICE_S))
-    if price is None:
+    if price is None or (found is not None and found.x is not None and found.fun <= price):
+        if found is not None and found.x is not None:
+            found.mip_dual_bound = bound
+            return found
         log.debug("mip: the fractional LP's rounding takes a forbidden pair; its bound is not used")
         return scipy.optimize.OptimizeResult(status=1, x=None, fun=None, message="Time limit reached")
     x = np.zeros(b.num_cols)
     for f, position in zip(b.first, positions):
         if f >= 0:
             x[f + position] = 1.0
-    return scipy.optimize.OptimizeResult(status=1, x=x, fun=price, mip_dual_bound=lp.fun,
+    return scipy.optimize.OptimizeResult(status=1, x=x, fun=price, mip_dual_bound=bound,
                                          message="Time limit reached; the fractional LP's rounding, its optimum "
                                                  "the bound")
 
