@@ -20,11 +20,14 @@ from pathlib import Path
 from autoshard.compiler.driver import plan_graph
 from autoshard.ir.trace import trace
 from autoshard.passes.intra_op import IntraOpOptions
-from benchmarks.machine import load_average
 from benchmarks.quality import Cell, WorkloadCache
 from benchmarks.run import default_cells
 
 DEFAULT_OUT = Path(__file__).with_name("SOLVER_GAPS.md")
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 @dataclass(frozen=True)

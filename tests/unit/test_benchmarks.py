@@ -257,3 +257,18 @@ def test_recorded_commands_leave_out_side_output_paths():
                               "--json=out/y.json", "--plans", "out/plans", "--plans=out/p2"])
     assert recorded == ["--layers", "12", "24", "--markdown", "m.md"]
     assert describe(["run.py", "--quick", "--plans", "out/plans"]).command == "python -m benchmarks.run --quick"
+
+
+def test_solver_gaps_count_what_was_proven():
+    """benchmarks/solver_gaps.py: a cell counts as solved when proven optimal or within 1% of its bound; a
+    cell without a bound says so rather than printing an infinite gap."""
+    from benchmarks.solver_gaps import GapRow, markdown
+
+    rows = [GapRow("a on 1x8-a100 2x4", "optimal", 0.0, 2e-3, 2e-3, 3.0, 4.0, 4.0, 1000),
+            GapRow("b on 2x8-a100 2x8", "feasible", 0.005, 2e-3, 1.99e-3, 10.0, 11.0, 11.0, 1000),
+            GapRow("c on 4x8-h100 4x8", "feasible", 0.2, 2e-3, 1.6e-3, 10.0, 11.0, 11.0, 1000),
+            GapRow("d on 4x8-h100 4x8", "feasible", math.inf, 2e-3, math.nan, 10.0, 11.0, 11.0, 1000)]
+    text = markdown(rows, IntraOpOptions(), ("1.0", "1.0"), 60.0)
+    assert "**2 of 4 cells**" in text
+    assert "| d on 4x8-h100 4x8 | feasible | no bound | 2.000 | - |" in text
+    assert "| c on 4x8-h100 4x8 | feasible | 20.0% | 2.000 | 1.600 |" in text
