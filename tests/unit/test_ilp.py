@@ -426,3 +426,21 @@ def test_a_fractional_lp_without_time_for_the_mip_still_bounds_the_plan(monkeypa
     assert solve(problem).objective_s == pytest.approx(1.0)  # the local search mends the rounding
     monkeypatch.setattr(mip, "_MIP_SHARE", 0.3)
     assert mip.solve_mip(problem).status == "optimal"  # with time, the MIP proves it
+
+
+def test_the_lp_race_returns_a_finished_optimum() -> None:
+    """``lp.race`` runs the whole LP from two starts side by side: what it returns is an optimum of the LP
+    (the same value as either alone), with the model that found it."""
+    import autoshard.passes.ilp.mip as mip
+    from autoshard.passes.ilp.lp import highs_lp, race, run_highs
+
+    problem = _frustrated_ring(7)
+    red = presolve(problem)
+    ticks = mip._ticks(red)
+    b = mip._new(problem, red, ticks)
+    mip._add_edges(b, ticks)
+    upper = np.concatenate(b.upper)
+    alone = run_highs(highs_lp(b, upper), 5.0)
+    models = [highs_lp(b, upper), highs_lp(b, upper, dual=True)]
+    found, model = race(models, 5.0)
+    assert found.status == 0 and found.fun == pytest.approx(alone.fun) and model in models

@@ -8,6 +8,7 @@ restricted to the pairs that pay no reshard is solved first, and the whole LP co
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -21,7 +22,9 @@ from autoshard.passes.ilp.presolve import Reduced
 log = logging.getLogger(__name__)
 
 MIP_REL_GAP = 1e-6  # HiGHS's MIP stops when its incumbent is this close to its bound
-CONTINUE_SHARE = 0.3  # of the time left: the whole LP continues from the restricted basis this long at most
+# the whole LP continues from the restricted basis alone for this share of the time limit (at least
+# HEAD_START_S) before a cold start races it
+HEAD_START_SHARE, HEAD_START_S = 0.1, 1.0
 REDUCED_COST_TOL = 1e-3  # a left-out column prices out below this reduced cost (costs scaled as the MIP's)
 
 
@@ -175,6 +178,33 @@ def run_highs(highs: highspy.Highs, seconds: float) -> scipy.optimize.OptimizeRe
     return scipy.optimize.OptimizeResult(status=code, x=None, fun=None, message=highs.modelStatusToString(status))
 
 
+def race(models: list[highspy.Highs], seconds: float) -> tuple[scipy.optimize.OptimizeResult, highspy.Highs]:
+    """Run the models side by side (HiGHS releases the GIL: a thread each) for at most ``seconds``; the first
+    to finish (optimal or infeasible) stops the others. Its result and model; with several finished, the
+    first listed; with none, the first model's time-out."""
+    results: list[scipy.optimize.OptimizeResult | None] = [None] * len(models)
+    for model in models:
+        model.HandleUserInterrupt = True  # ``cancelSolve`` stops a run only with this set
+
+    def run(k: int) -> None:
+        results[k] = run_highs(models[k], seconds)
+        if results[k].status in (0, 2):
+            for other, model in enumerate(models):
+                if other != k:
+                    model.cancelSolve()
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(models))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for k, result in enumerate(results):
+        if result is not None and result.status in (0, 2):
+            log.debug("mip: the whole LP %s won", ("from the restricted basis", "from a cold start")[min(k, 1)])
+            return result, models[k]
+    return results[0], models[0]
+
+
 def solve_lp(b: MipBuilder, time_limit_s: float) -> scipy.optimize.OptimizeResult:
     """The LP relaxation, restricted first: without the priced pairs (``MipBuilder.restricted``: an edge's pairs
     that pay a reshard, a shared reshard's t and the y that need it), held at 0, the LP is a fifth of the
@@ -185,8 +215,10 @@ def solve_lp(b: MipBuilder, time_limit_s: float) -> scipy.optimize.OptimizeResul
     GPT-small's 95k columns the whole LP then takes 1.5 s where a cold start by HiGHS's default took 23 s,
     and GPT-medium's on 2x8-a100 1.6 s. On some LPs that continuation stalls (GPT-large at 12 and 24 layers
     on 1x8-a100: 19.8 and 15.3 s) where the serial dual simplex from a cold start, without HiGHS's presolve,
-    takes 5.1 and 5.4 s; so the continuation gets ``CONTINUE_SHARE`` of the time left, then the LP restarts
-    cold (presolve cost more than it saved on every one of these LPs: 12-40 s). Adding only the columns
+    takes 5.1 and 5.4 s, and on others the cold start is the slower (MoE-large on 2x8-a100: 16.3 against
+    10.6 s): so after a head start alone (``HEAD_START_SHARE`` of the limit) the continuation is raced by a cold start in a second thread
+    (``race``), and the first to finish is the LP's optimum; a small LP is done before the race starts
+    (presolve cost more than it saved on every one of these LPs: 12-40 s). Adding only the columns
     that price out (column generation) does not pay either: the duals of these degenerate LPs price
     thousands of columns in every round while the objective stays. Out of time,
     the restricted optimum is returned (status 1) when it is integral: a plan without a proof. An optimum
@@ -214,12 +246,10 @@ def solve_lp(b: MipBuilder, time_limit_s: float) -> scipy.optimize.OptimizeResul
             return restricted
         incumbent = restricted if integral(b, restricted.x) else None
     left = time_limit_s - (time.perf_counter() - start)
-    full = run_highs(highs, CONTINUE_SHARE * left)
-    if full.status == 1:  # stalled from that basis: the dual simplex from a cold start, for the rest
-        log.debug("mip: the whole LP from the restricted basis stalled after %.2fs; restarting cold",
-                  CONTINUE_SHARE * left)
-        highs = highs_lp(b, upper, dual=True)
-        full = run_highs(highs, time_limit_s - (time.perf_counter() - start))
+    full = run_highs(highs, min(max(HEAD_START_S, HEAD_START_SHARE * time_limit_s), left))
+    if full.status == 1 and time_limit_s - (time.perf_counter() - start) > 0:
+        # not done from that basis: the dual simplex from a cold start races it for the time left
+        full, highs = race([highs, highs_lp(b, upper, dual=True)], time_limit_s - (time.perf_counter() - start))
     if full.status == 0:
         full.highs = highs  # a fractional optimum prices its rounded plan on it (``plan_objective``)
     if full.status in (0, 2) or incumbent is None:
