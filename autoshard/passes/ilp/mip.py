@@ -43,7 +43,8 @@ and takes 5-50 s on two loaded cores from a cold start. So the LP restricted to 
 reshard (an edge's free pairs; a shared value read only in layouts free to make) is solved first
 (``passes/ilp/lp.py``): a fifth of the columns, about a second, and its optimum is nearly always integral and
 close to the whole LP's (equal on the tiny GPT). The whole LP then continues from that optimum's basis
-(warm-started simplex: 1.5 s instead of 23 s on GPT-small) and proves or improves it; the restricted
+(warm-started simplex: 1.5 s instead of 23 s on GPT-small), raced after a head start by a cold dual simplex
+where that stalls (``lp.solve_lp``), and proves or improves it; the restricted
 optimum is the plan when the time limit ends first (a plain column generation that adds the columns
 pricing out does not converge in time: these degenerate LPs price out thousands of columns in every
 round at the same objective). HiGHS through SciPy takes no MIP start; the hint
