@@ -110,7 +110,7 @@ class MipBuilder:
             options={"time_limit": float(time_limit_s), "mip_rel_gap": MIP_REL_GAP, "disp": False})
 
 
-def plan_objective(b: MipBuilder, highs: highspy.Highs, positions: list[np.ndarray], seconds: float) -> float | None:
+def plan_objective(b: MipBuilder, highs: highspy.Highs, positions: list[int], seconds: float) -> float | None:
     """The LP's (scaled) objective with every free node's strategy fixed (``positions``: per node, its chosen
     position among its allowed strategies): the plan's own cost in the LP's units, the pairs, charges and
     shared reshards following from the strategies; None when that plan takes a forbidden pair or runs out of
@@ -183,12 +183,16 @@ def race(models: list[highspy.Highs], seconds: float) -> tuple[scipy.optimize.Op
     to finish (optimal or infeasible) stops the others. Its result and model; with several finished, the
     first listed; with none, the first model's time-out."""
     results: list[scipy.optimize.OptimizeResult | None] = [None] * len(models)
+    finished = threading.Event()
     for model in models:
         model.HandleUserInterrupt = True  # ``cancelSolve`` stops a run only with this set
 
     def run(k: int) -> None:
+        if finished.is_set():  # another finished before this one started
+            return
         results[k] = run_highs(models[k], seconds)
         if results[k].status in (0, 2):
+            finished.set()
             for other, model in enumerate(models):
                 if other != k:
                     model.cancelSolve()
@@ -216,13 +220,13 @@ def solve_lp(b: MipBuilder, time_limit_s: float) -> scipy.optimize.OptimizeResul
     and GPT-medium's on 2x8-a100 1.6 s. On some LPs that continuation stalls (GPT-large at 12 and 24 layers
     on 1x8-a100: 19.8 and 15.3 s) where the serial dual simplex from a cold start, without HiGHS's presolve,
     takes 5.1 and 5.4 s, and on others the cold start is the slower (MoE-large on 2x8-a100: 16.3 against
-    10.6 s): so after a head start alone (``HEAD_START_SHARE`` of the limit) the continuation is raced by a cold start in a second thread
-    (``race``), and the first to finish is the LP's optimum; a small LP is done before the race starts
-    (presolve cost more than it saved on every one of these LPs: 12-40 s). Adding only the columns
-    that price out (column generation) does not pay either: the duals of these degenerate LPs price
-    thousands of columns in every round while the objective stays. Out of time,
-    the restricted optimum is returned (status 1) when it is integral: a plan without a proof. An optimum
-    carries its HiGHS model (``highs``), on which ``plan_objective`` prices a plan."""
+    10.6 s): so after a head start alone (``HEAD_START_SHARE`` of the limit) the continuation is raced by a
+    cold start in a second thread (``race``), and the first to finish is the LP's optimum; a small LP is done
+    before the race starts (presolve cost more than it saved on every one of these LPs: 12-40 s). Adding
+    only the columns that price out (column generation) does not pay either: the duals of these degenerate
+    LPs price thousands of columns in every round while the objective stays. Out of time, the restricted
+    optimum is returned (status 1) when it is integral: a plan without a proof. An optimum carries its HiGHS
+    model (``highs``), on which ``plan_objective`` prices a plan."""
     if b.num_cols == 0:
         return b.solve(time_limit_s, relaxed=True)
     start = time.perf_counter()

@@ -245,7 +245,7 @@ def _solve_relaxation_first(b: MipBuilder, time_limit_s: float) -> scipy.optimiz
     if lp.status == 1 and lp.x is not None:  # out of time with an integral plan of a restricted LP: no proof
         return lp
     left = time_limit_s - (time.perf_counter() - start)
-    if lp.status != 0 or lp.x is None:
+    if lp.status != 0 or lp.x is None or getattr(lp, "highs", None) is None:
         return b.solve(max(left, 0.1))
     found = b.solve(left) if left >= _MIP_SHARE * time_limit_s else None
     if found is not None and found.x is not None and found.status == 0:
