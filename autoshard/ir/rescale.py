@@ -197,7 +197,7 @@ def extrapolate(full: jcore.ClosedJaxpr, small: jcore.ClosedJaxpr, ratio: int, c
         raise ValueError(f"ratio must be > 1 and count >= 1; got {ratio} and {count}")
     try:
         out = _Scaler(ratio, count).closed(full, small)
-    except (_Differs, ValueError, TypeError) as err:
+    except Exception as err:  # noqa: BLE001 — _Differs, or a jax error from a rule's trace: traced instead
         log.info("the step's jaxpr at batch / %d is not extrapolated: %s", count, err)
         return None
     try:
