@@ -96,6 +96,24 @@ class MipBuilder:
     def s(self, node: int, positions: np.ndarray) -> np.ndarray:
         return self.first[node] + np.asarray(positions, dtype=np.int64)
 
+    def strategy_columns(self) -> np.ndarray:
+        """Every free node's strategy columns s[i, *]."""
+        return np.concatenate([self.s(i, np.arange(len(a))) for i, a in enumerate(self.red.allowed)
+                               if self.first[i] >= 0] or [np.zeros(0, dtype=np.int64)])
+
+    def positions(self, x: np.ndarray) -> list[int]:
+        """Per node, the position (among its allowed strategies) of its largest strategy variable in ``x``; 0 for
+        a node presolve fixed."""
+        return [int(np.argmax(x[f:f + len(a)])) if f >= 0 else 0 for f, a in zip(self.first, self.red.allowed)]
+
+    def one_hot(self, positions: list[int]) -> np.ndarray:
+        """The columns with each free node's strategy at ``positions`` taken and nothing else set."""
+        x = np.zeros(self.num_cols)
+        for f, position in zip(self.first, positions):
+            if f >= 0:
+                x[f + position] = 1.0
+        return x
+
     def solve(self, time_limit_s: float, relaxed: bool = False) -> scipy.optimize.OptimizeResult:
         if self.num_cols == 0:  # presolve fixed every node
             return scipy.optimize.OptimizeResult(status=0, x=np.zeros(0), fun=0.0, mip_dual_bound=0.0,
@@ -110,30 +128,23 @@ class MipBuilder:
             options={"time_limit": float(time_limit_s), "mip_rel_gap": MIP_REL_GAP, "disp": False})
 
 
-def plan_objective(b: MipBuilder, highs: highspy.Highs, positions: list[int], seconds: float) -> float | None:
-    """The LP's (scaled) objective with every free node's strategy fixed (``positions``: per node, its chosen
-    position among its allowed strategies): the plan's own cost in the LP's units, the pairs, charges and
-    shared reshards following from the strategies; None when that plan takes a forbidden pair or runs out of
-    time. Continues from the basis ``highs`` holds (the LP's optimum), so it takes a fraction of the LP."""
-    columns, lower = [], []
-    for i, allowed in enumerate(b.red.allowed):
-        if b.first[i] >= 0:
-            ss = b.s(i, np.arange(len(allowed)))
-            columns.append(ss)
-            lower.append((np.arange(len(allowed)) == positions[i]).astype(float))
-    if not columns:
+def plan_objective(b: MipBuilder, highs: highspy.Highs, plan: np.ndarray, seconds: float) -> float | None:
+    """The LP's (scaled) objective with every free node's strategy fixed as in ``plan`` (``MipBuilder.one_hot``):
+    the plan's own cost in the LP's units, the pairs, charges and shared reshards following from the
+    strategies; None when that plan takes a forbidden pair or runs out of time. Continues from the basis
+    ``highs`` holds (the LP's optimum), so it takes a fraction of the LP."""
+    columns = b.strategy_columns()
+    if not len(columns):
         return 0.0
-    cols = np.concatenate(columns).astype(np.int32)
-    fixed = np.concatenate(lower)
-    highs.changeColsBounds(len(cols), cols, fixed, fixed)
+    fixed = plan[columns]
+    highs.changeColsBounds(len(columns), columns.astype(np.int32), fixed, fixed)
     priced = run_highs(highs, seconds)
     return float(priced.fun) if priced.status == 0 else None
 
 
 def integral(b: MipBuilder, x: np.ndarray) -> bool:
     """Whether every free node's strategy variables in ``x`` are 0 or 1."""
-    columns = np.concatenate([b.s(i, np.arange(len(a))) for i, a in enumerate(b.red.allowed) if b.first[i] >= 0]
-                             or [np.zeros(0, dtype=np.int64)])
+    columns = b.strategy_columns()
     return bool(np.all(np.minimum(x[columns], 1.0 - x[columns]) <= 1e-6))
 
 
@@ -204,7 +215,7 @@ def race(models: list[highspy.Highs], seconds: float) -> tuple[scipy.optimize.Op
         thread.join()
     for k, result in enumerate(results):
         if result is not None and result.status in (0, 2):
-            log.debug("mip: the whole LP %s won", ("from the restricted basis", "from a cold start")[min(k, 1)])
+            log.debug("mip: the whole LP's start %d of %d finished first", k + 1, len(models))
             return result, models[k]
     return results[0], models[0]
 

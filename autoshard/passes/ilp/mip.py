@@ -248,31 +248,24 @@ def _solve_relaxation_first(b: MipBuilder, time_limit_s: float) -> scipy.optimiz
     if lp.status != 0 or lp.x is None or getattr(lp, "highs", None) is None:
         return b.solve(max(left, 0.1))
     found = b.solve(left) if left >= _MIP_SHARE * time_limit_s else None
-    if found is not None and found.x is not None and found.status == 0:
+    if found is not None and found.status == 0 and found.x is not None:
         return found
-    bound = max(lp.fun, float(getattr(found, "mip_dual_bound", None) or -math.inf))
-    positions = [int(np.argmax(lp.x[f:f + len(a)])) if f >= 0 else 0 for f, a in zip(b.first, b.red.allowed)]
-    price = plan_objective(b, lp.highs, positions, max(left, _PRICE_S))
-    if price is None or (found is not None and found.x is not None and found.fun <= price):
-        if found is not None and found.x is not None:
-            found.mip_dual_bound = bound
-            return found
-        log.debug("mip: the fractional LP's rounding takes a forbidden pair; its bound is not used")
+    candidates = [found] if found is not None and found.x is not None else []
+    rounded = b.one_hot(b.positions(lp.x))
+    price = plan_objective(b, lp.highs, rounded, max(left, _PRICE_S))
+    if price is not None:
+        candidates.append(scipy.optimize.OptimizeResult(
+            status=1, x=rounded, fun=price,
+            message="Time limit reached; the fractional LP's rounding, its optimum the bound"))
+    if not candidates:  # the rounding takes a forbidden pair (or broke the memory rows) and the MIP found none
         return scipy.optimize.OptimizeResult(status=1, x=None, fun=None, message="Time limit reached")
-    x = np.zeros(b.num_cols)
-    for f, position in zip(b.first, positions):
-        if f >= 0:
-            x[f + position] = 1.0
-    return scipy.optimize.OptimizeResult(status=1, x=x, fun=price, mip_dual_bound=bound,
-                                         message="Time limit reached; the fractional LP's rounding, its optimum "
-                                                 "the bound")
+    best = min(candidates, key=lambda r: r.fun)
+    best.mip_dual_bound = max(lp.fun, float(getattr(found, "mip_dual_bound", None) or -math.inf))
+    return best
 
 
 def _decode(b: MipBuilder, x: np.ndarray) -> np.ndarray:
-    choices = np.empty(len(b.first), dtype=np.int64)
-    for i, (first, allowed) in enumerate(zip(b.first, b.red.allowed)):
-        choices[i] = allowed[0] if first < 0 else allowed[int(np.argmax(x[first:first + len(allowed)]))]
-    return choices
+    return np.array([allowed[p] for allowed, p in zip(b.red.allowed, b.positions(x))], dtype=np.int64)
 
 
 def solve_mip(problem: IlpProblem, hint: np.ndarray | None = None) -> IlpSolution:
