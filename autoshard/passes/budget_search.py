@@ -29,7 +29,7 @@ from autoshard.passes.lowering import build_problem, search_starts_of
 from autoshard.passes.plan_result import IlpStats, IntraOpResult, PassClock
 from autoshard.plans.ledger import fmt_bytes
 
-__all__ = ["BUDGET_PRECISION", "BudgetSearch", "MAX_MEMORY_ROUNDS"]
+__all__ = ["BUDGET_PRECISION", "BudgetSearch", "MAX_MEMORY_ROUNDS", "followed"]
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,7 @@ class BudgetSearch:
 
     def decoded(self, problem: IlpProblem, solution: IlpSolution, build_s: float) -> IntraOpResult:
         cg = self.cg
+        solution = followed(cg, problem, solution)
         check = evaluate(problem, solution.choices)
         if check.violations:
             raise PlanningError("the ILP solution violates its own constraints: " + "; ".join(check.violations))
@@ -177,6 +178,19 @@ class BudgetSearch:
         except PlanningError:
             pass
         return floor, [self.decoded(unbounded, s, build_s) for s in candidates]
+
+
+def followed(cg: CostGraph, problem: IlpProblem, solution: IlpSolution) -> IlpSolution:
+    """``solution`` with the classes that never run on the layouts their neighbours read and write
+    (``CostGraph.follow_unpriced``), where that keeps the problem's constraints; else ``solution``."""
+    choices = cg.follow_unpriced(solution.choices)
+    if np.array_equal(choices, solution.choices):
+        return solution
+    check = evaluate(problem, choices)
+    before = evaluate(problem, solution.choices).objective_s
+    if check.violations or check.objective_s > before * (1 + 1e-12) + 1e-15:
+        return solution
+    return replace(solution, choices=choices)
 
 
 def fits(peak_bytes: float, budget_bytes: float) -> bool:

@@ -21,7 +21,9 @@ it, count that many times (``edge_weight``); a carry's layout is one choice
 iteration, priced as an edge from the carry out's producer to that node. A while loop is the same
 at its trip count. A cond (``kind == "cond"``): its operands' and results' layouts are one choice each
 (``loop_carry``, ``cond_merge``), its costliest branch is priced and the others' ops weigh 0
-(``ir/trace.py``), so is a reshard into the merge from a branch that is not priced.
+(``ir/trace.py``), so is a reshard into the merge from a branch that is not priced. Such a branch
+takes, after the solve, the layouts that reshard least from and to its neighbours (``follow_unpriced``):
+XLA allocates it as it does the priced one.
 """
 from __future__ import annotations
 
@@ -212,7 +214,9 @@ class CostGraph:
         """(producer node, out pos, consumer node, consumer in pos or -1 for carried, value id)."""
         return edge_sites(self.graph, self.producer)
 
-    def edge_matrix(self, p: int, k: int, c: int, pos: int, vid: ValueId) -> np.ndarray:
+    def edge_matrix(self, p: int, k: int, c: int, pos: int, vid: ValueId, runs: int | None = None) -> np.ndarray:
+        """Resharding seconds from each strategy of ``p``'s class to each of ``c``'s, over all the reshard's runs
+        per step (``edge_weight``), or over ``runs``."""
         value = self.graph.values[vid]
         maps = self.classes.strategy_map
         # Tied layers repeat the same (strategy lists, maps, shape) edge many times: compute it once.
@@ -221,7 +225,7 @@ class CostGraph:
         cached = self._edge_cache.get(key)
         if cached is None:
             cached = self._edge_cache[key] = self._edge_matrix(p, k, c, pos, value)
-        weight = self.edge_weight(c, pos)
+        weight = self.edge_weight(c, pos) if runs is None else runs
         return cached if weight == 1 else cached * weight
 
     def _edge_matrix(self, p: int, k: int, c: int, pos: int, value: Value) -> np.ndarray:
@@ -232,6 +236,45 @@ class CostGraph:
         itemsize = dtype_itemsize(value.dtype)
         mat = reshard_cost_matrix(value.shape, itemsize, tuple(usrc), tuple(udst), self.mesh)
         return mat[np.ix_(src_idx, dst_idx)]
+
+    def follow_unpriced(self, choices: np.ndarray) -> np.ndarray:
+        """``choices`` (one strategy per class) with every class that never runs (a cond's branches other than
+        the priced one, module docstring) moved to the strategy that reshards least from and to its
+        neighbours as chosen, in program order, twice (a read's and a write's side settle). Such a class
+        weighs nothing in the objective, so the solver leaves it on any strategy, a whole-weight all-gather
+        as well as none; XLA still lays out and allocates its buffers. Each reshard counts at one run;
+        a strategy the class forbids (infinite cost) is never taken. The objective does not change."""
+        cls, num_inputs = self.classes, self.num_inputs
+        runs = np.zeros(cls.num_classes, dtype=bool)  # False: no node of the class ever runs
+        for node in range(len(self.strategies)):
+            if node < num_inputs or self.graph.ops[node - num_inputs].trip_count:
+                runs[cls.node_class[node]] = True
+        if runs.all():
+            return choices
+        sites: dict[int, list[EdgeSite]] = {}
+        for site in self.edge_sites():
+            for node in {site[0], site[2]}:
+                c = int(cls.node_class[node])
+                if not runs[c]:
+                    sites.setdefault(c, []).append(site)
+        allowed = [np.isfinite(cost) for cost in self.terms.class_cost]
+        out = np.array(choices, dtype=np.int64, copy=True)
+        for _ in range(2):
+            for c, touching in sorted(sites.items()):
+                seconds = np.zeros(cls.class_size[c])
+                for p, k, n, pos, vid in touching:
+                    matrix = self.edge_matrix(p, k, n, pos, vid, runs=1)
+                    cp, cn = int(cls.node_class[p]), int(cls.node_class[n])
+                    if cp == c and cn == c:
+                        seconds += np.diagonal(matrix)
+                    elif cp == c:
+                        seconds += matrix[:, out[cn]]
+                    else:
+                        seconds += matrix[out[cp], :]
+                seconds = np.where(allowed[c] & np.isfinite(seconds), seconds, np.inf)
+                if np.isfinite(seconds).any() and seconds.min() < seconds[out[c]]:
+                    out[c] = int(np.argmin(seconds))
+        return out
 
     def value_bytes(self, vid: ValueId) -> np.ndarray:
         """Per-device bytes of a value for each strategy of its producer's class."""

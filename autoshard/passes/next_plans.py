@@ -23,6 +23,7 @@ import numpy as np
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.spec import Spec
 from autoshard.meshes.logical import LogicalMesh
+from autoshard.passes.budget_search import followed
 from autoshard.passes.cost_graph import CostGraph, IntraOpOptions
 from autoshard.passes.ilp import IlpProblem, IlpSolution, evaluate
 from autoshard.passes.ilp.candidates import Cut, next_best
@@ -88,7 +89,8 @@ def next_best_plans(graph: OpGraph, mesh: LogicalMesh, options: IntraOpOptions, 
     decoded: dict[int, IntraOpResult] = {}
     chosen_layouts = [_layout(s) for s in chosen.node_strategies]
 
-    def fits(solution: IlpSolution) -> bool:
+    def fits(found: IlpSolution) -> bool:
+        solution = followed(cg, problem, found)
         if [_layout(s) for s in _chosen_strategies(cg, solution.choices)] == chosen_layouts:
             return False  # the chosen plan itself (its layouts were not all in this cost graph's classes)
         stats = IlpStats(len(cg.strategies), cg.classes.num_classes, cg.classes.num_followers, cg.classes.num_tied,
@@ -99,7 +101,7 @@ def next_best_plans(graph: OpGraph, mesh: LogicalMesh, options: IntraOpOptions, 
         if result.peak_bytes > budget * (1 + 1e-9):
             log.info("a next-best plan peaks at %.3g bytes, over the budget: skipped", result.peak_bytes)
             return False
-        decoded[id(solution)] = result
+        decoded[id(found)] = result
         return True
 
     first = layout_cut(cg, problem, chosen.node_strategies)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import pytest
 
@@ -177,6 +178,41 @@ def test_stacked_weights_of_a_planned_while_or_cond_are_sharded(form):
     region = next(r for r in graph.loops if r.kind == form)
     body = [v for op in graph.ops[region.body_start:region.body_stop] if op.trip_count for v in op.outputs]
     assert any(not result.value_specs[v].is_replicated for v in body if graph.values[v].rank), "the body is whole"
+
+
+def test_a_branch_that_is_not_priced_follows_its_neighbours():
+    # both branches do the same work: the cond is priced at one, the other weighs nothing in the objective,
+    # so the solver may leave it on any layout; XLA still allocates its buffers, so it must reshard no more
+    # than the priced branch does, and the worst layouts it could take are moved back by follow_unpriced
+    args = (jax.ShapeDtypeStruct((), jnp.bool_), _f32((2048, 2048)), _f32((2048, 2048)), _f32((2048, 2048)))
+    graph = trace(_branch_weights, *args)
+    result = plan_intra_op(graph, _mesh(), IntraOpOptions(time_limit_s=5.0))
+    moved = [sum(c.nbytes for r in result.reshards if bool(r.runs) == priced for c in r.collectives)
+             for priced in (True, False)]
+    assert moved[1] <= moved[0], f"the branch not priced reshards {moved[1]} bytes, the priced one {moved[0]}"
+
+    cg = CostGraph(graph, _mesh(), IntraOpOptions())
+    never = [c for c in range(cg.classes.num_classes)
+             if cg.classes.class_root[c] >= cg.num_inputs
+             and not graph.ops[cg.classes.class_root[c] - cg.num_inputs].trip_count]
+    assert never, "the branch not priced has no class of its own"
+
+    def unpriced_s(choices):  # its reshards at one run each, as chosen
+        total = 0.0
+        for p, k, n, pos, vid in cg.edge_sites():
+            if cg.edge_weight(n, pos) == 0:
+                total += cg.edge_matrix(p, k, n, pos, vid, runs=1)[choices[cg.classes.node_class[p]],
+                                                                   choices[cg.classes.node_class[n]]]
+        return total
+
+    worst = np.zeros(cg.classes.num_classes, dtype=np.int64)
+    for c in never:  # the strategy that reads its operands at the highest price, as a solver might leave it
+        worst[c] = int(np.argmax(np.where(np.isfinite(cg.terms.class_cost[c]), np.arange(cg.classes.class_size[c]),
+                                          -1)))
+    followed = cg.follow_unpriced(worst)
+    assert all(followed[c] == worst[c] for c in range(cg.classes.num_classes) if c not in never)
+    assert unpriced_s(followed) < unpriced_s(worst) or unpriced_s(worst) == 0.0
+    assert unpriced_s(followed) <= unpriced_s(cg.follow_unpriced(followed)) + 1e-15  # settled
 
 
 def test_loops_with_side_effects_still_warn_by_name():
