@@ -37,6 +37,9 @@ Why a MIP solver: (c)-(d) is the local marginal polytope, whose LP relaxation is
 these problems (the LP optimum equalled the integer one on GPT-medium, GPT-large and MoE-large on
 2x8-a100): the LP relaxation is solved first and, when integral, is the optimum with its proof; only a
 fractional one goes to HiGHS's MIP (whose presolve and cuts cost more than the LP on these problems).
+The memory rows (e) are part of that LP: GPT-large's on 2x8-a100 at the 80 GiB budget leave it integral
+(its optimum fits them), where HiGHS's MIP, given the problem first, stopped at a 38-50% gap after 10 s
+and MoE-large's returned a plan 17% slower than the LP's restricted optimum.
 CP-SAT, searching without a strong bound, stopped at 37-59% gaps after 10 s. The LP is large (about
 100k columns for a GPT block on a 2-D mesh: 20-30 layouts per 4-D activation, every pair on an edge)
 and takes 5-50 s on two loaded cores from a cold start. So the LP restricted to the pairs that pay no
@@ -283,14 +286,11 @@ def solve_mip(problem: IlpProblem, hint: np.ndarray | None = None) -> IlpSolutio
     if not _add_exclusions(b, problem.excluded):
         raise PlanningError(f"the {len(problem.excluded)} no-good cut(s) exclude every plan of the "
                             f"{problem.num_nodes} nodes")
-    rows = len(b.lower_rhs)
     if problem.memory_budget_bytes is not None and not _add_memory(b, problem.memory_budget_bytes):
         raise _infeasible(problem)
     built = time.perf_counter()
     left = max(problem.time_limit_s - (built - start), 0.1)
-    # with memory rows that can bind, the plan among equally cheap ones matters to the budget search (the rows
-    # see a few liveness points, the simulation all of them): HiGHS's MIP picks it as it always has
-    res = _solve_relaxation_first(b, left) if len(b.lower_rhs) == rows else b.solve(left)
+    res = _solve_relaxation_first(b, left)
     log.debug("mip: %d nodes (%d free), %d edges kept of %d; build %.2fs (%d columns, %d rows), HiGHS %.2fs: %s",
               problem.num_nodes, int((b.first >= 0).sum()), len(red.edges), len(problem.edges), built - start,
               b.num_cols, len(b.lower_rhs), time.perf_counter() - built, res.message)
