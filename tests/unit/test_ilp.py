@@ -444,3 +444,33 @@ def test_the_lp_race_returns_a_finished_optimum() -> None:
     models = [highs_lp(b, upper), highs_lp(b, upper, dual=True)]
     found, model = race(models, 5.0)
     assert found.status == 0 and found.fun == pytest.approx(alone.fun) and model in models
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_lagrangian_bound_is_the_lp_optimum_at_its_duals_and_below_it_anywhere(seed: int) -> None:
+    """``lp.lagrangian_bound`` (a stopped dual simplex's bound, ``solve_lp``) is a lower bound on the LP
+    whatever the row multipliers, and the optimum itself at the optimal basis's duals: checked on chain-like problems
+    with memory rows that bind, against random and perturbed multipliers and none."""
+    import autoshard.passes.ilp.mip as mip
+    from autoshard.passes.ilp.lp import highs_lp, lagrangian_bound, run_highs
+
+    problem = _medium_problem(seed)
+    red = presolve(problem)
+    ticks = mip._ticks(red)
+    b = mip._new(problem, red, ticks)
+    mip._add_edges(b, ticks)
+    mip._add_charges(b, ticks)
+    mip._add_reshards(b, ticks)
+    if problem.memory_budget_bytes is not None:
+        assert mip._add_memory(b, problem.memory_budget_bytes)
+    upper = np.concatenate(b.upper)
+    highs = highs_lp(b, upper, dual=True)
+    optimum = run_highs(highs, 30.0)
+    assert optimum.status == 0
+    duals = np.asarray(highs.getSolution().row_dual)
+    assert lagrangian_bound(b, duals, upper) == pytest.approx(optimum.fun, rel=1e-6, abs=1e-3)
+    rng = np.random.default_rng(seed)
+    scale = max(float(np.abs(duals).max()), 1.0)
+    for y in (rng.normal(0.0, scale, size=len(duals)), duals + rng.normal(0.0, 0.05 * scale, size=len(duals)),
+              np.zeros(len(duals))):
+        assert lagrangian_bound(b, y, upper) <= optimum.fun + 1e-6 * abs(optimum.fun) + 1e-6

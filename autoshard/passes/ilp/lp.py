@@ -142,6 +142,30 @@ def plan_objective(b: MipBuilder, highs: highspy.Highs, plan: np.ndarray, second
     return float(priced.fun) if priced.status == 0 else None
 
 
+def lagrangian_bound(b: MipBuilder, row_dual: np.ndarray, upper: np.ndarray) -> float:
+    """A lower bound on the LP (so on every plan), in its scaled units, from any row multipliers ``row_dual``
+    (HiGHS's sign: reduced costs are ``c - A^T y``): for x in [0, upper] with the rows in [lo, hi],
+    ``c x = (c - A^T y) x + y A x >= sum_j min(0, d_j) upper_j + sum_i min over [lo_i, hi_i] of y_i r``.
+    Multipliers of the wrong sign for a row's one-sided range are dropped first (their term would be
+    -inf). Exact at an optimal basis's duals; on a dual simplex stopped by the time limit (its basis dual
+    feasible) it is the dual objective reached so far, recomputed here with the true costs (HiGHS
+    perturbs them while it iterates)."""
+    lo, hi = np.array(b.lower_rhs, dtype=float), np.array(b.upper_rhs, dtype=float)
+    y = np.where(((row_dual > 0) & ~np.isfinite(lo)) | ((row_dual < 0) & ~np.isfinite(hi)), 0.0, row_dual)
+    reduced = np.concatenate(b.cost) - b.matrix().T @ y
+    rows = np.where(y > 0, y * np.where(np.isfinite(lo), lo, 0.0), y * np.where(np.isfinite(hi), hi, 0.0))
+    return float(np.minimum(reduced, 0.0) @ upper + rows.sum())
+
+
+def stopped_bound(b: MipBuilder, highs: highspy.Highs, upper: np.ndarray) -> float:
+    """``lagrangian_bound`` at the row duals of a run ``highs`` stopped; -inf when it has none."""
+    solution = highs.getSolution()
+    row_dual = np.asarray(solution.row_dual, dtype=float)
+    if not solution.dual_valid or len(row_dual) != len(b.lower_rhs):
+        return -np.inf
+    return lagrangian_bound(b, row_dual, upper)
+
+
 def integral(b: MipBuilder, x: np.ndarray) -> bool:
     """Whether every free node's strategy variables in ``x`` are 0 or 1."""
     columns = b.strategy_columns()
@@ -236,7 +260,8 @@ def solve_lp(b: MipBuilder, time_limit_s: float) -> scipy.optimize.OptimizeResul
     before the race starts (presolve cost more than it saved on every one of these LPs: 12-40 s). Adding
     only the columns that price out (column generation) does not pay either: the duals of these degenerate
     LPs price thousands of columns in every round while the objective stays. Out of time, the restricted
-    optimum is returned (status 1) when it is integral: a plan without a proof. An optimum carries its HiGHS
+    optimum is returned (status 1) when it is integral, with the bound the stopped dual simplex reached
+    (``stopped_bound``) as its ``mip_dual_bound`` when the race ran. An optimum carries its HiGHS
     model (``highs``), on which ``plan_objective`` prices a plan."""
     if b.num_cols == 0:
         return b.solve(time_limit_s, relaxed=True)
@@ -262,13 +287,21 @@ def solve_lp(b: MipBuilder, time_limit_s: float) -> scipy.optimize.OptimizeResul
         incumbent = restricted if integral(b, restricted.x) else None
     left = time_limit_s - (time.perf_counter() - start)
     full = run_highs(highs, min(max(HEAD_START_S, HEAD_START_SHARE * time_limit_s), left))
+    bound = -np.inf
     if full.status == 1 and time_limit_s - (time.perf_counter() - start) > 0:
         # not done from that basis: the dual simplex from a cold start races it for the time left
-        full, highs = race([highs, highs_lp(b, upper, dual=True)], time_limit_s - (time.perf_counter() - start))
+        cold = highs_lp(b, upper, dual=True)
+        full, highs = race([highs, cold], time_limit_s - (time.perf_counter() - start))
+        if full.status == 1:  # neither finished: the dual simplex's basis, dual feasible, still bounds the LP
+            bound = stopped_bound(b, cold, upper)
     if full.status == 0:
         full.highs = highs  # a fractional optimum prices its rounded plan on it (``plan_objective``)
     if full.status in (0, 2) or incumbent is None:
         return full
-    return scipy.optimize.OptimizeResult(status=1, x=incumbent.x, fun=incumbent.fun,
-                                         message="Time limit reached; the plan of the LP restricted to the pairs "
-                                                 "read as made, without a proof")
+    out = scipy.optimize.OptimizeResult(status=1, x=incumbent.x, fun=incumbent.fun,
+                                        message="Time limit reached; the plan of the LP restricted to the pairs read "
+                                                "as made" + (", its bound the stopped dual simplex's" if np.isfinite(bound)
+                                                             else ", without a proof"))
+    if np.isfinite(bound):
+        out.mip_dual_bound = bound
+    return out
