@@ -244,23 +244,14 @@ class CostGraph:
         weighs nothing in the objective, so the solver leaves it on any strategy, a whole-weight all-gather
         as well as none; XLA still lays out and allocates its buffers. Each reshard counts at one run;
         a strategy the class forbids (infinite cost) is never taken. The objective does not change."""
-        cls, num_inputs = self.classes, self.num_inputs
-        runs = np.zeros(cls.num_classes, dtype=bool)  # False: no node of the class ever runs
-        for node in range(len(self.strategies)):
-            if node < num_inputs or self.graph.ops[node - num_inputs].trip_count:
-                runs[cls.node_class[node]] = True
-        if runs.all():
+        sites = self._unpriced_sites
+        if not sites:
             return choices
-        sites: dict[int, list[EdgeSite]] = {}
-        for site in self.edge_sites():
-            for node in {site[0], site[2]}:
-                c = int(cls.node_class[node])
-                if not runs[c]:
-                    sites.setdefault(c, []).append(site)
+        cls = self.classes
         allowed = [np.isfinite(cost) for cost in self.terms.class_cost]
         out = np.array(choices, dtype=np.int64, copy=True)
         for _ in range(2):
-            for c, touching in sorted(sites.items()):
+            for c, touching in sites.items():
                 seconds = np.zeros(cls.class_size[c])
                 for p, k, n, pos, vid in touching:
                     matrix = self.edge_matrix(p, k, n, pos, vid, runs=1)
@@ -275,6 +266,25 @@ class CostGraph:
                 if np.isfinite(seconds).any() and seconds.min() < seconds[out[c]]:
                     out[c] = int(np.argmin(seconds))
         return out
+
+    @functools.cached_property
+    def _unpriced_sites(self) -> dict[int, list[EdgeSite]]:
+        """Per class none of whose nodes ever runs (``follow_unpriced``), in class order, the edge sites
+        touching it."""
+        cls, num_inputs = self.classes, self.num_inputs
+        runs = np.zeros(cls.num_classes, dtype=bool)
+        for node in range(len(self.strategies)):
+            if node < num_inputs or self.graph.ops[node - num_inputs].trip_count:
+                runs[cls.node_class[node]] = True
+        sites: dict[int, list[EdgeSite]] = {}
+        if runs.all():
+            return sites
+        for site in self.edge_sites():
+            for node in {site[0], site[2]}:
+                c = int(cls.node_class[node])
+                if not runs[c]:
+                    sites.setdefault(c, []).append(site)
+        return dict(sorted(sites.items()))
 
     def value_bytes(self, vid: ValueId) -> np.ndarray:
         """Per-device bytes of a value for each strategy of its producer's class."""
