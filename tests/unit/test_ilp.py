@@ -429,10 +429,15 @@ def test_a_fractional_lp_without_time_for_the_mip_still_bounds_the_plan(monkeypa
 
 
 def test_the_lp_race_returns_a_finished_optimum() -> None:
-    """``lp.race`` runs the whole LP from two starts side by side: what it returns is an optimum of the LP
-    (the same value as either alone), with the model that found it."""
+    """``lp.ColdStart`` solves the whole LP in a thread while the continuation runs in this one: what the race
+    returns is an optimum of the LP (the same value as either alone) with the model that found it, whichever
+    finishes first, also when the cold start has finished before the race begins; and a stopped cold start
+    leaves no thread behind."""
+    import threading
+    import time
+
     import autoshard.passes.ilp.mip as mip
-    from autoshard.passes.ilp.lp import highs_lp, race, run_highs
+    from autoshard.passes.ilp.lp import ColdStart, highs_lp, run_highs
 
     problem = _frustrated_ring(7)
     red = presolve(problem)
@@ -441,9 +446,16 @@ def test_the_lp_race_returns_a_finished_optimum() -> None:
     mip._add_edges(b, ticks)
     upper = np.concatenate(b.upper)
     alone = run_highs(highs_lp(b, upper), 5.0)
-    models = [highs_lp(b, upper), highs_lp(b, upper, dual=True)]
-    found, model = race(models, 5.0)
-    assert found.status == 0 and found.fun == pytest.approx(alone.fun) and model in models
+    cold = ColdStart(b, upper, time.perf_counter() + 5.0)
+    found, model = cold.race(highs_lp(b, upper), time.perf_counter() + 5.0)
+    assert found.status == 0 and found.fun == pytest.approx(alone.fun) and model is not None
+    early = ColdStart(b, upper, time.perf_counter() + 5.0)
+    assert early.finished.wait(5.0)
+    found, model = early.race(highs_lp(b, upper), time.perf_counter() + 5.0)
+    assert found.status == 0 and found.fun == pytest.approx(alone.fun) and model is early.model
+    threads = threading.active_count()
+    ColdStart(b, upper, time.perf_counter() + 5.0).stop()
+    assert threading.active_count() == threads
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -26,6 +26,9 @@ MIP_REL_GAP = 1e-6  # HiGHS's MIP stops when its incumbent is this close to its 
 # HEAD_START_S) before a cold start races it
 HEAD_START_SHARE, HEAD_START_S = 0.1, 1.0
 REDUCED_COST_TOL = 1e-3  # a left-out column prices out below this reduced cost (costs scaled as the MIP's)
+# an LP with this many columns starts its cold dual simplex beside the restricted LP, not after the head start:
+# such LPs take seconds (GPT blocks on a 2-D mesh: 60-150k), and the cold start is the faster on many of them
+EARLY_COLD_COLUMNS = 50_000
 
 
 @dataclass
@@ -213,35 +216,69 @@ def run_highs(highs: highspy.Highs, seconds: float) -> scipy.optimize.OptimizeRe
     return scipy.optimize.OptimizeResult(status=code, x=None, fun=None, message=highs.modelStatusToString(status))
 
 
-def race(models: list[highspy.Highs], seconds: float) -> tuple[scipy.optimize.OptimizeResult, highspy.Highs]:
-    """Run the models side by side (HiGHS releases the GIL: a thread each) for at most ``seconds``; the first
-    to finish (optimal or infeasible) stops the others. Its result and model; with several finished, the
-    first listed; with none, the first model's time-out."""
-    results: list[scipy.optimize.OptimizeResult | None] = [None] * len(models)
-    finished = threading.Event()
-    for model in models:
+class ColdStart:
+    """The whole LP by the serial dual simplex from a cold start (``highs_lp(b, upper, dual=True)``), built
+    and solved in a thread of its own until ``deadline`` (``time.perf_counter()`` seconds): ``solve_lp``'s
+    second start, raced against the continuation (``race``). HiGHS releases the GIL, so the two take the
+    wall time of one; the first to finish cancels the other (``cancelSolve``, which HiGHS keeps until the
+    model's next run, so a model is cancelled only while it runs or is about to)."""
+
+    def __init__(self, b: MipBuilder, upper: np.ndarray, deadline: float) -> None:
+        self.model: highspy.Highs | None = None
+        self.result: scipy.optimize.OptimizeResult | None = None
+        self.finished = threading.Event()  # solved: optimal or infeasible
+        self._lock = threading.Lock()
+        self._rival: highspy.Highs | None = None  # the continuation while it races this
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, args=(b, upper, deadline), daemon=True)
+        self._thread.start()
+
+    def _run(self, b: MipBuilder, upper: np.ndarray, deadline: float) -> None:
+        model = highs_lp(b, upper, dual=True)
         model.HandleUserInterrupt = True  # ``cancelSolve`` stops a run only with this set
+        with self._lock:
+            if self._stopped:
+                return
+            self.model = model
+        result = run_highs(model, deadline - time.perf_counter())
+        with self._lock:
+            self.result = result
+            if result.status in (0, 2):
+                self.finished.set()
+                if self._rival is not None:
+                    self._rival.cancelSolve()
 
-    def run(k: int) -> None:
-        if finished.is_set():  # another finished before this one started
-            return
-        results[k] = run_highs(models[k], seconds)
-        if results[k].status in (0, 2):
-            finished.set()
-            for other, model in enumerate(models):
-                if other != k:
-                    model.cancelSolve()
+    def race(self, highs: highspy.Highs, deadline: float) -> tuple[scipy.optimize.OptimizeResult, highspy.Highs]:
+        """Continue ``highs`` in this thread until ``deadline`` or until the cold start finishes: the result
+        and model of whichever finished first (the continuation's on a tie), else the continuation's
+        time-out."""
+        with self._lock:
+            racing = not self.finished.is_set()
+            if racing:
+                highs.HandleUserInterrupt = True
+                self._rival = highs
+        result = None
+        if racing:
+            result = run_highs(highs, deadline - time.perf_counter())
+            with self._lock:
+                self._rival = None
+            if result.status in (0, 2):
+                self.stop()
+                return result, highs
+        self.stop()
+        if self.finished.is_set() and self.result is not None and self.model is not None:
+            log.debug("mip: the whole LP's cold start finished first")
+            return self.result, self.model
+        assert result is not None  # not racing only when the cold start had finished
+        return result, highs
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(models))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    for k, result in enumerate(results):
-        if result is not None and result.status in (0, 2):
-            log.debug("mip: the whole LP's start %d of %d finished first", k + 1, len(models))
-            return result, models[k]
-    return results[0], models[0]
+    def stop(self) -> None:
+        """Cancel the solve if it still runs, and wait for its thread."""
+        with self._lock:
+            self._stopped = True
+            if self.model is not None and self.result is None:
+                self.model.cancelSolve()
+        self._thread.join()
 
 
 def solve_lp(b: MipBuilder, time_limit_s: float) -> scipy.optimize.OptimizeResult:
@@ -256,8 +293,10 @@ def solve_lp(b: MipBuilder, time_limit_s: float) -> scipy.optimize.OptimizeResul
     on 1x8-a100: 19.8 and 15.3 s) where the serial dual simplex from a cold start, without HiGHS's presolve,
     takes 5.1 and 5.4 s, and on others the cold start is the slower (MoE-large on 2x8-a100: 16.3 against
     10.6 s): so after a head start alone (``HEAD_START_SHARE`` of the limit) the continuation is raced by a
-    cold start in a second thread (``race``), and the first to finish is the LP's optimum; a small LP is done
-    before the race starts (presolve cost more than it saved on every one of these LPs: 12-40 s). Adding
+    cold start in a second thread (``ColdStart.race``), and the first to finish is the LP's optimum; a small
+    LP is done before the race starts (an LP of ``EARLY_COLD_COLUMNS`` or more starts its cold one beside the
+    restricted LP, and the continuation keeps its head start: the 24-layer GPT's LP, whose cold start wins,
+    is solved 2 s sooner) (presolve cost more than it saved on every one of these LPs: 12-40 s). Adding
     only the columns that price out (column generation) does not pay either: the duals of these degenerate
     LPs price thousands of columns in every round while the objective stays. Out of time, the restricted
     optimum is returned (status 1) when it is integral, with the bound the stopped dual simplex reached
@@ -268,6 +307,18 @@ def solve_lp(b: MipBuilder, time_limit_s: float) -> scipy.optimize.OptimizeResul
     start = time.perf_counter()
     upper = np.concatenate(b.upper)
     left_out = b.restricted()
+    # a large LP takes seconds whichever way: its cold start runs from now on, beside the restricted LP
+    cold = ColdStart(b, upper, start + time_limit_s) if left_out.any() and b.num_cols >= EARLY_COLD_COLUMNS else None
+    try:
+        return _restricted_then_whole(b, time_limit_s, start, upper, left_out, cold)
+    finally:
+        if cold is not None:
+            cold.stop()
+
+
+def _restricted_then_whole(b: MipBuilder, time_limit_s: float, start: float, upper: np.ndarray,
+                           left_out: np.ndarray, cold: ColdStart | None) -> scipy.optimize.OptimizeResult:
+    """``solve_lp`` after its set-up: the restricted LP, the continuation's head start, the race."""
     highs = highs_lp(b, np.where(left_out, 0.0, upper))
     restricted = run_highs(highs, time_limit_s)
     if restricted.status == 0 and not left_out.any():
@@ -290,10 +341,10 @@ def solve_lp(b: MipBuilder, time_limit_s: float) -> scipy.optimize.OptimizeResul
     bound = -np.inf
     if full.status == 1 and time_limit_s - (time.perf_counter() - start) > 0:
         # not done from that basis: the dual simplex from a cold start races it for the time left
-        cold = highs_lp(b, upper, dual=True)
-        full, highs = race([highs, cold], time_limit_s - (time.perf_counter() - start))
-        if full.status == 1:  # neither finished: the dual simplex's basis, dual feasible, still bounds the LP
-            bound = stopped_bound(b, cold, upper)
+        cold = cold or ColdStart(b, upper, start + time_limit_s)
+        full, highs = cold.race(highs, start + time_limit_s)
+        if full.status == 1 and cold.model is not None:  # neither finished: the dual simplex's basis, dual
+            bound = stopped_bound(b, cold.model, upper)  # feasible, still bounds the LP
     if full.status == 0:
         full.highs = highs  # a fractional optimum prices its rounded plan on it (``plan_objective``)
     if full.status in (0, 2) or incumbent is None:
