@@ -219,7 +219,7 @@ def run_highs(highs: highspy.Highs, seconds: float) -> scipy.optimize.OptimizeRe
 class ColdStart:
     """The whole LP by the serial dual simplex from a cold start (``highs_lp(b, upper, dual=True)``), built
     and solved in a thread of its own until ``deadline`` (``time.perf_counter()`` seconds): ``solve_lp``'s
-    second start, raced against the continuation (``race``). HiGHS releases the GIL, so the two take the
+    second start, raced against the continuation (``ColdStart.race``). HiGHS releases the GIL, so the two take the
     wall time of one; the first to finish cancels the other (``cancelSolve``, which HiGHS keeps until the
     model's next run, so a model is cancelled only while it runs or is about to)."""
 
