@@ -219,8 +219,8 @@ def run_highs(highs: highspy.Highs, seconds: float) -> scipy.optimize.OptimizeRe
 class ColdStart:
     """The whole LP by the serial dual simplex from a cold start (``highs_lp(b, upper, dual=True)``), built
     and solved in a thread of its own until ``deadline`` (``time.perf_counter()`` seconds): ``solve_lp``'s
-    second start, raced against the continuation (``ColdStart.race``). HiGHS releases the GIL, so the two take the
-    wall time of one; the first to finish cancels the other (``cancelSolve``, which HiGHS keeps until the
+    second start, raced against the continuation (``ColdStart.race``). HiGHS releases the GIL, so the two
+    take the wall time of one; the first to finish cancels the other (``cancelSolve``, which HiGHS keeps until the
     model's next run, so a model is cancelled only while it runs or is about to)."""
 
     def __init__(self, b: MipBuilder, upper: np.ndarray, deadline: float) -> None:
@@ -349,10 +349,10 @@ def _restricted_then_whole(b: MipBuilder, time_limit_s: float, start: float, upp
         full.highs = highs  # a fractional optimum prices its rounded plan on it (``plan_objective``)
     if full.status in (0, 2) or incumbent is None:
         return full
+    proof = ", its bound the stopped dual simplex's" if np.isfinite(bound) else ", without a proof"
     out = scipy.optimize.OptimizeResult(status=1, x=incumbent.x, fun=incumbent.fun,
                                         message="Time limit reached; the plan of the LP restricted to the pairs read "
-                                                "as made" + (", its bound the stopped dual simplex's" if np.isfinite(bound)
-                                                             else ", without a proof"))
+                                                "as made" + proof)
     if np.isfinite(bound):
         out.mip_dual_bound = bound
     return out
