@@ -294,9 +294,9 @@ def solve_lp(b: MipBuilder, time_limit_s: float) -> scipy.optimize.OptimizeResul
     takes 5.1 and 5.4 s, and on others the cold start is the slower (MoE-large on 2x8-a100: 16.3 against
     10.6 s): so after a head start alone (``HEAD_START_SHARE`` of the limit) the continuation is raced by a
     cold start in a second thread (``ColdStart.race``), and the first to finish is the LP's optimum; a small
-    LP is done before the race starts (an LP of ``EARLY_COLD_COLUMNS`` or more starts its cold one beside the
-    restricted LP, and the continuation keeps its head start: the 24-layer GPT's LP, whose cold start wins,
-    is solved 2 s sooner) (presolve cost more than it saved on every one of these LPs: 12-40 s). Adding
+    LP is done before the race starts (presolve cost more than it saved on every one of these LPs: 12-40 s).
+    An LP of ``EARLY_COLD_COLUMNS`` or more starts its cold one beside the restricted LP, the continuation
+    keeping its head start (the 24-layer GPT's LP, which the cold start wins, is solved 2 s sooner). Adding
     only the columns that price out (column generation) does not pay either: the duals of these degenerate
     LPs price thousands of columns in every round while the objective stays. Out of time, the restricted
     optimum is returned (status 1) when it is integral, with the bound the stopped dual simplex reached
@@ -324,6 +324,9 @@ def _restricted_then_whole(b: MipBuilder, time_limit_s: float, start: float, upp
     if restricted.status == 0 and not left_out.any():
         restricted.highs = highs
     if not left_out.any() or restricted.status not in (0, 2):  # the whole LP already, or out of time
+        if cold is not None and cold.finished.is_set() and cold.result is not None:
+            cold.result.highs = cold.model  # the cold start solved the whole LP before the restricted one
+            return cold.result
         return restricted
     incumbent = None
     opened = np.flatnonzero(left_out).astype(np.int32)
