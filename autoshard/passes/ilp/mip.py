@@ -245,7 +245,7 @@ def _solve_relaxation_first(b: MipBuilder, time_limit_s: float) -> scipy.optimiz
         return lp
     if lp.status == 2:  # an infeasible relaxation: so is the MIP
         return lp
-    if lp.status == 1 and lp.x is not None:  # out of time with an integral plan of a restricted LP: no proof
+    if lp.status == 1 and lp.x is not None:  # out of time: a restricted LP's integral plan, bounded when it can be
         return lp
     left = time_limit_s - (time.perf_counter() - start)
     if lp.status != 0 or lp.x is None or getattr(lp, "highs", None) is None:
