@@ -85,6 +85,18 @@ class MipBuilder:
         self.lower_rhs.append(lower)
         self.upper_rhs.append(upper)
 
+    def add_rows(self, num_rows: int, row: np.ndarray, columns: np.ndarray, coeffs: np.ndarray, lower: float,
+                 upper: float) -> None:
+        """``num_rows`` rows at once, each in [lower, upper]: entry k is ``coeffs[k]`` at ``columns[k]`` in row
+        ``row[k]`` (0 .. num_rows - 1), each row's entries in the order given (``add_row`` one row at a time
+        builds the same matrix: the LP, and so HiGHS's path through it, does not depend on which was used)."""
+        order = np.argsort(row, kind="stable")
+        self.rows.append(len(self.lower_rhs) + np.asarray(row, dtype=np.int64)[order])
+        self.cols.append(np.asarray(columns, dtype=np.int64)[order])
+        self.vals.append(np.asarray(coeffs, dtype=float)[order])
+        self.lower_rhs.extend([lower] * num_rows)
+        self.upper_rhs.extend([upper] * num_rows)
+
     def add_pair_rows(self, first: np.ndarray, second: np.ndarray, lower: float, upper: float) -> None:
         """One row ``first[i] - second[i]`` in [lower, upper] per i, added at once."""
         count = len(first)

@@ -81,12 +81,15 @@ _PRICE_S = 1.0  # at least this long to price a fractional LP's rounding (a warm
 def _new(problem: IlpProblem, red: Reduced, ticks: float) -> MipBuilder:
     """Columns s and rows (a), (b) for every free node."""
     b = MipBuilder(red, np.full(problem.num_nodes, -1, dtype=np.int64))
-    for i, allowed in enumerate(red.allowed):
-        if len(allowed) > 1:
-            cost = red.node_cost[i]
-            finite = np.isfinite(cost)
-            b.first[i] = b.add_cols(np.where(finite, cost, 0.0) * ticks, finite.astype(float), True)
-            b.add_row(b.s(i, np.arange(len(allowed))), np.ones(len(allowed)), 1.0, 1.0)
+    free = [i for i, allowed in enumerate(red.allowed) if len(allowed) > 1]
+    for i in free:
+        cost = red.node_cost[i]
+        finite = np.isfinite(cost)
+        b.first[i] = b.add_cols(np.where(finite, cost, 0.0) * ticks, finite.astype(float), True)
+    if free:  # (a): the free nodes' columns are consecutive, row k is the k-th free node's
+        sizes = np.array([len(red.allowed[i]) for i in free])
+        b.add_rows(len(free), np.repeat(np.arange(len(free)), sizes), b.first[free[0]] + np.arange(sizes.sum()),
+                   np.ones(int(sizes.sum())), 1.0, 1.0)
     return b
 
 
@@ -101,12 +104,19 @@ def _add_edges(b: MipBuilder, ticks: float) -> list[tuple[int, int, np.ndarray, 
         y[allowed] = b.add_cols(grouped[allowed] * ticks, np.ones(int(allowed.sum())), False,
                                 lazy=grouped[allowed] > 0) + np.arange(int(allowed.sum()))
         for group, lines, node in ((rows, y, u), (cols, y.T, v)):
-            for g, line in enumerate(lines):
-                ys = line[line >= 0]
-                ss = b.s(node, np.flatnonzero(group == g))
-                b.add_row(np.concatenate([ys, ss]), np.concatenate([np.ones(len(ys)), -np.ones(len(ss))]), 0.0, 0.0)
+            _add_marginals(b, lines, node, group)
         out.append((u, v, rows, cols, y))
     return out
+
+
+def _add_marginals(b: MipBuilder, lines: np.ndarray, node: int, group: np.ndarray) -> None:
+    """Row g per line g of ``lines`` (pair columns, -1 where there is none): its pairs sum to the strategies
+    of ``node`` in ``group`` g (``sum_B y[A,B] - sum_{a in A} s[node,a] = 0``)."""
+    at = np.nonzero(lines >= 0)
+    row = np.concatenate([at[0], group])
+    columns = np.concatenate([lines[at], b.s(node, np.arange(len(group)))])
+    coeffs = np.concatenate([np.ones(len(at[0])), -np.ones(len(group))])
+    b.add_rows(lines.shape[0], row, columns, coeffs, 0.0, 0.0)
 
 
 def _add_charges(b: MipBuilder, ticks: float) -> None:
@@ -134,37 +144,34 @@ def _add_reshards(b: MipBuilder, ticks: float) -> None:
         group, first_rows = identical_lines(costs[:, paid])
         prices = costs[np.ix_(first_rows, paid)]  # [A, paid layouts]
         sources = [b.s(producer, np.flatnonzero(group == a)) for a in range(len(first_rows))]
+        slot = np.full(int(costs.shape[1]), -1, dtype=np.int64)  # layout -> its position in paid
+        slot[paid] = np.arange(len(paid))
         t = np.full(prices.shape, -1, dtype=np.int64)
         priced = prices > 0
         t[priced] = b.add_cols(prices[priced] * ticks, np.ones(int(priced.sum())), False,
                                lazy=np.ones(int(priced.sum()), dtype=bool)) + np.arange(int(priced.sum()))
         for node, layout in readers:
-            reads = [np.flatnonzero(layout == l) for l in paid]
-            if not any(len(r) for r in reads):
+            read = np.where(layout >= 0, slot[np.maximum(layout, 0)], -1)  # per strategy: its paid layout or -1
+            if not (read >= 0).any():
                 continue
             if b.first[node] < 0:  # a fixed reader: t[A, its layout] >= s[P, A]
-                j = int(np.flatnonzero(paid == layout[0])[0])
+                j = int(read[0])
                 for a in np.flatnonzero(t[:, j] >= 0):
                     b.add_row(np.append(sources[a], t[a, j]), np.append(np.ones(len(sources[a])), -1.0),
                               -np.inf, 0.0)
                 continue
-            targets = [j for j, r in enumerate(reads) if len(r)]
-            rest = np.flatnonzero(~np.isin(layout, paid[targets]))
-            groups = [reads[j] for j in targets] + ([rest] if len(rest) else [])
-            y = b.add_cols(np.zeros(len(sources) * len(groups)), np.ones(len(sources) * len(groups)), False) + \
-                np.arange(len(sources) * len(groups)).reshape(len(sources), len(groups))
-            for a, source in enumerate(sources):  # sum_l y[r,A,l] = s[P,A]
-                b.add_row(np.concatenate([y[a], source]), np.concatenate([np.ones(len(groups)),
-                                                                          -np.ones(len(source))]), 0.0, 0.0)
-            for g, strategies in enumerate(groups):  # sum_A y[r,A,l] = s[r,l]
-                ss = b.s(node, strategies)
-                b.add_row(np.concatenate([y[:, g], ss]), np.concatenate([np.ones(len(sources)),
-                                                                         -np.ones(len(ss))]), 0.0, 0.0)
-            for g, j in enumerate(targets):  # t[A,l] >= y[r,A,l]
-                rows = np.flatnonzero(t[:, j] >= 0)
-                if len(rows):
-                    b.add_pair_rows(y[rows, g], t[rows, j], -np.inf, 0.0)
-                    b.leave_out(y[rows, g])
+            targets = np.unique(read[read >= 0])  # the paid layouts it can read, each a group of strategies;
+            in_group = np.searchsorted(targets, np.maximum(read, 0))  # the rest ("none of them") the last group
+            in_group = np.where(read >= 0, in_group, len(targets))
+            num_groups = len(targets) + int((read < 0).any())
+            y = b.add_cols(np.zeros(len(sources) * num_groups), np.ones(len(sources) * num_groups), False) + \
+                np.arange(len(sources) * num_groups).reshape(len(sources), num_groups)
+            _add_marginals(b, y, producer, group)  # sum_l y[r,A,l] = s[P,A]
+            _add_marginals(b, y.T, node, in_group)  # sum_A y[r,A,l] = s[r,l]
+            g, a = np.nonzero((t[:, targets] >= 0).T)  # t[A,l] >= y[r,A,l], layout by layout
+            if len(g):
+                b.add_pair_rows(y[a, g], t[a, targets[g]], -np.inf, 0.0)
+                b.leave_out(y[a, g])
 
 
 def _add_reshard_fixed_producer(b: MipBuilder, ticks: float, prices: np.ndarray, paid: np.ndarray,
