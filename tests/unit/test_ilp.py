@@ -503,3 +503,50 @@ def test_memory_rows_that_can_bind_are_proven_by_the_lp_alone(monkeypatch, budge
     found = mip.solve_mip(_mlp_problem(budget))
     assert found.status == "optimal" and found.objective_s == pytest.approx(expected_ms * MS)
     assert max(evaluate(_mlp_problem(budget), found.choices).memory_bytes) <= budget
+
+
+def test_the_cold_start_runs_only_with_a_core_to_spare(monkeypatch) -> None:
+    """``lp.spare_core`` reads the machine's busy time since its last look less this process's own: another
+    process keeping a core busy on two cores leaves none for a second HiGHS thread, this process's own
+    threads do not count, one usable core never races, and a window under ``WINDOW_S`` keeps the last
+    answer. Without a spare core ``solve_lp`` starts no ``ColdStart`` and still reaches the same optimum."""
+    import autoshard.passes.ilp.lp as lp
+
+    clock = {"wall": 100.0, "busy": 0.0, "own": 0.0}
+    monkeypatch.setattr(lp, "_cpu_now", lambda: (clock["wall"], clock["busy"], clock["own"]))
+    monkeypatch.setattr(lp.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(lp.os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    meter = lp._CoreMeter()
+
+    def after(seconds: float, busy_cores: float, own_cores: float) -> bool:
+        clock["wall"] += seconds
+        clock["busy"] += seconds * busy_cores
+        clock["own"] += seconds * own_cores
+        return meter.spare()
+
+    assert after(1.0, busy_cores=1.0, own_cores=1.0)  # only this process: a core is free
+    assert after(1.0, busy_cores=2.0, own_cores=2.0)  # its own two threads: still this process's
+    assert not after(1.0, busy_cores=2.0, own_cores=1.0)  # another process takes the second core
+    assert not after(0.1, busy_cores=1.0, own_cores=1.0)  # too short a window: the last answer stands
+    assert after(1.0, busy_cores=1.2, own_cores=1.0)  # a fifth of a core elsewhere leaves enough
+    monkeypatch.setattr(lp.os, "sched_getaffinity", lambda _pid: {0}, raising=False)
+    assert not after(1.0, busy_cores=1.0, own_cores=1.0)  # one usable core never races
+
+    problem = _medium_problem(seed=5)
+    monkeypatch.setattr(lp, "EARLY_COLD_COLUMNS", 0)  # every LP would start its cold start at once
+    started = []
+
+    class Counted(lp.ColdStart):
+        def __init__(self, *args, **kwargs):
+            started.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(lp, "ColdStart", Counted)
+    monkeypatch.setattr(lp, "spare_core", lambda: True)
+    with_race = solve(problem)
+    assert started
+    started.clear()
+    monkeypatch.setattr(lp, "spare_core", lambda: False)
+    alone = solve(problem)
+    assert not started
+    assert with_race.status == alone.status == "optimal" and alone.objective_s == pytest.approx(with_race.objective_s)

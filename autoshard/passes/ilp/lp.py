@@ -8,6 +8,7 @@ restricted to the pairs that pay no reshard is solved first, and the whole LP co
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,63 @@ REDUCED_COST_TOL = 1e-3  # a left-out column prices out below this reduced cost 
 # an LP with this many columns starts its cold dual simplex beside the restricted LP, not after the head start:
 # such LPs take seconds (GPT blocks on a 2-D mesh: 60-150k), and the cold start is the faster on many of them
 EARLY_COLD_COLUMNS = 50_000
+# the cold start runs only when this much of a core is left free beside this thread (``spare_core``)
+SPARE_CORE = 0.5
+
+
+def _cpu_now() -> tuple[float, float, float] | None:
+    """(wall seconds, CPU seconds the machine has been busy, this process's CPU seconds); None without
+    ``/proc/stat`` (not Linux)."""
+    try:
+        with open("/proc/stat") as stat:
+            ticks = [int(x) for x in stat.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return None
+    return time.perf_counter(), (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK"), time.process_time()
+
+
+class _CoreMeter:
+    """``spare_core``'s state: the last look at the machine and what it found."""
+
+    WINDOW_S = 0.2  # a shorter span since the last look is not judged: the last answer stands
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.last = _cpu_now()
+        self.free = True
+
+    def spare(self) -> bool:
+        try:
+            usable = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            usable = os.cpu_count() or 1
+        if usable < 2:
+            return False
+        with self.lock:
+            now = _cpu_now()
+            if now is None or self.last is None:
+                return True
+            wall = now[0] - self.last[0]
+            if wall >= self.WINDOW_S:
+                others = max(0.0, (now[1] - self.last[1]) - (now[2] - self.last[2])) / wall  # other processes
+                free = (os.cpu_count() or usable) - others - 1.0  # this thread takes one core
+                log.debug("mip: %.2f cores busy elsewhere over %.1fs, %.2f free for a second thread", others,
+                          wall, free)
+                self.free, self.last = free >= SPARE_CORE, now
+            return self.free
+
+
+_METER = _CoreMeter()
+
+
+def spare_core() -> bool:
+    """Whether a second HiGHS thread (``ColdStart``) would have a core to itself: the machine's busy CPU
+    seconds since the last look (``/proc/stat``), less this process's own, leave ``SPARE_CORE`` of a core
+    free beside this thread. Without one, the race costs what it saves: the two threads share a core, and
+    the CPU the losing one spent is taken from whatever else runs (measured: five test modules that plan
+    GPTs and MoEs, two at a time on two cores, 160 s with the race, 118 s without). Where the machine
+    cannot be read: whenever this process may run on two cores or more."""
+    return _METER.spare()
 
 
 @dataclass
@@ -305,7 +363,8 @@ def solve_lp(b: MipBuilder, time_limit_s: float) -> scipy.optimize.OptimizeResul
     on 1x8-a100: 19.8 and 15.3 s) where the serial dual simplex from a cold start, without HiGHS's presolve,
     takes 5.1 and 5.4 s, and on others the cold start is the slower (MoE-large on 2x8-a100: 16.3 against
     10.6 s): so after a head start alone (``HEAD_START_SHARE`` of the limit) the continuation is raced by a
-    cold start in a second thread (``ColdStart.race``), and the first to finish is the LP's optimum; a small
+    cold start in a second thread (``ColdStart.race``) when a core is free for it (``spare_core``; else the
+    continuation runs on alone), and the first to finish is the LP's optimum; a small
     LP is done before the race starts (presolve cost more than it saved on every one of these LPs: 12-40 s).
     An LP of ``EARLY_COLD_COLUMNS`` or more starts its cold one beside the restricted LP, the continuation
     keeping its head start (the 24-layer GPT's LP, which the cold start wins, is solved 2 s sooner). Adding
@@ -320,7 +379,8 @@ def solve_lp(b: MipBuilder, time_limit_s: float) -> scipy.optimize.OptimizeResul
     upper = np.concatenate(b.upper)
     left_out = b.restricted()
     # a large LP takes seconds whichever way: its cold start runs from now on, beside the restricted LP
-    cold = ColdStart(b, upper, start + time_limit_s) if left_out.any() and b.num_cols >= EARLY_COLD_COLUMNS else None
+    cold = (ColdStart(b, upper, start + time_limit_s)
+            if left_out.any() and b.num_cols >= EARLY_COLD_COLUMNS and spare_core() else None)
     try:
         return _restricted_then_whole(b, time_limit_s, start, upper, left_out, cold)
     finally:
@@ -355,11 +415,14 @@ def _restricted_then_whole(b: MipBuilder, time_limit_s: float, start: float, upp
     full = run_highs(highs, min(max(HEAD_START_S, HEAD_START_SHARE * time_limit_s), left))
     bound = -np.inf
     if full.status == 1 and time_limit_s - (time.perf_counter() - start) > 0:
-        # not done from that basis: the dual simplex from a cold start races it for the time left
-        cold = cold or ColdStart(b, upper, start + time_limit_s)
-        full, highs = cold.race(highs, start + time_limit_s)
-        if full.status == 1 and cold.model is not None:  # neither finished: the dual simplex's basis, dual
-            bound = stopped_bound(b, cold.model, upper)  # feasible, still bounds the LP
+        if cold is not None or spare_core():
+            # not done from that basis: the dual simplex from a cold start races it for the time left
+            cold = cold or ColdStart(b, upper, start + time_limit_s)
+            full, highs = cold.race(highs, start + time_limit_s)
+            if full.status == 1 and cold.model is not None:  # neither finished: the dual simplex's basis, dual
+                bound = stopped_bound(b, cold.model, upper)  # feasible, still bounds the LP
+        else:  # no core for a second thread: the continuation alone
+            full = run_highs(highs, time_limit_s - (time.perf_counter() - start))
     if full.status == 0:
         full.highs = highs  # a fractional optimum prices its rounded plan on it (``plan_objective``)
     if full.status in (0, 2) or incumbent is None:
