@@ -25,11 +25,12 @@ from autoshard.errors import InfeasibleMemoryError, PlanningError, SolverTimeout
 from autoshard.passes.cost_graph import CostGraph
 from autoshard.passes.decode import decode
 from autoshard.passes.ilp import IlpProblem, IlpSolution, evaluate, min_peak_plan, solve
+from autoshard.passes.ilp.lp import MIP_REL_GAP
 from autoshard.passes.lowering import build_problem, search_starts_of
 from autoshard.passes.plan_result import IlpStats, IntraOpResult, PassClock
 from autoshard.plans.ledger import fmt_bytes
 
-__all__ = ["BUDGET_PRECISION", "BudgetSearch", "MAX_MEMORY_ROUNDS", "followed"]
+__all__ = ["BUDGET_PRECISION", "BudgetSearch", "MAX_MEMORY_ROUNDS", "bounded", "followed"]
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +69,14 @@ class BudgetSearch:
         fitting: list[IntraOpResult] = []
         fits_at, fails_at = None, budget  # ILP budgets: the highest whose plan fit, the lowest whose did not
         ilp_budget = budget
+        bound = -np.inf  # no plan that fits is faster (the ILP's bound at the budget itself, in ILP seconds)
         for _ in range(MAX_MEMORY_ROUNDS):
             try:
                 solution = self.solve(problem)
             except (InfeasibleMemoryError, SolverTimeoutError):
                 solution = None  # the (tightened) ILP has no plan, or none was found within the time limit
+            if solution is not None and ilp_budget >= budget:
+                bound = solution.objective_s * (1.0 - solution.gap) if np.isfinite(solution.gap) else -np.inf
             if solution is not None:
                 result = self.decoded(problem, solution, build_s)
                 if fits(result.peak_bytes, budget):
@@ -99,11 +103,11 @@ class BudgetSearch:
                 break
             problem = self.problem(ilp_budget)
         if fitting:
-            return min(fitting, key=lambda r: r.step_s), seen, 0.0
+            return bounded(min(fitting, key=lambda r: r.step_s), bound), seen, 0.0
         floor, results = self.least_memory(problem, build_s, first_hint)
         fitting = [r for r in results if fits(r.peak_bytes, budget)]
         if fitting:
-            return min(fitting, key=lambda r: r.step_s), seen, floor
+            return bounded(min(fitting, key=lambda r: r.step_s), bound), seen, floor
         return None, seen + [r.peak_bytes for r in results], floor
 
     def smallest_budget(self, candidate: float, floor: float) -> float:
@@ -191,6 +195,24 @@ def followed(cg: CostGraph, problem: IlpProblem, solution: IlpSolution) -> IlpSo
     if check.violations or check.objective_s > before * (1 + 1e-12) + 1e-15:
         return solution
     return replace(solution, choices=choices)
+
+
+def bounded(result: IntraOpResult, bound_s: float) -> IntraOpResult:
+    """A plan the search found below the budget itself (the ILP's budget lowered, or a least-memory plan),
+    with its gap against ``bound_s``, the bound of the solve at the budget itself: the ILP counts no
+    resharded copies, so every plan whose simulated peak fits also fits its rows there, and that bound holds
+    for all of them; a lowered budget's own bound does not (it leaves such plans out). Proven (gap 0) only
+    when the plan reaches that bound."""
+    stats = result.ilp
+    objective = stats.objective_s
+    if np.isfinite(bound_s) and np.isfinite(objective) and objective > 0:
+        gap = max(0.0, objective - bound_s) / objective
+    else:
+        gap = float("inf")
+    proven = gap <= MIP_REL_GAP
+    status = "optimal" if proven else (stats.status if stats.status in ("least-memory", "start")
+                                       else "feasible (memory budget lowered)")
+    return replace(result, ilp=replace(stats, status=status, gap=0.0 if proven else gap))
 
 
 def fits(peak_bytes: float, budget_bytes: float) -> bool:

@@ -7,6 +7,7 @@ collective bytes, the compute lower bound); ``SolverInfo`` how the ILP fared; ``
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -109,11 +110,17 @@ def solver_summary(info: SolverInfo) -> str:
         return (f"stage-dp: exact over {info.num_nodes} layers x {info.num_classes} sub-meshes; {info.solve_s:.2f}s "
                 "(each stage's own plan: see the stages)")
     size = f"{info.solve_s:.2f}s; {info.num_nodes} nodes -> {info.num_classes} classes, {info.num_edges} edges"
+    bound = f"no plan is modeled faster than {1 - info.gap:.0%} of this one" if info.gap < 1 else "no bound yet"
+    if info.status.startswith("feasible (memory budget lowered"):  # passes/budget_search.bounded
+        return (f"{info.status}: the plan at the budget itself peaked over it with the copies the ILP does not "
+                f"count, so it was re-solved below the budget; gap {info.gap:.2%} against the bound at the budget "
+                f"({bound}); {size}")
     if info.status.startswith("feasible"):
-        bound = f"no plan is modeled faster than {1 - info.gap:.0%} of this one" if info.gap < 1 else "no bound yet"
         return f"{info.status}: stopped at the time limit, gap {info.gap:.2%} ({bound}); {size}"
     if info.status.startswith("optimal"):
         return f"{info.status}: proven under the model; {size}"
+    if info.gap > 0 and math.isfinite(info.gap):  # a least-memory plan or the search's start, with a bound
+        return f"{info.status}: gap {info.gap:.2%} ({bound}); {size}"
     return f"{info.status}; {size}"
 
 

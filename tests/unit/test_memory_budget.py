@@ -2,6 +2,7 @@
 compare() never keeps an over-budget plan while a classic one fits."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -13,6 +14,7 @@ from autoshard.errors import InfeasibleMemoryError
 from autoshard.ir.trace import trace
 from autoshard.passes.classic import Baseline
 from autoshard.passes.intra_op import IntraOpOptions
+from autoshard.plans.ledger import SolverInfo, solver_summary
 from examples import gpt
 
 OPTIONS = IntraOpOptions(time_limit_s=0.5)
@@ -106,3 +108,28 @@ def test_every_budget_at_or_above_the_named_smallest_plans(model):
         got = plan(budget)
         assert got.ledger.peak_memory_bytes <= budget * (1 + 1e-9), (factor, budget)
     assert plan(567 * 2**20) if model is _mlp12 else True  # the issue's budget plans
+
+
+def test_a_plan_found_below_its_budget_is_bounded_at_the_budget(work):
+    """A plan the budget search found below its budget (the ILP's budget lowered after the plan at the budget
+    peaked over it with copies the ILP does not count) is proven only against the bound of the solve at the
+    budget itself, which holds for every plan that fits (``budget_search.bounded``): its gap is measured from
+    there, it is optimal only when it reaches that bound, and without a bound its gap is unknown (inf)."""
+    from autoshard.meshes.cluster import get_cluster
+    from autoshard.meshes.logical import make_logical_mesh
+    from autoshard.passes.budget_search import bounded
+    from autoshard.passes.intra_op import plan_intra_op
+
+    result = plan_intra_op(trace(work.step, *work.args), make_logical_mesh(get_cluster("cpu-8"), (2, 4)), OPTIONS)
+    cost = result.ilp.objective_s
+    below = bounded(result, 0.8 * cost)
+    assert below.ilp.status == "feasible (memory budget lowered)" and below.ilp.gap == pytest.approx(0.2)
+    assert below.ilp.objective_s == cost and below.step_s == result.step_s  # only the proof changes
+    reached = bounded(result, cost * (1 - 1e-9))
+    assert reached.ilp.status == "optimal" and reached.ilp.gap == 0.0
+    unknown = bounded(result, -math.inf)
+    assert unknown.ilp.status == "feasible (memory budget lowered)" and unknown.ilp.gap == math.inf
+    least_memory = dataclasses.replace(result, ilp=dataclasses.replace(result.ilp, status="least-memory"))
+    least = bounded(least_memory, 0.5 * cost)
+    assert least.ilp.status == "least-memory" and least.ilp.gap == pytest.approx(0.5)
+    assert "re-solved below the budget" in solver_summary(SolverInfo(below.ilp.status, below.ilp.gap, 1.0, 1, 1, 1, 1, 1))
