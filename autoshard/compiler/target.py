@@ -65,7 +65,8 @@ def candidate_meshes(mesh: MeshLike, cluster: ClusterSpec, num_devices: int) -> 
         return [make_logical_mesh(cluster, tuple(mesh.devices.shape), tuple(mesh.axis_names), device_indices)]
     if mesh is not None:
         return [make_logical_mesh(cluster, tuple(int(s) for s in mesh))]
-    shapes = [s for s in factorizations(num_devices, 2) if len(s) == 2]
+    # (n, 1) is (1, n) with its axes renamed (one axis over the same devices, in the same order): the same plans
+    shapes = [s for s in factorizations(num_devices, 2) if len(s) == 2 and (s[1] > 1 or num_devices == 1)]
     return [make_logical_mesh(cluster, s) for s in shapes]
 
 
