@@ -103,7 +103,7 @@ def test_examples_train_shows_each_phase_as_it_starts():
     params = [line.split() for line in out.splitlines() if line.startswith("    [0]['params']")]
     assert params and all(len(p) >= 3 and re.fullmatch(r"[RS(),xy]+", p[-1]) for p in params), out  # unwrapped
     solves = [stamp for _, stamp, text in lines if text.split(": ", 1)[1].startswith("solving")]
-    assert len(solves) == 4 and solves == sorted(solves)
+    assert len(solves) == 3 and solves == sorted(solves)
 
 
 def test_cli_shows_each_phase_as_it_starts():
