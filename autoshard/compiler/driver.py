@@ -40,6 +40,14 @@ class PlannedStep:
     result: IntraOpResult
 
 
+def explained(step: PlannedStep) -> PlannedStep:
+    """``step`` with each op's strategy explained against its alternatives (``Plan.explanations``), for a plan
+    built without them (``explain=False``: a plan weighed against others, explained once it is the answer)."""
+    if step.plan.explanations:
+        return step
+    return replace(step, plan=replace(step.plan, explanations=op_explanations(step.result)))
+
+
 def build_plan(graph: OpGraph, result: IntraOpResult, budget: float, timings: dict[str, float],
                name: str = "autoshard", explain: bool = True) -> Plan:
     mesh = result.mesh

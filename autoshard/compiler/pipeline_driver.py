@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from autoshard.compiler.collector import without_collector
-from autoshard.compiler.driver import plan_on
+from autoshard.compiler.driver import explained, plan_on
 from autoshard.compiler.pipeline_context import PipelineRequest, PipelineSearch, pipeline_context
 from autoshard.compiler.pipeline_pricing import finish_pipeline, price_pipeline, spmd_or_stages, stage_cost_options
 from autoshard.compiler.target import check_budget_floor, resolve_target
@@ -74,7 +74,10 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any],
     priced = price_pipeline(ctx, stage_cost_options(ctx))
     timings["pricing"] = time.perf_counter() - t0
     log.info("priced %d stage variants with %d layer solves", len(priced.stages.variants), priced.stages.num_solves)
-    spmd, stage_plan = spmd_or_stages(ctx, priced)
+    spmd, stage_plan = spmd_or_stages(ctx, priced)  # the SPMD plan weighed without its explanations
     if stage_plan is None:
-        return PipelineSearch(spmd, None)
-    return PipelineSearch(spmd, finish_pipeline(ctx, priced, stage_plan, spmd))
+        return PipelineSearch(explained(spmd) if spmd is not None else None, None)
+    found = PipelineSearch(spmd, finish_pipeline(ctx, priced, stage_plan, spmd))
+    if spmd is not None and found.chosen is spmd:
+        found = PipelineSearch(explained(spmd), found.pipeline)
+    return found

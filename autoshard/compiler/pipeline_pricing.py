@@ -149,7 +149,7 @@ def spmd_or_stages(ctx: PipelineContext, priced: PricedPipeline) -> tuple[Planne
         t0 = time.perf_counter()
         try:
             spmd = plan_on(ctx.traced.graph, ctx.target, request.options, timings=dict(timings), name=ctx.name,
-                           progress=request.progress)
+                           progress=request.progress, explain=False)  # explained if it is the answer (driver)
         except InfeasibleMemoryError as err:
             log.info("no SPMD plan fits (%s); pipelines only", err)
         timings["spmd"] = time.perf_counter() - t0

@@ -222,3 +222,19 @@ def test_compiled_check_prices_a_pipeline_and_weighs_it_against_the_spmd_plan(de
     spmd_first = PipelineSearch(search.spmd, slow)
     assert spmd_first.chosen is spmd_first.spmd
     assert isinstance(checked_mod.checked(step, args, spmd_first), PipelinePlanned)
+
+
+def test_the_spmd_plan_weighed_against_pipelines_is_explained_once_it_is_the_answer():
+    """With the stage count searched, the SPMD plan is planned beside the pipelines without its explanations
+    (they cost seconds on a large model: 3.6 s on GPT-large's, and only an answer needs them); the search's
+    answer has them, and so does the plan ``autoshard.plan`` returns."""
+    from autoshard.compiler.pipeline_context import PipelineRequest
+    from autoshard.compiler.pipeline_driver import plan_pipeline
+
+    step, args = train_step(TX), _args(width=128, batch=64)
+    search = plan_pipeline(step, args, PipelineRequest(keep_both=True, num_microbatches=2))
+    assert search.spmd is not None and search.pipeline is not None
+    assert search.chosen is search.spmd, "this case has the SPMD plan win: pick one that does"
+    assert search.spmd.plan.explanations
+    plan = autoshard.plan(step, *args, num_microbatches=2)
+    assert plan.pipeline is None and plan.explanations
