@@ -132,4 +132,5 @@ def test_a_plan_found_below_its_budget_is_bounded_at_the_budget(work):
     least_memory = dataclasses.replace(result, ilp=dataclasses.replace(result.ilp, status="least-memory"))
     least = bounded(least_memory, 0.5 * cost)
     assert least.ilp.status == "least-memory" and least.ilp.gap == pytest.approx(0.5)
-    assert "re-solved below the budget" in solver_summary(SolverInfo(below.ilp.status, below.ilp.gap, 1.0, 1, 1, 1, 1, 1))
+    summary = solver_summary(SolverInfo(below.ilp.status, below.ilp.gap, 1.0, 1, 1, 1, 1, 1))
+    assert "re-solved below the budget" in summary
