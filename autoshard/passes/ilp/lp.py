@@ -64,7 +64,8 @@ class _CoreMeter:
             return False
         with self.lock:
             now = _cpu_now()
-            if now is None or self.last is None:
+            if now is None or self.last is None:  # unreadable, or the first readable look: judged from the next
+                self.last = now
                 return True
             wall = now[0] - self.last[0]
             if wall >= self.WINDOW_S:
