@@ -11,12 +11,16 @@ solves in all). If none fits, the least-memory plans and the search's start are 
 ``BUDGET_PRECISION`` of the least one: the figure an ``InfeasibleMemoryError`` names.
 
 One ``BudgetSearch`` serves one cost graph: it owns the search starts (computed once, budget-free) and
-the budgets already probed.
+the budgets already probed. The plan that proved a named budget is remembered for the process, keyed by its
+cost graph's terms (``remembered``): planning again at that budget, as the error says to, tries it when
+no solve finds a plan that fits, so the promise does not rest on time-limited solves repeating themselves.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -38,6 +42,10 @@ MAX_MEMORY_ROUNDS = 8  # ILP solves per plan before the least-memory plans decid
 MAX_BUDGET_CHECKS = 3  # replans at the budget an InfeasibleMemoryError is about to name
 MAX_BUDGET_PROBES = 5  # bisection steps towards the least budget it names
 BUDGET_PRECISION = 1.08  # stop when the bracket [fails, succeeds] is this tight
+REMEMBERED_GRAPHS = 32  # cost graphs whose budget-proving plans the process keeps (least recently used go)
+
+# cost graph fingerprint -> class choices of the plans that proved the budgets InfeasibleMemoryErrors named
+_PROVEN: OrderedDict[str, list[np.ndarray]] = OrderedDict()
 
 
 @dataclass
@@ -104,7 +112,7 @@ class BudgetSearch:
             problem = self.problem(ilp_budget)
         if fitting:
             return bounded(min(fitting, key=lambda r: r.step_s), bound), seen, 0.0
-        floor, results = self.least_memory(problem, build_s, first_hint)
+        floor, results = self.least_memory(problem, build_s, first_hint, remembered(self.cg))
         fitting = [r for r in results if fits(r.peak_bytes, budget)]
         if fitting:
             return bounded(min(fitting, key=lambda r: r.step_s), bound), seen, floor
@@ -128,21 +136,24 @@ class BudgetSearch:
         if hi is None or found is None:
             self.probes[key] = candidate
             return candidate
-        lo, peak = min(floor, hi), found.peak_bytes
+        lo, peak, proof = min(floor, hi), found.peak_bytes, found
         for _ in range(MAX_BUDGET_PROBES):
             if hi <= lo * BUDGET_PRECISION:
                 break
             mid = (lo * hi) ** 0.5
             found, _seen, _floor = self.plan_within(mid)
             if found is not None:
-                hi, peak = mid, found.peak_bytes
+                hi, peak, proof = mid, found.peak_bytes, found
             else:
                 lo = mid
+            if found is not None:
+                proof = found
         while peak < hi / BUDGET_PRECISION ** 0.5:  # the plan found needs less than its budget: try its own peak
             found, _seen, _floor = self.plan_within(peak)
             if found is None:
                 break
-            hi, peak = peak, found.peak_bytes
+            hi, peak, proof = peak, found.peak_bytes, found
+        remember(self.cg, proof)
         self.probes[key] = hi
         return hi
 
@@ -162,11 +173,12 @@ class BudgetSearch:
                  stats.num_nodes, stats.num_classes, stats.num_edges, stats.status, stats.solve_s, build_s)
         return decode(cg, solution.choices, stats, self.clock)
 
-    def least_memory(self, problem: IlpProblem, build_s: float,
-                     start_plan: np.ndarray | None) -> tuple[float, list[IntraOpResult]]:
+    def least_memory(self, problem: IlpProblem, build_s: float, start_plan: np.ndarray | None,
+                     proven: list[np.ndarray] = ()) -> tuple[float, list[IntraOpResult]]:
         """The ILP's floor (least memory of any plan by its count) and, decoded, the fastest plan among
-        those of least ILP memory, the least-memory plan itself, and the search's start (``start_plan``: a
-        fitting baseline when ``compare`` hints with one)."""
+        those of least ILP memory, the least-memory plan itself, the search's start (``start_plan``: a
+        fitting baseline when ``compare`` hints with one) and the plans that proved named budgets
+        (``proven``, status "start": starts the search was given by its earlier runs)."""
         start = time.perf_counter()
         with self.clock.timing("solve"):
             floor, choices = min_peak_plan(problem)
@@ -174,14 +186,49 @@ class BudgetSearch:
         candidates = [IlpSolution(choices, evaluate(problem, choices).objective_s, "least-memory", 0.0,
                                   time.perf_counter() - start, 0, 0)]
         unbounded = replace(problem, memory_budget_bytes=None)
-        if start_plan is not None and not evaluate(unbounded, start_plan).violations:
-            candidates.append(IlpSolution(np.asarray(start_plan), evaluate(problem, start_plan).objective_s,
-                                          "start", 0.0, 0.0, 0, 0))
+        for plan in ([] if start_plan is None else [start_plan]) + list(proven):
+            if len(plan) == problem.num_nodes and not evaluate(unbounded, plan).violations:
+                candidates.append(IlpSolution(np.asarray(plan), evaluate(problem, plan).objective_s,
+                                              "start", 0.0, 0.0, 0, 0))
         try:
             candidates.insert(0, self.solve(fill))
         except PlanningError:
             pass
         return floor, [self.decoded(unbounded, s, build_s) for s in candidates]
+
+
+def fingerprint(cg: CostGraph) -> str:
+    """A digest of the cost graph's mesh and ILP terms: two traces of one step on one mesh share it."""
+    digest = hashlib.sha1(repr(cg.mesh).encode())
+    terms = cg.terms
+    arrays = [*terms.class_cost, *(m for _, _, m in terms.edges), *(g.costs for g in terms.reshards),
+              *(a for point in terms.points for _, a in point)]
+    digest.update(repr([(u, v) for u, v, _ in terms.edges]).encode())
+    for array in arrays:
+        array = np.asarray(array)
+        digest.update(repr((array.shape, array.dtype.str)).encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
+
+
+def remember(cg: CostGraph, proof: IntraOpResult) -> None:
+    """Keep the class choices of ``proof``, the plan behind a budget an error is about to name."""
+    if proof.class_choices is None:
+        return
+    key = fingerprint(cg)
+    plans = _PROVEN.setdefault(key, [])
+    if not any(np.array_equal(p, proof.class_choices) for p in plans):
+        plans.append(np.array(proof.class_choices))
+    _PROVEN.move_to_end(key)
+    while len(_PROVEN) > REMEMBERED_GRAPHS:
+        _PROVEN.popitem(last=False)
+
+
+def remembered(cg: CostGraph) -> list[np.ndarray]:
+    """The plans that proved the budgets named for this cost graph in this process (``remember``)."""
+    if not _PROVEN:
+        return []
+    return list(_PROVEN.get(fingerprint(cg), ()))
 
 
 def followed(cg: CostGraph, problem: IlpProblem, solution: IlpSolution) -> IlpSolution:

@@ -88,7 +88,7 @@ def _priced(cg: CostGraph, choices: np.ndarray, stats: IlpStats, chosen: tuple[S
         compute_s=float(sum(op_compute)), comm_s=float(sum(op_comm)), op_comm_s=op_comm,
         reshard_s=float(sum(r.seconds for r in {(r.value, r.src, r.dst, r.runs): r for r in reshards}.values())),
         memory_profile=profile, memory_by_role=by_role, ilp=stats, op_compute_s=op_compute, op_hbm_bytes=op_bytes,
-        input_s=float(sum(chosen[i].compute_s for i in range(cg.num_inputs))),
+        input_s=float(sum(chosen[i].compute_s for i in range(cg.num_inputs))), class_choices=np.asarray(choices),
     )
     recomputed = objective.check(graph, cg.mesh, chosen, stats.objective_s, result.step_s, traffic=cg.traffic)
     return dataclasses.replace(result, objective=recomputed)

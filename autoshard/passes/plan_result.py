@@ -117,6 +117,7 @@ class IntraOpResult:
     input_s: float = 0.0  # the batch leaves' arrival from the host, as their storage specs split them
     # the ILP's objective, the objective recomputed on the unsimplified graph and the ledger (passes/objective.py)
     objective: ObjectiveCheck | None = None
+    class_choices: np.ndarray | None = None  # the ILP's strategy per class that this plan was decoded from
 
     @property
     def flops_per_device(self) -> float:

@@ -2,16 +2,19 @@
 compare() never keeps an over-budget plan while a classic one fits."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 
 import autoshard
 from autoshard.compiler.baselines import compare, plan_baseline
 from autoshard.compiler.target import state_floor_bytes
-from autoshard.errors import InfeasibleMemoryError
+from autoshard.errors import InfeasibleMemoryError, SolverTimeoutError
 from autoshard.ir.trace import trace
+from autoshard.passes import budget_search
 from autoshard.passes.classic import Baseline
 from autoshard.passes.intra_op import IntraOpOptions
 from autoshard.plans.ledger import SolverInfo, solver_summary
@@ -134,3 +137,35 @@ def test_a_plan_found_below_its_budget_is_bounded_at_the_budget(work):
     assert least.ilp.status == "least-memory" and least.ilp.gap == pytest.approx(0.5)
     summary = solver_summary(SolverInfo(below.ilp.status, below.ilp.gap, 1.0, 1, 1, 1, 1, 1))
     assert "re-solved below the budget" in summary
+
+
+def test_a_named_budget_plans_again_when_the_solves_find_nothing_that_fits(monkeypatch):
+    """The plan that proved the budget an error named is remembered: planning again at that budget succeeds
+    even when this time's (time-limited) solves, the least-memory plan and the search's starts all peak over
+    it, so the promise does not rest on the solves repeating themselves."""
+    work = gpt.workload("tiny", abstract=True)
+
+    def plan(budget):
+        return autoshard.plan(work.step, *work.args, mesh=(2, 4), cluster="cpu-8", memory_budget=budget,
+                              num_stages=1, options=IntraOpOptions(time_limit_s=0.5))
+
+    floor = state_floor_bytes(trace(work.step, *work.args), 8)
+    with pytest.raises(InfeasibleMemoryError) as refused:
+        plan(floor * 1.2)
+    named = refused.value.smallest_budget_bytes
+
+    def nothing(problem):
+        raise SolverTimeoutError("this time the solve found no plan")
+
+    def replicated(cg_or_problem):  # every class on its first strategy: no plan at all near the named budget
+        n = cg_or_problem.num_nodes if hasattr(cg_or_problem, "num_nodes") else cg_or_problem.classes.num_classes
+        return np.zeros(n, dtype=np.int64)
+
+    monkeypatch.setattr(budget_search, "solve", nothing)
+    monkeypatch.setattr(budget_search, "min_peak_plan", lambda problem: (0.0, replicated(problem)))
+    monkeypatch.setattr(budget_search, "search_starts_of", lambda cg: (replicated(cg),))
+    again = plan(named)
+    assert again.fits and again.ledger.peak_memory_bytes <= named * (1 + 1e-9)
+    monkeypatch.setattr(budget_search, "_PROVEN", collections.OrderedDict())  # forget it: the test can fail
+    with pytest.raises(InfeasibleMemoryError):
+        plan(named)
