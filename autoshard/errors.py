@@ -45,6 +45,16 @@ class SolverTimeoutError(PlanningError):
     budget", as it reads an infeasible one."""
 
 
+class CutOffError(PlanningError):
+    """The solve proved that no plan costs less than the cutoff it was given (``IlpProblem.cutoff_s``: the
+    best plan found elsewhere, which this one could only match); ``bound_s`` is the bound that proved it. A
+    search that compares candidates reads it as "this one cannot win" and goes on without it."""
+
+    def __init__(self, message: str, bound_s: float) -> None:
+        super().__init__(message)
+        self.bound_s = bound_s
+
+
 class PipelineError(PlanningError):
     """The step cannot run as a pipeline; the message says why and what to change."""
 

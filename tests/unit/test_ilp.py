@@ -550,3 +550,88 @@ def test_the_cold_start_runs_only_with_a_core_to_spare(monkeypatch) -> None:
     alone = solve(problem)
     assert not started
     assert with_race.status == alone.status == "optimal" and alone.objective_s == pytest.approx(with_race.objective_s)
+
+
+@pytest.mark.parametrize("extra", ["plain", "charges", "reshards"])
+def test_a_cutoff_stops_the_solve_only_when_no_plan_beats_it(extra: str) -> None:
+    """``IlpProblem.cutoff_s``: a solve given a cutoff above the optimum returns the optimum; below it, it may
+    stop with ``CutOffError``, whose bound lies between the cutoff and the optimum (the LP's objective plus the
+    seconds presolve takes out, ``Reduced.const_s``: an integral LP's bound is the optimum itself)."""
+    from autoshard.errors import CutOffError
+
+    rng = np.random.default_rng({"plain": 11, "charges": 12, "reshards": 13}[extra])
+    cut = exact = 0
+    for instance in range(40):
+        problem = _random_problem(rng)
+        if extra == "charges":
+            problem = dataclasses.replace(problem, charges=tuple(
+                SharedCharge(f"c{k}", float(rng.uniform(0, 1.5)), tuple(
+                    (int(i), rng.random(len(problem.node_costs[i])) < 0.5)
+                    for i in rng.choice(problem.num_nodes, size=int(rng.integers(1, problem.num_nodes + 1)),
+                                        replace=False)))
+                for k in range(2)))
+        elif extra == "reshards":
+            producer = int(rng.integers(problem.num_nodes))
+            readers = [i for i in range(problem.num_nodes) if i != producer][:3]
+            problem = dataclasses.replace(problem, reshards=(SharedReshard(
+                "r", producer, rng.uniform(0, 1, size=(len(problem.node_costs[producer]), 2)),
+                tuple((r, rng.integers(-1, 2, size=len(problem.node_costs[r]))) for r in readers)),))
+        expected = _outcome(brute_force, problem)
+        if isinstance(expected, PlanningError) or expected.objective_s <= 0:
+            continue
+        best = expected.objective_s
+        above = solve(dataclasses.replace(problem, cutoff_s=best * (1 + 1e-6) + 1e-12))
+        assert above.objective_s == pytest.approx(best, rel=1e-6, abs=1e-12), instance
+        below = best * (1 - 1e-6)
+        try:
+            got = solve(dataclasses.replace(problem, cutoff_s=below))
+        except CutOffError as err:
+            assert below < err.bound_s <= best * (1 + 1e-9) + 1e-15, (instance, err.bound_s, best)
+            cut += 1
+            exact += err.bound_s == pytest.approx(best, rel=1e-9)
+        else:
+            assert got.objective_s == pytest.approx(best, rel=1e-6, abs=1e-12), instance
+    assert cut >= 10 and exact >= 10, (cut, exact)
+
+
+def test_the_cold_start_stops_at_a_cutoff_its_true_costs_prove() -> None:
+    """``lp.ColdStart`` with a cutoff below the LP's optimum finishes with status 5 and a bound, recomputed
+    with the true costs, above the cutoff and no higher than the optimum; above the optimum it solves on."""
+    import time
+
+    import autoshard.passes.ilp.mip as mip
+    from autoshard.passes.ilp.lp import ColdStart, highs_lp, run_highs
+
+    problem = _medium_problem(0)
+    red = presolve(problem)
+    ticks = mip._ticks(red)
+    b = mip._new(problem, red, ticks)
+    mip._add_edges(b, ticks)
+    upper = np.concatenate(b.upper)
+    optimum = run_highs(highs_lp(b, upper), 5.0).fun
+    assert optimum > 0
+    low = ColdStart(b, upper, time.perf_counter() + 5.0, cutoff=0.6 * optimum)
+    assert low.finished.wait(5.0)
+    low.stop()
+    assert low.result.status == 5 and 0.6 * optimum < low.result.bound <= optimum * (1 + 1e-9)
+    high = ColdStart(b, upper, time.perf_counter() + 5.0, cutoff=2.0 * optimum)
+    assert high.finished.wait(5.0)
+    high.stop()
+    assert high.result.status == 0 and high.result.fun == pytest.approx(optimum)
+
+
+def test_a_cutoff_counts_the_seconds_presolve_takes_out() -> None:
+    """Presolve moves each node's cheapest cost and every charge a fixed node incurs out of the LP
+    (``Reduced.const_s``); the cutoff is compared with the LP's bound plus them, so a plan of 3.5 s is cut
+    off at 3.4 s and kept at 3.6 s."""
+    from autoshard.errors import CutOffError
+
+    problem = IlpProblem(node_names=("fixed", "free"), node_costs=(np.array([2.0]), np.array([1.0, 3.0])),
+                         edges=(), edge_costs=(), memory_points=(),
+                         charges=(SharedCharge("paid", 0.5, ((0, np.array([True])), (1, np.array([False, True])))),),
+                         time_limit_s=5.0)
+    assert presolve(problem).const_s == pytest.approx(3.5)
+    with pytest.raises(CutOffError) as cut:
+        solve(dataclasses.replace(problem, cutoff_s=3.4))
+    assert cut.value.bound_s == pytest.approx(3.5)
+    assert solve(dataclasses.replace(problem, cutoff_s=3.6)).objective_s == pytest.approx(3.5)

@@ -246,9 +246,11 @@ def integral(b: MipBuilder, x: np.ndarray) -> bool:
     return bool(np.all(np.minimum(x[columns], 1.0 - x[columns]) <= 1e-6))
 
 
-def highs_lp(b: MipBuilder, upper: np.ndarray, dual: bool = False) -> highspy.Highs:
+def highs_lp(b: MipBuilder, upper: np.ndarray, dual: bool = False, cutoff: float = np.inf) -> highspy.Highs:
     """HiGHS (its own Python interface, ``highspy``) holding the LP relaxation with column bounds [0, upper];
-    ``dual``: solved by the serial dual simplex without presolve (``solve_lp``), else as HiGHS chooses."""
+    ``dual``: solved by the serial dual simplex without presolve (``solve_lp``), else as HiGHS chooses; a
+    finite ``cutoff`` (the LP's units) stops the dual simplex once its objective passes it (``objective_bound``:
+    status 5, which ``ColdStart`` checks against the true costs)."""
     matrix = b.matrix().tocsc()
     lo, hi = np.array(b.lower_rhs, dtype=float), np.array(b.upper_rhs, dtype=float)
     lp = highspy.HighsLp()
@@ -268,13 +270,16 @@ def highs_lp(b: MipBuilder, upper: np.ndarray, dual: bool = False) -> highspy.Hi
     if dual:  # the serial dual simplex (deterministic), without presolve, which takes longer than it here
         highs.setOptionValue("simplex_strategy", 1)
         highs.setOptionValue("presolve", "off")
+        if np.isfinite(cutoff):
+            highs.setOptionValue("objective_bound", float(cutoff))
     highs.passModel(lp)
     return highs
 
 
 def run_highs(highs: highspy.Highs, seconds: float) -> scipy.optimize.OptimizeResult:
     """Run (or continue, from the basis it holds) for at most ``seconds`` more; the result as SciPy's ``linprog``
-    shapes it (status 0 optimal, 1 out of time, 2 infeasible, 4 other) with the reduced costs."""
+    shapes it (status 0 optimal, 1 out of time, 2 infeasible, 4 other; 5: the dual simplex passed its
+    ``objective_bound``) with the reduced costs."""
     highs.setOptionValue("time_limit", highs.getRunTime() + max(seconds, 0.05))  # HiGHS's limit is cumulative
     highs.run()
     status = highs.getModelStatus()
@@ -283,7 +288,8 @@ def run_highs(highs: highspy.Highs, seconds: float) -> scipy.optimize.OptimizeRe
         return scipy.optimize.OptimizeResult(status=0, x=np.asarray(solution.col_value),
                                              fun=highs.getInfo().objective_function_value,
                                              reduced=np.asarray(solution.col_dual), message="Optimal")
-    code = {highspy.HighsModelStatus.kTimeLimit: 1, highspy.HighsModelStatus.kInfeasible: 2}.get(status, 4)
+    code = {highspy.HighsModelStatus.kTimeLimit: 1, highspy.HighsModelStatus.kInfeasible: 2,
+            highspy.HighsModelStatus.kObjectiveBound: 5}.get(status, 4)
     return scipy.optimize.OptimizeResult(status=code, x=None, fun=None, message=highs.modelStatusToString(status))
 
 
@@ -292,29 +298,41 @@ class ColdStart:
     and solved in a thread of its own until ``deadline`` (``time.perf_counter()`` seconds): ``solve_lp``'s
     second start, raced against the continuation (``ColdStart.race``). HiGHS releases the GIL, so the two
     take the wall time of one; the first to finish cancels the other (``cancelSolve``, which HiGHS keeps until the
-    model's next run, so a model is cancelled only while it runs or is about to)."""
+    model's next run, so a model is cancelled only while it runs or is about to). Given a finite ``cutoff``,
+    it also finishes once its dual objective, recomputed with the true costs (``stopped_bound``), passes the
+    cutoff: status 5, ``bound`` that objective (``solve_lp``: no plan beats the cutoff)."""
 
-    def __init__(self, b: MipBuilder, upper: np.ndarray, deadline: float) -> None:
+    def __init__(self, b: MipBuilder, upper: np.ndarray, deadline: float, cutoff: float = np.inf) -> None:
         self.model: highspy.Highs | None = None
         self.result: scipy.optimize.OptimizeResult | None = None
         self.finished = threading.Event()  # solved: optimal or infeasible
         self._lock = threading.Lock()
         self._rival: highspy.Highs | None = None  # the continuation while it races this
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, args=(b, upper, deadline), daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(b, upper, deadline, cutoff), daemon=True)
         self._thread.start()
 
-    def _run(self, b: MipBuilder, upper: np.ndarray, deadline: float) -> None:
-        model = highs_lp(b, upper, dual=True)
+    def _run(self, b: MipBuilder, upper: np.ndarray, deadline: float, cutoff: float) -> None:
+        model = highs_lp(b, upper, dual=True, cutoff=cutoff)
         model.HandleUserInterrupt = True  # ``cancelSolve`` stops a run only with this set
         with self._lock:
             if self._stopped:
                 return
             self.model = model
         result = run_highs(model, deadline - time.perf_counter())
+        while result.status == 5:  # HiGHS's dual objective (perturbed costs) passed the cutoff: check it
+            bound = stopped_bound(b, model, upper)
+            if bound > cutoff:
+                result.bound = bound
+                break
+            model.setOptionValue("objective_bound", np.inf)  # not with the true costs: solve on
+            with self._lock:
+                if self._stopped:
+                    return
+            result = run_highs(model, deadline - time.perf_counter())
         with self._lock:
             self.result = result
-            if result.status in (0, 2):
+            if result.status in (0, 2, 5):
                 self.finished.set()
                 if self._rival is not None:
                     self._rival.cancelSolve()
@@ -352,7 +370,7 @@ class ColdStart:
         self._thread.join()
 
 
-def solve_lp(b: MipBuilder, time_limit_s: float) -> scipy.optimize.OptimizeResult:
+def solve_lp(b: MipBuilder, time_limit_s: float, cutoff: float = np.inf) -> scipy.optimize.OptimizeResult:
     """The LP relaxation, restricted first: without the priced pairs (``MipBuilder.restricted``: an edge's pairs
     that pay a reshard, a shared reshard's t and the y that need it), held at 0, the LP is a fifth of the
     size and its optimum, a plan in which every value is read as it was made where that pays, is often
@@ -373,24 +391,42 @@ def solve_lp(b: MipBuilder, time_limit_s: float) -> scipy.optimize.OptimizeResul
     LPs price thousands of columns in every round while the objective stays. Out of time, the restricted
     optimum is returned (status 1) when it is integral, with the bound the stopped dual simplex reached
     (``stopped_bound``) as its ``mip_dual_bound`` when the race ran. An optimum carries its HiGHS
-    model (``highs``), on which ``plan_objective`` prices a plan."""
+    model (``highs``), on which ``plan_objective`` prices a plan.
+
+    Given a finite ``cutoff`` (the LP's units: a plan must cost less to matter), the solve stops as soon as a
+    bound proves none does: the whole LP's optimum, the cold start's dual objective (``ColdStart``) or the
+    bound a stopped dual simplex reached, at or above it (status 5, ``bound`` that bound; see ``cut_off``)."""
     if b.num_cols == 0:
-        return b.solve(time_limit_s, relaxed=True)
+        return cut_off(b.solve(time_limit_s, relaxed=True), cutoff)
     start = time.perf_counter()
     upper = np.concatenate(b.upper)
     left_out = b.restricted()
     # a large LP takes seconds whichever way: its cold start runs from now on, beside the restricted LP
-    cold = (ColdStart(b, upper, start + time_limit_s)
+    cold = (ColdStart(b, upper, start + time_limit_s, cutoff)
             if left_out.any() and b.num_cols >= EARLY_COLD_COLUMNS and spare_core() else None)
     try:
-        return _restricted_then_whole(b, time_limit_s, start, upper, left_out, cold)
+        return cut_off(_restricted_then_whole(b, time_limit_s, start, upper, left_out, cold, cutoff), cutoff)
     finally:
         if cold is not None:
             cold.stop()
 
 
+def cut_off(result: scipy.optimize.OptimizeResult, cutoff: float) -> scipy.optimize.OptimizeResult:
+    """``result``, or status 5 when it proves that no plan costs less than ``cutoff`` (ties are not cut: a plan
+    that matches the cutoff may still be the one a caller prefers): an optimum above it (``solve_lp`` returns
+    status 0 only for the whole LP's), or a stopped dual simplex's bound (``mip_dual_bound``) above it."""
+    if result.status == 5 or not np.isfinite(cutoff):
+        return result
+    bound = result.fun if result.status == 0 and result.fun is not None else getattr(result, "mip_dual_bound", None)
+    if bound is None or not bound > cutoff:
+        return result
+    return scipy.optimize.OptimizeResult(status=5, x=None, fun=None, bound=float(bound),
+                                         message="Cut off: no plan costs less than the cutoff")
+
+
 def _restricted_then_whole(b: MipBuilder, time_limit_s: float, start: float, upper: np.ndarray,
-                           left_out: np.ndarray, cold: ColdStart | None) -> scipy.optimize.OptimizeResult:
+                           left_out: np.ndarray, cold: ColdStart | None,
+                           cutoff: float = np.inf) -> scipy.optimize.OptimizeResult:
     """``solve_lp`` after its set-up: the restricted LP, the continuation's head start, the race."""
     highs = highs_lp(b, np.where(left_out, 0.0, upper))
     restricted = run_highs(highs, time_limit_s)
@@ -418,15 +454,17 @@ def _restricted_then_whole(b: MipBuilder, time_limit_s: float, start: float, upp
     if full.status == 1 and time_limit_s - (time.perf_counter() - start) > 0:
         if cold is not None or spare_core():
             # not done from that basis: the dual simplex from a cold start races it for the time left
-            cold = cold or ColdStart(b, upper, start + time_limit_s)
+            cold = cold or ColdStart(b, upper, start + time_limit_s, cutoff)
             full, highs = cold.race(highs, start + time_limit_s)
             if full.status == 1 and cold.model is not None:  # neither finished: the dual simplex's basis, dual
                 bound = stopped_bound(b, cold.model, upper)  # feasible, still bounds the LP
+                if bound > cutoff:
+                    full.mip_dual_bound = bound
         else:  # no core for a second thread: the continuation alone
             full = run_highs(highs, time_limit_s - (time.perf_counter() - start))
     if full.status == 0:
         full.highs = highs  # a fractional optimum prices its rounded plan on it (``plan_objective``)
-    if full.status in (0, 2) or incumbent is None:
+    if full.status in (0, 2, 5) or incumbent is None:
         return full
     proof = ", its bound the stopped dual simplex's" if np.isfinite(bound) else ", without a proof"
     out = scipy.optimize.OptimizeResult(status=1, x=incumbent.x, fun=incumbent.fun,

@@ -64,7 +64,7 @@ import numpy as np
 import scipy.optimize
 import scipy.sparse
 
-from autoshard.errors import PlanningError, SolverTimeoutError
+from autoshard.errors import CutOffError, PlanningError, SolverTimeoutError
 from autoshard.passes.ilp.lp import MIP_REL_GAP, MipBuilder, integral, plan_objective, solve_lp
 from autoshard.passes.ilp.presolve import Reduced, exclusion_cuts, identical_lines, presolve
 from autoshard.passes.ilp.problem import IlpProblem, IlpSolution, evaluate, memory_error
@@ -238,15 +238,19 @@ def _ticks(red: Reduced) -> float:
     return _LARGEST_COST / largest if largest > 0 else 1.0
 
 
-def _solve_relaxation_first(b: MipBuilder, time_limit_s: float) -> scipy.optimize.OptimizeResult:
+def _solve_relaxation_first(b: MipBuilder, time_limit_s: float,
+                            cutoff: float = math.inf) -> scipy.optimize.OptimizeResult:
     """The LP relaxation, and the MIP only when that is fractional: the relaxation of these problems is
     nearly always integral (module docstring), and an integral LP optimum is the MIP's optimum with its
     proof, without HiGHS's MIP presolve and cuts, which cost more than the LP itself here. A fractional
     optimum still bounds every plan: when too little time is left for the MIP (or it finds no plan), its
     rounding (each node's largest strategy variable) is the plan, priced on the LP, and the LP optimum its
-    bound (GPT-large at 24 layers, 1x8-a100: the LP takes 8 of the 10 s and is fractional)."""
+    bound (GPT-large at 24 layers, 1x8-a100: the LP takes 8 of the 10 s and is fractional). With a finite
+    ``cutoff`` the LP stops once it proves no plan costs less (status 5, ``solve_lp``)."""
     start = time.perf_counter()
-    lp = solve_lp(b, time_limit_s)
+    lp = solve_lp(b, time_limit_s, cutoff)
+    if lp.status == 5:
+        return lp
     if lp.status == 0 and lp.x is not None and integral(b, lp.x):
         lp.mip_dual_bound = lp.fun
         return lp
@@ -282,7 +286,8 @@ def solve_mip(problem: IlpProblem, hint: np.ndarray | None = None) -> IlpSolutio
     """Pick one strategy per node minimising node + edge seconds under the memory budget, with HiGHS.
 
     ``hint`` (a plan free of violations, e.g. the local search's) is returned when HiGHS's plan is not
-    cheaper or it found none in time. Raises ``InfeasibleMemoryError`` when no plan fits the budget."""
+    cheaper or it found none in time. Raises ``InfeasibleMemoryError`` when no plan fits the budget, and
+    ``CutOffError`` when ``problem.cutoff_s`` is given and the LP proves no plan costs less."""
     start = time.perf_counter()
     red = presolve(problem)
     ticks = _ticks(red)
@@ -297,12 +302,18 @@ def solve_mip(problem: IlpProblem, hint: np.ndarray | None = None) -> IlpSolutio
         raise _infeasible(problem)
     built = time.perf_counter()
     left = max(problem.time_limit_s - (built - start), 0.1)
-    res = _solve_relaxation_first(b, left)
+    # the cutoff in the LP's units: presolve leaves out red.const_s, which every plan pays
+    cutoff = (problem.cutoff_s - red.const_s) * ticks if problem.cutoff_s is not None else math.inf
+    res = _solve_relaxation_first(b, left, cutoff)
     log.debug("mip: %d nodes (%d free), %d edges kept of %d; build %.2fs (%d columns, %d rows), HiGHS %.2fs: %s",
               problem.num_nodes, int((b.first >= 0).sum()), len(red.edges), len(problem.edges), built - start,
               b.num_cols, len(b.lower_rhs), time.perf_counter() - built, res.message)
     if res.status == 2:
         raise _infeasible(problem)
+    if res.status == 5:
+        bound_s = float(res.bound) / ticks + red.const_s
+        raise CutOffError(f"no plan of the {problem.num_nodes} nodes costs less than the cutoff "
+                          f"{problem.cutoff_s:.6g} s: the LP bounds every plan at {bound_s:.6g} s", bound_s)
     choices = _decode(b, res.x) if res.x is not None else None
     result = evaluate(problem, choices) if choices is not None else None
     if result is not None and result.violations:

@@ -36,6 +36,9 @@ class Reduced:
     # [(node, layout per allowed strategy)]); nodes fixed by presolve stay named (one allowed strategy)
     reshards: list[tuple[NodeIndex, np.ndarray, list[tuple[NodeIndex, np.ndarray]]]] = dataclasses.field(
         default_factory=list)
+    # seconds every plan pays that the terms above leave out (each node's cheapest cost, charges a fixed node
+    # incurs): a plan's objective is its cost over these terms plus ``const_s``
+    const_s: float = 0.0
 
 
 _ROW_WEIGHTS = np.random.default_rng(0).uniform(0.5, 1.5, size=4096)  # fingerprints of edge-matrix rows
@@ -180,7 +183,9 @@ def presolve(problem: IlpProblem) -> Reduced:
         cost[v][allowed[v]] += col_min
         if not finite.all() or sub.any():
             edges.append((u, v, sub))
-    node_cost = [cost[i][allowed[i]] - cost[i][allowed[i]].min() for i in range(len(cost))]  # P4
+    cheapest = [float(cost[i][allowed[i]].min()) for i in range(len(cost))]
+    node_cost = [cost[i][allowed[i]] - cheapest[i] for i in range(len(cost))]  # P4
+    const_s = math.fsum(cheapest)
     point_terms, point_const = [], []
     for p, terms in enumerate(problem.memory_points):
         const = math.ceil(problem.point_constant(p))
@@ -199,6 +204,8 @@ def presolve(problem: IlpProblem) -> Reduced:
         members = [(node, mask) for node, mask in members if mask.any()]
         if members and not any(len(allowed[node]) == 1 for node, _ in members):
             charges.append((float(charge.cost_s), members))
+        elif members:  # a fixed member incurs it (members are those some allowed choice of makes pay)
+            const_s += float(charge.cost_s)
     reshards = []
     for group in problem.reshards:
         readers = [(node, np.asarray(layout, dtype=np.int64)[allowed[node]]) for node, layout in group.readers]
@@ -206,4 +213,4 @@ def presolve(problem: IlpProblem) -> Reduced:
         costs = np.asarray(group.costs, dtype=np.float64)[allowed[group.producer]]
         if readers and costs.any():
             reshards.append((group.producer, costs, readers))
-    return Reduced(allowed, node_cost, edges, point_terms, point_const, charges, reshards)
+    return Reduced(allowed, node_cost, edges, point_terms, point_const, charges, reshards, const_s)

@@ -102,6 +102,9 @@ class IlpProblem:
     # no-good cuts: each a bool mask per node over its strategies; a plan choosing a marked strategy at every
     # node is excluded (passes/ilp/candidates.py: the next-best plans)
     excluded: tuple[tuple[np.ndarray, ...], ...] = ()
+    # the objective a plan must beat to matter (the best found elsewhere); HiGHS stops with CutOffError once its
+    # bound proves no plan does (passes/ilp/mip.py); None: solved as usual
+    cutoff_s: float | None = None
 
     def excluded_by(self, choices: np.ndarray) -> int | None:
         """The index of the first cut that excludes ``choices`` (None: none does)."""
