@@ -17,14 +17,14 @@ from autoshard.compiler.collector import without_collector
 from autoshard.compiler.explain import op_explanations
 from autoshard.compiler.layer_times import layer_times
 from autoshard.compiler.target import ClusterLike, MeshLike, Target, check_budget_floor, resolve_target
-from autoshard.errors import InfeasibleMemoryError, OverBudgetWarning, PlanningError
+from autoshard.errors import CutOffError, InfeasibleMemoryError, OverBudgetWarning, PlanningError
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.trace import trace
 from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes.emit import annotations_from
 from autoshard.passes.hbm_traffic import compute_lower_bound_s
 from autoshard.passes.intra_op import IntraOpOptions, IntraOpResult, plan_intra_op
-from autoshard.plans.ledger import Ledger, SolverInfo, fmt_bytes
+from autoshard.plans.ledger import Ledger, SolverInfo, fmt_bytes, fmt_s
 from autoshard.plans.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -100,8 +100,12 @@ def plan_graph(graph: OpGraph, *, mesh: MeshLike = None, cluster: ClusterLike = 
 @without_collector
 def plan_on(graph: OpGraph, target: Target, options: IntraOpOptions | None = None, *,
             timings: dict[str, float] | None = None, name: str = "autoshard", explain: bool = True,
-            progress: Progress | None = None) -> PlannedStep:
-    """``plan_graph`` for a resolved Target: the intra-op pass on each candidate mesh, the fastest kept."""
+            progress: Progress | None = None, cutoff_s: float | None = None) -> PlannedStep:
+    """``plan_graph`` for a resolved Target: the intra-op pass on each candidate mesh, the fastest kept.
+
+    ``cutoff_s``: a step found elsewhere (a pipeline's) that the plan must beat to matter; a mesh whose ILP
+    bound proves it cannot is left out (``CutOffError``), and when every mesh is, ``CutOffError`` is raised
+    with the least of their bounds."""
     check_budget_floor(graph, target)
     budget = target.memory_budget_bytes
     options = replace(options or IntraOpOptions(), memory_budget_bytes=budget)
@@ -109,6 +113,7 @@ def plan_on(graph: OpGraph, target: Target, options: IntraOpOptions | None = Non
     best: tuple[float, IntraOpResult] | None = None
     alternatives: dict[str, float] = {}
     errors: list[tuple[InfeasibleMemoryError, LogicalMesh]] = []
+    cut: list[tuple[CutOffError, LogicalMesh]] = []
     start = time.perf_counter()
     several = len(target.meshes) > 1
     for i, logical in enumerate(target.meshes):
@@ -116,14 +121,23 @@ def plan_on(graph: OpGraph, target: Target, options: IntraOpOptions | None = Non
             count = f" ({i + 1} of {len(target.meshes)})" if several else ""
             progress(f"solving {len(graph.ops)} ops on mesh {'x'.join(map(str, logical.shape))}{count}")
         try:
-            result = plan_intra_op(graph, logical, options, exact_smallest_budget=not several)
+            result = plan_intra_op(graph, logical, options, exact_smallest_budget=not several, cutoff_s=cutoff_s)
         except InfeasibleMemoryError as err:
             errors.append((err, logical))
+            continue
+        except CutOffError as err:
+            log.info("mesh %s cannot beat %.6g s: its ILP bound is %.6g s", logical, cutoff_s, err.bound_s)
+            cut.append((err, logical))
             continue
         alternatives["x".join(map(str, logical.shape))] = result.step_s
         if best is None or result.step_s < best[0] - 1e-12:
             best = (result.step_s, result)
     timings["intra-op"] = time.perf_counter() - start
+    if best is None and cut:
+        err, mesh = min(cut, key=lambda e: e[0].bound_s)
+        raise CutOffError(f"no plan on {len(cut)} of the {len(target.meshes)} meshes beats {fmt_s(cutoff_s or 0.0)}: "
+                          f"the least bound is {fmt_s(err.bound_s)} (mesh {'x'.join(map(str, mesh.shape))})"
+                          + (f"; {len(errors)} others fit no plan" if errors else ""), err.bound_s)
     if best is None:
         err, closest = min(errors, key=lambda e: e[0].smallest_budget_bytes or float("inf"))
         if several:  # name a budget checked on the mesh that came closest

@@ -74,10 +74,10 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any],
     priced = price_pipeline(ctx, stage_cost_options(ctx))
     timings["pricing"] = time.perf_counter() - t0
     log.info("priced %d stage variants with %d layer solves", len(priced.stages.variants), priced.stages.num_solves)
-    spmd, stage_plan = spmd_or_stages(ctx, priced)  # the SPMD plan weighed without its explanations
+    spmd, stage_plan, spmd_bound = spmd_or_stages(ctx, priced)  # the SPMD plan weighed without its explanations
     if stage_plan is None:
         return PipelineSearch(explained(spmd) if spmd is not None else None, None)
-    found = PipelineSearch(spmd, finish_pipeline(ctx, priced, stage_plan, spmd))
+    found = PipelineSearch(spmd, finish_pipeline(ctx, priced, stage_plan, spmd, spmd_bound_s=spmd_bound))
     if spmd is not None and found.chosen is spmd:
         found = PipelineSearch(explained(spmd), found.pipeline)
     return found

@@ -23,7 +23,7 @@ from autoshard.passes.hbm_traffic import compute_lower_bound_s, graph_flops_by_d
 from autoshard.passes.resharding import reshard
 from autoshard.passes.stage_costs import MODES, PricedStages, lerp_microbatch
 from autoshard.passes.stages import StageChoice, StagePlan
-from autoshard.plans.ledger import Ledger, SolverInfo
+from autoshard.plans.ledger import Ledger, SolverInfo, fmt_s
 from autoshard.plans.plan import Plan
 from autoshard.plans.stage_plan import PipelinePlan, PipelineStage, StageMemory, batch_split_spec
 from autoshard.runtime.stage_layout import StageLayout, output_specs, state_specs
@@ -278,7 +278,8 @@ def device_memory(priced: PricedStages, sp: StagePlan, s: int) -> StageMemory:
 
 
 def build_pipeline_plan(ctx: PipelineContext, view: StepView, sp: StagePlan, layouts: Sequence[StageLayout],
-                        pricing: PricedPipeline, spmd: PlannedStep | None, name: str | None = None) -> Plan:
+                        pricing: PricedPipeline, spmd: PlannedStep | None, name: str | None = None,
+                        spmd_bound_s: float | None = None) -> Plan:
     """The Plan of a chosen stage plan over the step ``view`` (named ``name``, by default the context's): each
     layer's one-layer program (``pricing.programs``) lets each stage predict the reshards between its layers'
     plans (``boundary_collectives``)."""
@@ -348,7 +349,11 @@ def build_pipeline_plan(ctx: PipelineContext, view: StepView, sp: StagePlan, lay
         spmd_mesh="x".join(map(str, spmd_plan.mesh_shape)) if spmd_plan is not None else "",
         layer_eqns=tuple(tuple(layer.eqns) for layer in layers),
         notes=(f"{priced.num_solves} layer solves for {len(set(priced.layer_keys))} distinct layers on "
-               f"{len(priced.meshes)} logical meshes; {len(priced.variants)} stage variants",),
+               f"{len(priced.meshes)} logical meshes; {len(priced.variants)} stage variants",)
+        + ((f"no SPMD-only plan beats these stages: on every mesh the ILP's bound proved each plan slower than "
+            f"the stage search's {fmt_s(sp.step_time_s)} per step (the least bound {fmt_s(spmd_bound_s)}), so "
+            "none was finished",)
+           if spmd_bound_s is not None else ()),
         scan_layers=ctx.stack.length if ctx.stack is not None else 0)
     return Plan(
         mesh_shape=(problem.num_devices,), axis_names=("devices",), cluster=cluster,

@@ -13,7 +13,7 @@ import jax
 from autoshard.compiler.driver import PlannedStep, plan_on
 from autoshard.compiler.pipeline_context import PipelineContext, PipelinePlanned, PricedPipeline
 from autoshard.compiler.pipeline_plan import build_pipeline_plan, stage_layout
-from autoshard.errors import InfeasibleMemoryError
+from autoshard.errors import CutOffError, InfeasibleMemoryError
 from autoshard.ir.graph import Role
 from autoshard.ir.split import StepParts
 from autoshard.ir.train_graph import layer_graphs
@@ -40,9 +40,10 @@ def microbatch_ratios(global_batch: int, most: int = 8) -> list[int]:
 
 
 def finish_pipeline(ctx: PipelineContext, priced: PricedPipeline, stage_plan: StagePlan,
-                    spmd: PlannedStep | None, name: str | None = None) -> PipelinePlanned:
+                    spmd: PlannedStep | None, name: str | None = None,
+                    spmd_bound_s: float | None = None) -> PipelinePlanned:
     """Place the chosen stages on devices, lay each out as its intra-op plan says, and write the Plan
-    (named ``name``, by default the context's)."""
+    (named ``name``, by default the context's; ``spmd_bound_s``: the bound that showed no SPMD plan beats it)."""
     target = ctx.target
     placed = place_stages(stage_plan, target.cluster, target.num_devices)
     pool = target.device_indices
@@ -52,7 +53,7 @@ def finish_pipeline(ctx: PipelineContext, priced: PricedPipeline, stage_plan: St
     view = ctx.view()
     layouts = tuple(stage_layout(view.graph, view.parts, priced.programs, priced.stages, st, devs)
                     for st, devs in zip(stage_plan.stages, placed))
-    plan = build_pipeline_plan(ctx, view, stage_plan, layouts, priced, spmd, name)
+    plan = build_pipeline_plan(ctx, view, stage_plan, layouts, priced, spmd, name, spmd_bound_s)
     log.info("%s", plan)
     return PipelinePlanned(plan, ctx, view, stage_plan, layouts, priced)
 
@@ -139,34 +140,48 @@ def stage_cost_options(ctx: PipelineContext) -> StageCostOptions:
         time_limit_s=min(STAGE_TIME_LIMIT_S, (request.options or IntraOpOptions()).time_limit_s))
 
 
-def spmd_or_stages(ctx: PipelineContext, priced: PricedPipeline) -> tuple[PlannedStep | None, StagePlan | None]:
-    """The SPMD plan (planned beside when the stage count is searched; None when none fits) and the stage DP's
-    choice. The stage plan is None when the SPMD plan is the answer: no stages fit, or SPMD is at least as fast
-    and ``keep_both`` is not asked."""
+def spmd_or_stages(ctx: PipelineContext, priced: PricedPipeline
+                   ) -> tuple[PlannedStep | None, StagePlan | None, float | None]:
+    """The SPMD plan (planned beside when the stage count is searched; None when none fits or none can win), the
+    stage DP's choice, and the bound that showed no SPMD plan beats it (None: not cut off). The stage plan is
+    None when the SPMD plan is the answer: no stages fit, or SPMD is at least as fast and ``keep_both`` is not
+    asked. The stages are chosen first: without ``keep_both`` the SPMD plan is wanted only if it beats them,
+    so each mesh's solve is cut off once its ILP bound proves it cannot (``plan_on``'s ``cutoff_s``)."""
     request, timings = ctx.request, ctx.timings
+    request.say("choosing pipeline stages")
+    t0 = time.perf_counter()
+    stage_plan: StagePlan | None = None
+    try:
+        stage_plan = choose_stages(priced.stages.problem, request.schedule)
+    except StageInfeasibleError as err:
+        if request.num_stages is not None:
+            raise
+        no_stages = err
+    timings["stage-dp"] = time.perf_counter() - t0
     spmd: PlannedStep | None = None
+    spmd_bound: float | None = None
     if request.num_stages is None:
+        cutoff = stage_plan.step_time_s if stage_plan is not None and not request.keep_both else None
         t0 = time.perf_counter()
         try:
             spmd = plan_on(ctx.traced.graph, ctx.target, request.options, timings=dict(timings), name=ctx.name,
-                           progress=request.progress, explain=False)  # explained if it is the answer (driver)
+                           progress=request.progress, explain=False,  # explained if it is the answer (driver)
+                           cutoff_s=cutoff)
         except InfeasibleMemoryError as err:
             log.info("no SPMD plan fits (%s); pipelines only", err)
+        except CutOffError as err:
+            log.info("no SPMD plan beats the best pipeline (%s)", err)
+            spmd_bound = err.bound_s
         timings["spmd"] = time.perf_counter() - t0
-    request.say("choosing pipeline stages")
-    t0 = time.perf_counter()
-    try:
-        stage_plan = choose_stages(priced.stages.problem, request.schedule)
-    except StageInfeasibleError:
+    if stage_plan is None:
         if spmd is not None:
-            return spmd, None
-        raise
-    timings["stage-dp"] = time.perf_counter() - t0
+            return spmd, None, None
+        raise no_stages
     if spmd is not None and spmd.plan.step_s <= stage_plan.step_time_s:
         log.info("SPMD %.4gs beats the best pipeline %s", spmd.plan.step_s, stage_plan)
         if not request.keep_both:
-            return spmd, None
-    return spmd, stage_plan
+            return spmd, None, None
+    return spmd, stage_plan, spmd_bound
 
 
 def choose_stages(problem: StageProblem, schedule: PipelineSchedule) -> StagePlan:

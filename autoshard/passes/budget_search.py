@@ -66,10 +66,13 @@ class BudgetSearch:
         with self.clock.timing("solve"):
             return solve(problem)
 
-    def plan_within(self, budget: float) -> tuple[IntraOpResult | None, list[float], float]:
+    def plan_within(self, budget: float,
+                    cutoff_s: float | None = None) -> tuple[IntraOpResult | None, list[float], float]:
         """The plan within ``budget`` (module docstring), or None; the simulated peaks of every plan
-        decoded on the way; the ILP's floor (its least memory of any plan; 0 when not computed)."""
-        problem = self.problem(budget)
+        decoded on the way; the ILP's floor (its least memory of any plan; 0 when not computed). With
+        ``cutoff_s`` the solve at the budget raises ``CutOffError`` when it proves no plan costs less: no plan
+        that fits does either (those the search finds below the budget are among them)."""
+        problem = replace(self.problem(budget), cutoff_s=cutoff_s)
         first_hint = problem.hint
         build_s = time.perf_counter() - self.start_s
         margin = 0.0
@@ -109,7 +112,7 @@ class BudgetSearch:
                 ilp_budget = (fits_at * fails_at) ** 0.5
             if ilp_budget <= 0:
                 break
-            problem = self.problem(ilp_budget)
+            problem = self.problem(ilp_budget)  # no cutoff: the bound at the budget decided that
         if fitting:
             return bounded(min(fitting, key=lambda r: r.step_s), bound), seen, 0.0
         floor, results = self.least_memory(problem, build_s, first_hint, remembered(self.cg))

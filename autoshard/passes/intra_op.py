@@ -32,13 +32,14 @@ __all__ = ["IlpStats", "IntraOpOptions", "IntraOpResult", "ReshardSite", "build_
 
 
 def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, options: IntraOpOptions | None = None, *,
-                  exact_smallest_budget: bool = True) -> IntraOpResult:
+                  exact_smallest_budget: bool = True, cutoff_s: float | None = None) -> IntraOpResult:
     """Solve the intra-op ILP for ``graph`` on ``mesh`` and decode the chosen specs, within the budget.
 
     When nothing fits (``passes/budget_search.py``), ``InfeasibleMemoryError`` names a budget at which
     planning succeeds, within ~8% of the least one, found by planning again. With
     ``exact_smallest_budget=False`` that search is skipped and the error names the lowest simulated peak
-    of the plans seen (a driver comparing meshes checks only the best one).
+    of the plans seen (a driver comparing meshes checks only the best one). With ``cutoff_s`` (the best
+    step found elsewhere) it raises ``CutOffError`` as soon as the ILP's bound proves no plan here is faster.
     """
     options = options or IntraOpOptions()
     start_s, clock = time.perf_counter(), PassClock()
@@ -47,7 +48,7 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, options: IntraOpOptions | N
     search = BudgetSearch(cg, start_s=start_s, clock=clock)
     budget = float(options.memory_budget_bytes if options.memory_budget_bytes is not None
                    else mesh.cluster.memory_per_device_bytes)
-    result, seen, floor = search.plan_within(budget)
+    result, seen, floor = search.plan_within(budget, cutoff_s)
     if result is not None:
         return result
     smallest = search.smallest_budget(min(seen), floor) if exact_smallest_budget else min(seen)

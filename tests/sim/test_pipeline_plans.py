@@ -238,3 +238,34 @@ def test_the_spmd_plan_weighed_against_pipelines_is_explained_once_it_is_the_ans
     assert search.spmd.plan.explanations
     plan = autoshard.plan(step, *args, num_microbatches=2)
     assert plan.pipeline is None and plan.explanations
+
+
+def test_spmd_plans_that_cannot_beat_the_chosen_stages_are_cut_off_unfinished():
+    """With the stage count searched the stages are chosen first, and without ``keep_both`` each mesh's SPMD
+    solve stops once the ILP's bound proves it slower than them (``plan_on``'s cutoff; tests/unit/test_cutoff.py):
+    a mesh cut off is not among the SPMD plan's alternatives, and when every mesh is, the plan says so."""
+    import optax as _optax
+
+    from autoshard.compiler.pipeline_context import PipelineRequest
+    from autoshard.compiler.pipeline_driver import plan_pipeline
+    from autoshard.passes.intra_op import IntraOpOptions
+    from examples import gpt
+
+    # a GPT whose SPMD plan on two nodes is dominated by gradient traffic over 25 Gbit/s
+    work = gpt.workload(gpt.Config(vocab_size=4096, seq_len=256, d_model=512, num_heads=8, num_layers=2,
+                                   batch_size=128), abstract=True)
+    tx = _optax.adamw(1e-3)
+
+    def step(params, opt_state, batch):
+        loss, grads = autoshard.value_and_grad(work.loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return _optax.apply_updates(params, updates), opt_state, loss
+
+    request = PipelineRequest(cluster="2x8-a100", num_devices=16, options=IntraOpOptions(time_limit_s=1.0))
+    cut = plan_pipeline(step, work.args, request)
+    assert cut.chosen is cut.pipeline, "pick a case whose pipeline wins"
+    if cut.spmd is None:  # every mesh was cut off: the plan says so
+        assert any("no SPMD-only plan beats these stages" in note for note in cut.pipeline.plan.pipeline.notes)
+    else:  # the 2-D meshes' LPs stopped at this 1 s limit before their bounds passed the stages; 1x16 did not
+        assert cut.spmd.plan.step_s > cut.pipeline.plan.pipeline.step_s
+        assert "1x16" not in cut.spmd.plan.alternatives
