@@ -11,8 +11,10 @@ devices in this process; 16 or 32 in a child process per cell) and priced
 from their HLO on the cell's cluster; the targets are rated on those compiled
 prices. autoshard's one-node plans are also set against the compiled HLO
 figure by figure (fidelity); then the planning-time scaling study
-(``benchmarks/planning_scaling.py``). ``--quick`` runs the small configs
-only, skips the scaling study, and writes a file only when ``--out`` is given.
+(``benchmarks/planning_scaling.py``) and the planning time with pipeline stages
+searched on two nodes (``benchmarks/stage_search_time.py``). ``--quick`` runs
+the small configs only, skips both, and writes a file only when ``--out`` is
+given.
 
 Everything but planning time is modeled (cost model, compiled HLO): the
 sharded steps are never timed on this CPU.
@@ -44,7 +46,7 @@ from pathlib import Path  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from autoshard.passes.intra_op import IntraOpOptions  # noqa: E402
-from benchmarks import planning_scaling  # noqa: E402
+from benchmarks import planning_scaling, stage_search_time  # noqa: E402
 from benchmarks.machine import LoadSampler, Machine, describe  # noqa: E402
 from benchmarks.quality import Cell, CellResult, run_cells  # noqa: E402
 from benchmarks.sections import carry_over, replace_section, section  # noqa: E402
@@ -137,7 +139,8 @@ def _targets_md(targets: Sequence[Target]) -> str:
 
 def markdown(machine: Machine, run: RunSettings, results: Sequence[CellResult],
              points: Sequence[planning_scaling.ScalingPoint], targets: Sequence[Target],
-             spots: Sequence[planning_scaling.Hotspot] = ()) -> str:
+             spots: Sequence[planning_scaling.Hotspot] = (),
+             staged: Sequence[stage_search_time.StageSearchPoint] = ()) -> str:
     parts = [
         "# Benchmark results",
         "",
@@ -217,6 +220,10 @@ def markdown(machine: Machine, run: RunSettings, results: Sequence[CellResult],
         ]
     if spots:
         parts += [render_markdown(hotspot_table(spots, PROFILE_TITLE)), ""]
+    if staged:
+        parts += ["### With pipeline stages searched", "",
+                  stage_search_time.__doc__.split("\n\n", 2)[1].replace("\n", " "), "",
+                  stage_search_time.markdown(staged), ""]
     parts += [
         "## Details: every strategy in every cell",
         "",
@@ -295,6 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = IntraOpOptions(time_limit_s=args.time_limit)
     points: list[planning_scaling.ScalingPoint] = []
     spots: tuple[planning_scaling.Hotspot, ...] = ()
+    staged: list[stage_search_time.StageSearchPoint] = []
     scaling_options = IntraOpOptions()  # what @autoshard and autoshard.plan use
     with LoadSampler() as load:
         results = run_cells(cells, options, jobs=args.jobs, progress=lambda cell, msg: say(f"{cell}: {msg}"))
@@ -311,11 +319,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             say(f"scaling: profiling the {PROFILED_LAYERS}-layer plan on (2, 4)")
             spots = planning_scaling.hotspots(PROFILED_LAYERS, "1x8-a100", (2, 4), scaling_options)
             console.print(render_rich(hotspot_table(spots, PROFILE_TITLE)))
+            staged = stage_search_time.run(progress=lambda msg: say(f"stage search: {msg}"))
+            console.print(stage_search_time.markdown(staged))
 
     if args.plans is not None:
         write_decisions(args.plans, results)
         console.print(f"wrote each cell's decisions under {args.plans}")
-    targets = evaluate(results, points, spots)
+    targets = evaluate(results, points, spots, staged)
     for t in targets:
         console.print(f"[bold]{t.verdict:>7}[/bold]  {t.name}: {t.detail}")
     runtime_s = time.perf_counter() - start
@@ -325,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if out is not None:
         run = RunSettings(args.time_limit, scaling_options.time_limit_s, args.jobs, runtime_s, load.summary(),
                           _cpu_seconds())
-        text = markdown(machine, run, results, points, targets, spots)
+        text = markdown(machine, run, results, points, targets, spots, staged)
         out.write_text(merged(out.read_text(), text, machine.commit, bool(points)) if out.exists() else text)
         console.print(f"wrote {out}")
     return 0

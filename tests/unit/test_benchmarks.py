@@ -272,3 +272,19 @@ def test_solver_gaps_count_what_was_proven():
     assert "**2 of 4 cells**" in text
     assert "| d on 4x8-h100 4x8 | feasible | no bound | 2.000 | - |" in text
     assert "| c on 4x8-h100 4x8 | feasible | 20.0% | 2.000 | 1.600 |" in text
+
+
+def test_the_stage_search_targets_read_the_timed_searches():
+    """The planning-time issue's stage-search targets (gpt-large <= 30 s, gpt-xl@8 <= 90 s with stages searched
+    on two nodes) are rated from ``benchmarks/stage_search_time.py``'s points, wall seconds against the limit."""
+    from benchmarks.stage_search_time import StageSearchPoint, markdown
+
+    assert all(t.met is None for t in evaluate([], [])[-2:])  # not run
+    fast = StageSearchPoint("large", "2x8-a100", 24, 25.0, 28.0, (1.0, 1.2), "pipeline, 2 stages, 404 ms",
+                            {"trace": 1.7, "pricing": 14.8, "stage-dp": 0.1, "spmd": 8.0})
+    slow = dataclasses.replace(fast, case="xl@8", layers=32, wall_s=95.0, cpu_s=80.0)
+    large, xl = evaluate([], [], staged=[fast, slow])[-2:]
+    assert large.met is True and "24 layers" in large.name and "<= 30 s" in large.name and "spmd 8.0 s" in large.detail
+    assert xl.met is False and "<= 90 s" in xl.name and "inflated by the load" in xl.detail
+    table = markdown([fast, slow])
+    assert table.count("\n") == 3 and "| gpt-xl@8 | 32 | 2x8-a100 | 95.0 | 80.0 |" in table
