@@ -23,6 +23,7 @@ from autoshard.compiler.pipeline_context import PipelineRequest
 from autoshard.compiler.pipeline_driver import plan_pipeline
 from autoshard.errors import PlanningError
 from autoshard.passes.intra_op import IntraOpOptions
+from autoshard.plans.ledger import fmt_s
 from benchmarks.pipeline_vs_spmd import marked_step
 from examples import gpt
 from examples.common import Workload
@@ -67,9 +68,9 @@ def measure(case: str, cluster: str = CLUSTER, num_devices: int = NUM_DEVICES,
     wall, cpu_s = time.perf_counter() - start, time.process_time() - cpu
     plan = found.chosen.plan
     if plan.pipeline is not None:
-        answer = f"pipeline, {len(plan.stages)} stages, {plan.step_s * 1e3:.0f} ms"
+        answer = f"pipeline, {len(plan.stages)} stages, {fmt_s(plan.step_s)}"
     else:
-        answer = f"SPMD {'x'.join(map(str, plan.mesh_shape))}, {plan.step_s * 1e3:.0f} ms"
+        answer = f"SPMD {'x'.join(map(str, plan.mesh_shape))}, {fmt_s(plan.step_s)}"
     passes = {k: float(v) for k, v in plan.planning_s.items()}
     return StageSearchPoint(case, cluster, work.config.num_layers, wall, cpu_s, (load_before, os.getloadavg()[0]),
                             answer, passes)
