@@ -428,6 +428,17 @@ def test_a_fractional_lp_without_time_for_the_mip_still_bounds_the_plan(monkeypa
     assert mip.solve_mip(problem).status == "optimal"  # with time, the MIP proves it
 
 
+def _edge_lp(problem: IlpProblem):
+    """The LP builder of ``problem``'s strategies and edges (no memory rows), and its column upper bounds."""
+    import autoshard.passes.ilp.mip as mip
+
+    red = presolve(problem)
+    ticks = mip._ticks(red)
+    b = mip._new(problem, red, ticks)
+    mip._add_edges(b, ticks)
+    return b, np.concatenate(b.upper)
+
+
 def test_the_lp_race_returns_a_finished_optimum() -> None:
     """``lp.ColdStart`` solves the whole LP in a thread while the continuation runs in this one: what the race
     returns is an optimum of the LP (the same value as either alone) with the model that found it, whichever
@@ -436,15 +447,9 @@ def test_the_lp_race_returns_a_finished_optimum() -> None:
     import threading
     import time
 
-    import autoshard.passes.ilp.mip as mip
     from autoshard.passes.ilp.lp import ColdStart, highs_lp, run_highs
 
-    problem = _frustrated_ring(7)
-    red = presolve(problem)
-    ticks = mip._ticks(red)
-    b = mip._new(problem, red, ticks)
-    mip._add_edges(b, ticks)
-    upper = np.concatenate(b.upper)
+    b, upper = _edge_lp(_frustrated_ring(7))
     alone = run_highs(highs_lp(b, upper), 5.0)
     cold = ColdStart(b, upper, time.perf_counter() + 5.0)
     found, model = cold.race(highs_lp(b, upper), time.perf_counter() + 5.0)
@@ -599,15 +604,9 @@ def test_the_cold_start_stops_at_a_cutoff_its_true_costs_prove() -> None:
     with the true costs, above the cutoff and no higher than the optimum; above the optimum it solves on."""
     import time
 
-    import autoshard.passes.ilp.mip as mip
     from autoshard.passes.ilp.lp import ColdStart, highs_lp, run_highs
 
-    problem = _medium_problem(0)
-    red = presolve(problem)
-    ticks = mip._ticks(red)
-    b = mip._new(problem, red, ticks)
-    mip._add_edges(b, ticks)
-    upper = np.concatenate(b.upper)
+    b, upper = _edge_lp(_medium_problem(0))
     optimum = run_highs(highs_lp(b, upper), 5.0).fun
     assert optimum > 0
     low = ColdStart(b, upper, time.perf_counter() + 5.0, cutoff=0.6 * optimum)
