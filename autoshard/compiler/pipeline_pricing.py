@@ -151,6 +151,7 @@ def spmd_or_stages(ctx: PipelineContext, priced: PricedPipeline
     request.say("choosing pipeline stages")
     t0 = time.perf_counter()
     stage_plan: StagePlan | None = None
+    no_stages: StageInfeasibleError | None = None
     try:
         stage_plan = choose_stages(priced.stages.problem, request.schedule)
     except StageInfeasibleError as err:
@@ -176,6 +177,7 @@ def spmd_or_stages(ctx: PipelineContext, priced: PricedPipeline
     if stage_plan is None:
         if spmd is not None:
             return spmd, None, None
+        assert no_stages is not None
         raise no_stages
     if spmd is not None and spmd.plan.step_s <= stage_plan.step_time_s:
         log.info("SPMD %.4gs beats the best pipeline %s", spmd.plan.step_s, stage_plan)

@@ -178,6 +178,19 @@ class OpGraph:
         shared by every pass: read it, do not change it."""
         return self._consumers
 
+    def derived(self, key: str, make: Callable[[], Any]) -> Any:
+        """What a plan-independent pass computes from this graph alone (its fusions, liveness, HBM traffic),
+        made once by ``make`` and kept under ``key``: every mesh and every solve that plans the graph shares it
+        (a graph is never changed). Read it, do not change it."""
+        cache = self._derived
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
+
+    @functools.cached_property
+    def _derived(self) -> dict[str, Any]:
+        return {}
+
     @functools.cached_property
     def _consumers(self) -> Mapping[ValueId, Sequence[Op]]:
         users: dict[ValueId, list[Op]] = collections.defaultdict(list)

@@ -61,9 +61,15 @@ def compute_dtype(op: Op, graph: OpGraph) -> str:
     return op_dtype(op, [graph.values[v] for v in op.inputs], [graph.values[v] for v in op.outputs])
 
 
-def op_traffic(graph: OpGraph, fusion: Fusion | None = None) -> list[OpTraffic]:
-    """Per op of ``graph``, what it reads and writes (module docstring); one pass over the graph."""
-    fusion = fusion or fusion_analysis(graph)
+def op_traffic(graph: OpGraph, fusion: Fusion | None = None) -> Sequence[OpTraffic]:
+    """Per op of ``graph``, what it reads and writes (module docstring); one pass over the graph, made once
+    per graph for its own fusions (``OpGraph.derived``)."""
+    if fusion is None:
+        return graph.derived("op_traffic", lambda: tuple(_op_traffic(graph, fusion_analysis(graph))))
+    return _op_traffic(graph, fusion)
+
+
+def _op_traffic(graph: OpGraph, fusion: Fusion) -> list[OpTraffic]:
     producer = {v: t for t, op in enumerate(graph.ops) for v in op.outputs}
     views = {t for t, op in enumerate(graph.ops) if op.outputs and all(v in fusion.alias for v in op.outputs)}
 

@@ -87,9 +87,16 @@ class Fusion:
 
 def fusion_analysis(graph: OpGraph, forced: Iterable[ValueId] = (), copied: Iterable[OpIndex] = ()) -> Fusion:
     """Rules 1 and 2. ``forced`` values must be materialised (a collective reads them); ops in ``copied``
-    read a resharded copy of their operand, so a view there cannot share the original's buffer."""
-    forced_set = set(forced) | set(graph.outputs)
-    copied_set = set(copied)
+    read a resharded copy of their operand, so a view there cannot share the original's buffer. Without
+    either (no plan yet) the analysis is the graph's own, made once per graph (``OpGraph.derived``)."""
+    forced_set, copied_set = set(forced), set(copied)
+    if not forced_set and not copied_set:
+        return graph.derived("fusion_analysis", lambda: _fusion_analysis(graph, forced_set, copied_set))
+    return _fusion_analysis(graph, forced_set, copied_set)
+
+
+def _fusion_analysis(graph: OpGraph, forced_set: set[ValueId], copied_set: set[OpIndex]) -> Fusion:
+    forced_set = forced_set | set(graph.outputs)
     consumers = graph.consumers()
     kinds = [op_kind(op) for op in graph.ops]
     cheap_ops = _cheap_ops(graph)

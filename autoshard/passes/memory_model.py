@@ -59,6 +59,7 @@ Here: ``simulate`` and its pass (``_Simulation``), its result (``Span``,
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -446,15 +447,20 @@ class _Simulation:
 # --------------------------------------------------------------------------- plan-independent liveness
 
 
-def liveness_intervals(graph: OpGraph) -> dict[ValueId, tuple[int, int]]:
+def liveness_intervals(graph: OpGraph) -> Mapping[ValueId, tuple[int, int]]:
     """Buffer -> (first position, last position) inclusive, in XLA:CPU's breadth-first order, before any
-    plan is chosen (rules 1-3 and the reader rules of ``simulate``).
+    plan is chosen (rules 1-3 and the reader rules of ``simulate``); made once per graph (``OpGraph.derived``,
+    read-only).
 
     Arguments live throughout; donated state written back (carried outputs)
     lives in its argument's buffer and is left out; other outputs live from
     their definition to the end; a view's readers extend its buffer's life.
     Keys are the inputs and the values of ``materialized_values`` that own a buffer.
     """
+    return graph.derived("liveness_intervals", lambda: types.MappingProxyType(_liveness_intervals(graph)))
+
+
+def _liveness_intervals(graph: OpGraph) -> dict[ValueId, tuple[int, int]]:
     sim = _Simulation(graph, {}, {}, (), {}, {})
     reads = sim.reads(sim.layout_groups())
     live: dict[ValueId, tuple[int, int]] = {v: (0, sim.end) for v in graph.inputs}
@@ -472,7 +478,7 @@ def liveness_intervals(graph: OpGraph) -> dict[ValueId, tuple[int, int]]:
     return live
 
 
-def materialized_values(graph: OpGraph) -> set[ValueId]:
+def materialized_values(graph: OpGraph) -> frozenset[ValueId]:
     """Values that occupy memory: inputs, outputs, and op results that no fusion absorbs."""
-    fusion = fusion_analysis(graph)
-    return set(graph.inputs) | set(graph.outputs) | set(fusion.materialized)
+    return graph.derived("materialized_values", lambda: frozenset(graph.inputs) | frozenset(graph.outputs)
+                         | fusion_analysis(graph).materialized)

@@ -186,3 +186,30 @@ def test_prng_key_inputs_trace_with_their_size():
     assert key_value.dtype.startswith("key") and key_value.nbytes == 8
     assert key_value.role is Role.BATCH
     assert graph.values[graph.inputs[0]].role is Role.PARAM
+
+
+def test_the_plan_independent_passes_run_once_per_graph():
+    """A graph's own fusions, liveness and HBM traffic do not depend on the mesh or the plan: every mesh and
+    solve of one graph shares them (``OpGraph.derived``), read-only; an analysis with a plan's forced values
+    is its own."""
+    import dataclasses
+    import types
+
+    from autoshard.passes.hbm_traffic import op_traffic
+    from autoshard.passes.liveness import fusion_analysis
+    from autoshard.passes.memory_model import liveness_intervals, materialized_values
+    from examples import gpt
+
+    work = gpt.workload("tiny", abstract=True)
+    graph = trace(work.step, *work.args)
+    assert op_traffic(graph) is op_traffic(graph) and isinstance(op_traffic(graph), tuple)
+    assert fusion_analysis(graph) is fusion_analysis(graph)
+    assert materialized_values(graph) is materialized_values(graph)
+    live = liveness_intervals(graph)
+    assert live is liveness_intervals(graph) and isinstance(live, types.MappingProxyType)
+    with pytest.raises(TypeError):
+        live[graph.inputs[0]] = (0, 0)
+    forced = fusion_analysis(graph, forced=[graph.ops[0].outputs[0]])
+    assert forced is not fusion_analysis(graph) and graph.ops[0].outputs[0] in forced.materialized
+    fresh = dataclasses.replace(graph)  # a new graph object: its own cache, the same results
+    assert op_traffic(fresh) is not op_traffic(graph) and op_traffic(fresh) == op_traffic(graph)

@@ -395,7 +395,7 @@ def solve_lp(b: MipBuilder, time_limit_s: float, cutoff: float = np.inf) -> scip
 
     Given a finite ``cutoff`` (the LP's units: a plan must cost less to matter), the solve stops as soon as a
     bound proves none does: the whole LP's optimum, the cold start's dual objective (``ColdStart``) or the
-    bound a stopped dual simplex reached, at or above it (status 5, ``bound`` that bound; see ``cut_off``)."""
+    bound a stopped dual simplex reached, above it (status 5, ``bound`` that bound; see ``cut_off``)."""
     if b.num_cols == 0:
         return cut_off(b.solve(time_limit_s, relaxed=True), cutoff)
     start = time.perf_counter()
