@@ -21,6 +21,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -72,7 +73,9 @@ class BudgetSearch:
         decoded on the way; the ILP's floor (its least memory of any plan; 0 when not computed). With
         ``cutoff_s`` the solve at the budget raises ``CutOffError`` when it proves no plan costs less: no plan
         that fits does either (those the search finds below the budget are among them)."""
-        problem = replace(self.problem(budget), cutoff_s=cutoff_s)
+        problem = self.problem(budget)
+        if cutoff_s is not None:
+            problem = replace(problem, cutoff_s=cutoff_s)
         first_hint = problem.hint
         build_s = time.perf_counter() - self.start_s
         margin = 0.0
@@ -149,8 +152,6 @@ class BudgetSearch:
                 hi, peak, proof = mid, found.peak_bytes, found
             else:
                 lo = mid
-            if found is not None:
-                proof = found
         while peak < hi / BUDGET_PRECISION ** 0.5:  # the plan found needs less than its budget: try its own peak
             found, _seen, _floor = self.plan_within(peak)
             if found is None:
@@ -177,7 +178,7 @@ class BudgetSearch:
         return decode(cg, solution.choices, stats, self.clock)
 
     def least_memory(self, problem: IlpProblem, build_s: float, start_plan: np.ndarray | None,
-                     proven: list[np.ndarray] = ()) -> tuple[float, list[IntraOpResult]]:
+                     proven: Sequence[np.ndarray] = ()) -> tuple[float, list[IntraOpResult]]:
         """The ILP's floor (least memory of any plan by its count) and, decoded, the fastest plan among
         those of least ILP memory, the least-memory plan itself, the search's start (``start_plan``: a
         fitting baseline when ``compare`` hints with one) and the plans that proved named budgets
