@@ -21,7 +21,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -32,6 +32,7 @@ from autoshard.passes.decode import decode
 from autoshard.passes.ilp import IlpProblem, IlpSolution, evaluate, min_peak_plan, solve
 from autoshard.passes.ilp.lp import MIP_REL_GAP
 from autoshard.passes.lowering import build_problem, search_starts_of
+from autoshard.passes.search_starts import best_start
 from autoshard.passes.plan_result import IlpStats, IntraOpResult, PassClock
 from autoshard.plans.ledger import fmt_bytes
 
@@ -57,26 +58,36 @@ class BudgetSearch:
     probes: dict[tuple[float, float], float] = field(default_factory=dict)  # smallest budgets already found
     clock: PassClock = field(default_factory=PassClock)  # seconds per pass (build, solve, decode, memory)
 
-    def problem(self, budget: float) -> IlpProblem:
+    def problem(self, budget: float, hinted: bool = True) -> IlpProblem:
+        """The ILP at ``budget``, hinted with the best search start that fits it (the starts are computed
+        on the first hinted problem); without a hint, and no start computed, when ``hinted`` is false."""
         with self.clock.timing("build"):
-            if self.starts is None:
+            if self.starts is None and hinted:
                 self.starts = search_starts_of(self.cg)
-            return build_problem(self.cg, budget, self.starts)
+            return build_problem(self.cg, budget, self.starts, hinted=hinted)
 
-    def solve(self, problem: IlpProblem) -> IlpSolution:
+    def hint_at(self, budget: float) -> np.ndarray:
+        """The best search start that fits ``budget`` (the starts are computed on the first call)."""
+        if self.starts is None:
+            self.starts = search_starts_of(self.cg)
+        return best_start(self.cg, self.cg.terms, self.starts, budget)
+
+    def solve(self, problem: IlpProblem, later_hint: Callable[[], np.ndarray] | None = None) -> IlpSolution:
         with self.clock.timing("solve"):
-            return solve(problem)
+            return solve(problem, later_hint)
 
     def plan_within(self, budget: float,
                     cutoff_s: float | None = None) -> tuple[IntraOpResult | None, list[float], float]:
         """The plan within ``budget`` (module docstring), or None; the simulated peaks of every plan
         decoded on the way; the ILP's floor (its least memory of any plan; 0 when not computed). With
         ``cutoff_s`` the solve at the budget raises ``CutOffError`` when it proves no plan costs less: no plan
-        that fits does either (those the search finds below the budget are among them)."""
-        problem = self.problem(budget)
+        that fits does either (those the search finds below the budget are among them); its hint, the search
+        starts, is then made only once the LP has not cut it off (HiGHS reads the hint after the LP)."""
+        lazy = cutoff_s is not None and self.starts is None and self.cg.options.solver == "mip"
+        problem = self.problem(budget, hinted=not lazy)
+        later_hint = (lambda: self.hint_at(budget)) if lazy else None  # (its seconds count as the solve's)
         if cutoff_s is not None:
             problem = replace(problem, cutoff_s=cutoff_s)
-        first_hint = problem.hint
         build_s = time.perf_counter() - self.start_s
         margin = 0.0
         seen: list[float] = []
@@ -86,9 +97,10 @@ class BudgetSearch:
         bound = -np.inf  # no plan that fits is faster (the ILP's bound at the budget itself, in ILP seconds)
         for _ in range(MAX_MEMORY_ROUNDS):
             try:
-                solution = self.solve(problem)
+                solution = self.solve(problem, later_hint)
             except (InfeasibleMemoryError, SolverTimeoutError):
                 solution = None  # the (tightened) ILP has no plan, or none was found within the time limit
+            later_hint = None  # (the problems of later rounds are built with their hints)
             if solution is not None and ilp_budget >= budget:
                 bound = solution.objective_s * (1.0 - solution.gap) if np.isfinite(solution.gap) else -np.inf
             if solution is not None:
@@ -118,7 +130,7 @@ class BudgetSearch:
             problem = self.problem(ilp_budget)  # no cutoff: the bound at the budget decided that
         if fitting:
             return bounded(min(fitting, key=lambda r: r.step_s), bound), seen, 0.0
-        floor, results = self.least_memory(problem, build_s, first_hint, remembered(self.cg))
+        floor, results = self.least_memory(problem, build_s, self.hint_at(budget), remembered(self.cg))
         fitting = [r for r in results if fits(r.peak_bytes, budget)]
         if fitting:
             return bounded(min(fitting, key=lambda r: r.step_s), bound), seen, floor

@@ -23,17 +23,17 @@ def search_starts_of(cg: CostGraph) -> tuple[np.ndarray, ...]:
 
 
 def build_problem(cg: CostGraph, budget_bytes: float | None = None,
-                  starts: Sequence[np.ndarray] | None = None) -> IlpProblem:
+                  starts: Sequence[np.ndarray] | None = None, hinted: bool = True) -> IlpProblem:
     """The ILP of a cost graph under ``budget_bytes`` (default: the options', else the device memory),
     hinted with the best search start (``passes/search_starts.py``; ``starts``: computed before for this
-    cost graph) that fits it."""
+    cost graph) that fits it; not hinted, and no start computed, when ``hinted`` is false."""
     terms = cg.terms
     budget = budget_bytes if budget_bytes is not None else cg.options.memory_budget_bytes
     if budget is None:
         budget = cg.mesh.cluster.memory_per_device_bytes
-    if starts is None:
+    if starts is None and hinted:
         starts = search_starts_of(cg)
-    hint = best_start(cg, terms, starts, float(budget))
+    hint = best_start(cg, terms, starts, float(budget)) if hinted and starts is not None else None
     return IlpProblem(
         node_names=tuple(class_name(cg, c) for c in range(cg.classes.num_classes)),
         node_costs=terms.class_cost,

@@ -7,6 +7,8 @@ import pytest
 from autoshard.compiler.driver import plan_on
 from autoshard.compiler.target import resolve_target
 from autoshard.errors import CutOffError
+from autoshard.passes import budget_search
+from autoshard.passes.lowering import search_starts_of
 from autoshard.ir.trace import trace
 from examples import gpt
 
@@ -20,18 +22,24 @@ def searched():
     return graph, target, plan_on(graph, target, explain=False)
 
 
-def test_a_cutoff_below_every_plan_leaves_every_mesh_unfinished(searched):
+def test_a_cutoff_below_every_plan_leaves_every_mesh_unfinished(searched, monkeypatch):
     graph, target, full = searched
     best = full.plan.step_s
+    starts = []  # the search starts are the hint HiGHS reads after its LP: a mesh cut off never makes them
+    monkeypatch.setattr(budget_search, "search_starts_of", lambda cg: starts.append(cg) or search_starts_of(cg))
     with pytest.raises(CutOffError) as cut:
         plan_on(graph, target, explain=False, cutoff_s=0.5 * best)
     # the least bound over the meshes: above the cutoff, and no plan of any mesh is below it
     assert 0.5 * best < cut.value.bound_s <= best * (1 + 1e-9)
     assert f"{len(target.meshes)} of the {len(target.meshes)} meshes" in str(cut.value)
+    assert starts == []
 
 
-def test_a_cutoff_above_the_best_plan_finds_it(searched):
+def test_a_cutoff_above_the_best_plan_finds_it(searched, monkeypatch):
     graph, target, full = searched
+    starts = []
+    monkeypatch.setattr(budget_search, "search_starts_of", lambda cg: starts.append(cg) or search_starts_of(cg))
     again = plan_on(graph, target, explain=False, cutoff_s=1.5 * full.plan.step_s)
+    assert starts  # a mesh the LP does not cut off is solved hinted, as without a cutoff
     assert again.plan.step_s == pytest.approx(full.plan.step_s, rel=1e-9)
     assert again.plan.mesh_shape == full.plan.mesh_shape

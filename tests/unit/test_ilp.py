@@ -2,12 +2,13 @@
 random small problems against brute force, memory infeasibility, determinism and the hint."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
 import pytest
 
-from autoshard.errors import InfeasibleMemoryError, PlanningError
+from autoshard.errors import InfeasibleMemoryError, PlanningError, SolverTimeoutError
 from autoshard.passes.ilp import IlpProblem, brute_force, evaluate, local_search, min_peak_memory, solve
 from autoshard.passes.ilp.presolve import presolve
 from autoshard.passes.ilp.problem import SharedCharge, SharedReshard
@@ -426,6 +427,32 @@ def test_a_fractional_lp_without_time_for_the_mip_still_bounds_the_plan(monkeypa
     assert solve(problem).objective_s == pytest.approx(1.0)  # the local search mends the rounding
     monkeypatch.setattr(mip, "_MIP_SHARE", 0.3)
     assert mip.solve_mip(problem).status == "optimal"  # with time, the MIP proves it
+
+
+def test_an_lp_out_of_time_without_a_plan_falls_back_on_the_hint_not_a_mip_in_overtime(monkeypatch) -> None:
+    """The LP stopped at the time limit with no plan: with a hint and the limit spent, no MIP runs (one whose
+    relaxation did not finish finds nothing in the tenth of a second it would be given) and the hint is the
+    plan; without a hint, the MIP is still tried, as the only way to any plan."""
+    import time
+
+    import scipy.optimize
+
+    import autoshard.passes.ilp.mip as mip
+    from autoshard.passes.ilp.lp import MipBuilder
+
+    problem = dataclasses.replace(_medium_problem(seed=7), time_limit_s=0.05)
+    out_of_time = scipy.optimize.OptimizeResult(status=1, x=None, fun=None, message="Time limit reached")
+    monkeypatch.setattr(mip, "solve_lp", lambda b, limit_s, *args: time.sleep(limit_s) or out_of_time)
+    mips = []
+    real = MipBuilder.solve
+    monkeypatch.setattr(MipBuilder, "solve", lambda self, *a, **k: mips.append(1) or real(self, *a, **k))
+    hint = np.zeros(problem.num_nodes, dtype=np.int64)
+    hinted = dataclasses.replace(problem, memory_budget_bytes=None, hint=hint)
+    found = mip.solve_mip(hinted, hint)
+    assert mips == [] and found.choices.tolist() == hint.tolist() and found.status == "feasible"
+    with contextlib.suppress(SolverTimeoutError):  # (whether the MIP finds a plan in its tenth of a second)
+        mip.solve_mip(problem, None)
+    assert mips == [1]
 
 
 def _edge_lp(problem: IlpProblem):

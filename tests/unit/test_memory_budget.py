@@ -154,7 +154,7 @@ def test_a_named_budget_plans_again_when_the_solves_find_nothing_that_fits(monke
         plan(floor * 1.2)
     named = refused.value.smallest_budget_bytes
 
-    def nothing(problem):
+    def nothing(problem, later_hint=None):
         raise SolverTimeoutError("this time the solve found no plan")
 
     def replicated(cg_or_problem):  # every class on its first strategy: no plan at all near the named budget

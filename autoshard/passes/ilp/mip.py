@@ -59,6 +59,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 import scipy.optimize
@@ -238,15 +239,18 @@ def _ticks(red: Reduced) -> float:
     return _LARGEST_COST / largest if largest > 0 else 1.0
 
 
-def _solve_relaxation_first(b: MipBuilder, time_limit_s: float,
-                            cutoff: float = math.inf) -> scipy.optimize.OptimizeResult:
+def _solve_relaxation_first(b: MipBuilder, time_limit_s: float, cutoff: float = math.inf,
+                            hinted: bool = False) -> scipy.optimize.OptimizeResult:
     """The LP relaxation, and the MIP only when that is fractional: the relaxation of these problems is
     nearly always integral (module docstring), and an integral LP optimum is the MIP's optimum with its
     proof, without HiGHS's MIP presolve and cuts, which cost more than the LP itself here. A fractional
     optimum still bounds every plan: when too little time is left for the MIP (or it finds no plan), its
     rounding (each node's largest strategy variable) is the plan, priced on the LP, and the LP optimum its
     bound (GPT-large at 24 layers, 1x8-a100: the LP takes 8 of the 10 s and is fractional). With a finite
-    ``cutoff`` the LP stops once it proves no plan costs less (status 5, ``solve_lp``)."""
+    ``cutoff`` the LP stops once it proves no plan costs less (status 5, ``solve_lp``). An LP that ran out of
+    time without a plan goes on to the MIP only when a share of the limit is left or there is no ``hinted``
+    plan to fall back on: a MIP whose relaxation did not finish finds nothing in the few tenths of a second
+    HiGHS's set-up overruns a small limit by (the layer solves of the stage search: 0.24 s each, for nothing)."""
     start = time.perf_counter()
     lp = solve_lp(b, time_limit_s, cutoff)
     if lp.status == 5:
@@ -260,6 +264,8 @@ def _solve_relaxation_first(b: MipBuilder, time_limit_s: float,
         return lp
     left = time_limit_s - (time.perf_counter() - start)
     if lp.status != 0 or lp.x is None or getattr(lp, "highs", None) is None:
+        if lp.status == 1 and hinted and left < _MIP_SHARE * time_limit_s:
+            return lp  # out of time, no plan: the caller's hint
         return b.solve(max(left, 0.1))
     found = b.solve(left) if left >= _MIP_SHARE * time_limit_s else None
     if found is not None and found.status == 0 and found.x is not None:
@@ -282,12 +288,13 @@ def _decode(b: MipBuilder, x: np.ndarray) -> np.ndarray:
     return np.array([allowed[p] for allowed, p in zip(b.red.allowed, b.positions(x))], dtype=np.int64)
 
 
-def solve_mip(problem: IlpProblem, hint: np.ndarray | None = None) -> IlpSolution:
+def solve_mip(problem: IlpProblem, hint: np.ndarray | Callable[[], np.ndarray] | None = None) -> IlpSolution:
     """Pick one strategy per node minimising node + edge seconds under the memory budget, with HiGHS.
 
     ``hint`` (a plan free of violations, e.g. the local search's) is returned when HiGHS's plan is not
-    cheaper or it found none in time. Raises ``InfeasibleMemoryError`` when no plan fits the budget, and
-    ``CutOffError`` when ``problem.cutoff_s`` is given and the LP proves no plan costs less."""
+    cheaper or it found none in time; a callable is called for it once the LP has not cut the solve off.
+    Raises ``InfeasibleMemoryError`` when no plan fits the budget, and ``CutOffError`` when
+    ``problem.cutoff_s`` is given and the LP proves no plan costs less."""
     start = time.perf_counter()
     red = presolve(problem)
     ticks = _ticks(red)
@@ -304,7 +311,7 @@ def solve_mip(problem: IlpProblem, hint: np.ndarray | None = None) -> IlpSolutio
     left = max(problem.time_limit_s - (built - start), 0.1)
     # the cutoff in the LP's units: presolve leaves out red.const_s, which every plan pays
     cutoff = (problem.cutoff_s - red.const_s) * ticks if problem.cutoff_s is not None else math.inf
-    res = _solve_relaxation_first(b, left, cutoff)
+    res = _solve_relaxation_first(b, left, cutoff, hinted=hint is not None)
     log.debug("mip: %d nodes (%d free), %d edges kept of %d; build %.2fs (%d columns, %d rows), HiGHS %.2fs: %s",
               problem.num_nodes, int((b.first >= 0).sum()), len(red.edges), len(problem.edges), built - start,
               b.num_cols, len(b.lower_rhs), time.perf_counter() - built, res.message)
@@ -314,6 +321,8 @@ def solve_mip(problem: IlpProblem, hint: np.ndarray | None = None) -> IlpSolutio
         bound_s = float(res.bound) / ticks + red.const_s
         raise CutOffError(f"no plan of the {problem.num_nodes} nodes costs less than the cutoff "
                           f"{problem.cutoff_s:.6g} s: the LP bounds every plan at {bound_s:.6g} s", bound_s)
+    if callable(hint):
+        hint = hint()
     choices = _decode(b, res.x) if res.x is not None else None
     result = evaluate(problem, choices) if choices is not None else None
     if result is not None and result.violations:

@@ -8,6 +8,7 @@ is not cheaper, so a result is never worse than its hint.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -19,19 +20,23 @@ from autoshard.passes.ilp.search import local_search
 __all__ = ["min_peak_memory", "min_peak_plan", "solve"]
 
 
-def solve(problem: IlpProblem) -> IlpSolution:
+def solve(problem: IlpProblem, later_hint: Callable[[], np.ndarray] | None = None) -> IlpSolution:
     """Pick one strategy per node minimising node + edge seconds under the memory budget.
 
     CP-SAT searches from its hint, so the hint is first improved by the local search; HiGHS proves these
     problems from its LP bound and only falls back on the hint: when it stops at its time limit without a
     proof, the local search improves the better of its plan and the hint, and the gap is taken against
-    HiGHS's bound."""
+    HiGHS's bound. ``later_hint`` makes the hint of a problem without one, called only when HiGHS needs it
+    (not when the LP proves the problem's cutoff unbeatable, nor when the LP is integral: then no hint can
+    be better)."""
     if problem.solver == "cpsat":
+        if problem.hint is None and later_hint is not None:
+            problem = dataclasses.replace(problem, hint=later_hint())
         if problem.hint is not None:
             problem = dataclasses.replace(problem, hint=local_search(problem, np.asarray(problem.hint),
                                                                      seed=problem.seed))
         return solve_cpsat(problem)
-    found = solve_mip(problem, problem.hint)
+    found = solve_mip(problem, problem.hint if problem.hint is not None else later_hint)
     if found.status == "optimal":
         return found
     # the rescue gets what is left of the limit (at least a fifth of it): the limit bounds the whole solve
