@@ -29,19 +29,29 @@ from autoshard.passes.strategies import Strategy
 
 
 def hint_from(cg: CostGraph, strategies: Sequence[Strategy] | None) -> np.ndarray | None:
-    """Class choices matching a previous plan's per-node strategies (by specs); -1 where none matches."""
+    """Class choices matching a previous plan's per-node strategies (by specs, and among strategies of the
+    same specs by how their reductions run: a scan's deferred twin is a strategy of its own); -1 where none
+    matches."""
     if strategies is None or len(strategies) != len(cg.strategies):
         return None
     cls = cg.classes
     choice = np.full(cls.num_classes, -1, dtype=np.int64)
     for c, node in enumerate(cls.class_root):
-        want = (strategies[node].in_specs, strategies[node].out_specs)
+        want = strategies[node]
         own = cg.strategies[node]
-        for a, i in enumerate(cls.strategy_map[node]):
-            if (own[i].in_specs, own[i].out_specs) == want:
-                choice[c] = a
-                break
+        same_specs = [a for a, i in enumerate(cls.strategy_map[node])
+                      if (own[i].in_specs, own[i].out_specs) == (want.in_specs, want.out_specs)]
+        exact = [a for a in same_specs if _same_run(own[cls.strategy_map[node][a]], want)]
+        if exact or same_specs:
+            choice[c] = (exact or same_specs)[0]
     return choice
+
+
+def _same_run(a: Strategy, b: Strategy) -> bool:
+    """Whether two strategies of the same specs communicate alike: the same kinds of collectives over the same
+    axes, deferred alike (sizes aside: a hint may come from the same step at another batch)."""
+    return a.deferred_over == b.deferred_over and ([(c.kind, c.axes) for c in a.collectives]
+                                                   == [(c.kind, c.axes) for c in b.collectives])
 
 
 def _layout_start(cg: CostGraph, layout: Mapping[int, Spec], start: np.ndarray | None) -> np.ndarray:
