@@ -30,6 +30,7 @@ from autoshard.compiler.compile_plans import compile_plans  # noqa: E402
 from autoshard.compiler.driver import plan_step  # noqa: E402
 from autoshard.compiler.verify import compiled_price  # noqa: E402
 from autoshard.passes.intra_op import IntraOpOptions  # noqa: E402
+from autoshard.plans.ledger import fmt_gap  # noqa: E402
 from benchmarks.machine import cells_main  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ def measure(cell: str, time_limit_s: float) -> FidelityCell:
     for c in compiled.summary.collectives:
         by_kind[c.kind] += c.nbytes * c.count / 2**20
     solver = planned.plan.solver
-    return FidelityCell(cell, f"{solver.status} (gap {solver.gap:.1%})" if solver.gap else solver.status, plan_s,
+    return FidelityCell(cell, f"{solver.status} (gap {fmt_gap(solver.gap, 1)})" if solver.gap else solver.status, plan_s,
                         ledger.communication_s, price.collectives_s, ledger.step_s, price.step_s,
                         {k: v / 2**20 for k, v in ledger.collective_bytes.items()}, dict(by_kind))
 

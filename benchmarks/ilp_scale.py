@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from autoshard.passes.ilp import IlpProblem, evaluate, solve
+from autoshard.plans.ledger import fmt_gap
 
 AXES = {"x": 2, "y": 4}
 LINK_S_PER_BYTE = {"x": 1 / 100e9, "y": 1 / 300e9}
@@ -120,7 +121,7 @@ def main() -> None:
     print(f"problem: {args.nodes} nodes x {len(problem.node_costs[0])} strategies, {len(problem.edges)} edges, "
           f"{len(problem.memory_points)} memory points (made in {made - start:.2f}s)")
     print(f"solve: {solution.status}, objective {solution.objective_s * 1e3:.4f} ms (most-sharded plan {hint.objective_s * 1e3:.4f} ms), "
-          f"gap {solution.gap:.2%}, {solution.solve_s:.2f}s total, {solution.num_variables} variables, "
+          f"gap {fmt_gap(solution.gap)}, {solution.solve_s:.2f}s total, {solution.num_variables} variables, "
           f"{solution.num_constraints} constraints, violations {len(check.violations)}")
 
 

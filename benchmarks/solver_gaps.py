@@ -20,6 +20,7 @@ from pathlib import Path
 from autoshard.compiler.driver import plan_graph
 from autoshard.ir.trace import trace
 from autoshard.passes.intra_op import IntraOpOptions
+from autoshard.plans.ledger import fmt_gap
 from benchmarks.quality import Cell, WorkloadCache
 from benchmarks.run import default_cells
 
@@ -72,7 +73,7 @@ def markdown(rows: Sequence[GapRow], options: IntraOpOptions, load: tuple[str, s
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        gap = "0" if r.status == "optimal" else ("no bound" if not math.isfinite(r.gap) else f"{r.gap:.1%}")
+        gap = "0" if r.status == "optimal" else fmt_gap(r.gap, 1)
         bound = "-" if math.isnan(r.bound_s) else f"{r.bound_s * 1e3:.3f}"
         lines.append(f"| {r.cell} | {r.status} | {gap} | {r.objective_s * 1e3:.3f} | {bound} | {r.solve_s:.1f} | "
                      f"{r.wall_s:.1f} / {r.cpu_s:.1f} | {r.columns} |")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
-from autoshard.plans.ledger import fmt_bytes, fmt_s
+from autoshard.plans.ledger import fmt_bytes, fmt_gap, fmt_s
 from benchmarks.planning_scaling import Hotspot, ScalingPoint, fits_by_pass
 from benchmarks.quality import CellResult
 
@@ -108,7 +108,7 @@ def quality_table(results: Sequence[CellResult]) -> TextTable:
         speedup = ("— (autoshard over budget)" if r.over_budget else _num(r.speedup, "{:.2f}x")
                    + (f" (kept {r.kept})" if r.kept else ""))
         ilp = str(r.ilp) if r.ilp else "—"
-        gap = f"{r.ilp.gap:.0%} {r.ilp.status}" if r.ilp else "—"
+        gap = f"{fmt_gap(r.ilp.gap, 0)} {r.ilp.status}" if r.ilp else "—"
         rows.append((name, where, fmt_s(a.step_s), memory, _ceiling(a.batch_ceiling), best_text, speedup,
                      *_compiled_cells(r), _num(r.bound_fraction, "{:.0%}"), f"{r.trace_s:.1f} / {r.intra_op_s:.1f}",
                      ilp, gap, _objective(r), *_pipeline_cells(r)))
@@ -210,7 +210,7 @@ def scaling_table(points: Sequence[ScalingPoint]) -> TextTable:
         rows.append((str(p.layers), f"{p.cluster} ({_mesh(p.mesh)})", _params(p.num_params), str(p.num_ops),
                      f"{p.nodes}->{p.classes}, {p.variables}, {p.constraints}", f"{p.trace_s:.1f}",
                      f"{p.build_s:.1f}", f"{p.solve_s:.1f}", f"{p.other_s:.1f}", f"{p.total_s:.1f}",
-                     f"{p.total_cpu_s:.1f}", f"{p.gap:.0%} {p.status}"))
+                     f"{p.total_cpu_s:.1f}", f"{fmt_gap(p.gap, 0)} {p.status}"))
     return TextTable("planning seconds by pass against depth (GPT, d_model 2048, batch 8)", headers, tuple(rows),
                      frozenset({0, 3, 5, 6, 7, 8, 9, 10}))
 
@@ -243,7 +243,7 @@ def long_solve_table(results: Sequence[CellResult]) -> TextTable:
         speedup = f"{best.step_s / ls.step_s:.3f}x" if best is not None and ls.step_s > 0 else "—"
         rows.append((str(r.cell), f"{best.name} {fmt_s(best.step_s)}" if best else "none fits",
                      f"{fmt_s(r.autoshard.step_s)} ({_num(r.speedup, '{:.3f}x')})",
-                     f"{fmt_s(ls.step_s)} with {ls.time_limit_s:g} s", f"{ls.status}, gap {ls.gap:.0%}", speedup,
+                     f"{fmt_s(ls.step_s)} with {ls.time_limit_s:g} s", f"{ls.status}, gap {fmt_gap(ls.gap, 0)}", speedup,
                      f"{ls.seconds:.1f}"))
     return TextTable("solver or search space? autoshard re-solved with a long time limit", headers, tuple(rows),
                      frozenset({2, 3, 5, 6}))

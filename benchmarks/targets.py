@@ -19,6 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from autoshard.plans.ledger import fmt_gap
 from autoshard.plans.plan import fmt_bytes, fmt_s
 from benchmarks.planning_scaling import Hotspot, ScalingPoint, fits_by_pass
 from benchmarks.quality import CellResult, geomean
@@ -71,7 +72,7 @@ def _why_slow(r: CellResult, wanted: float) -> str:
     if r.comm_headroom is not None and r.comm_headroom < wanted:
         return text + (f"; the best classic plan is {r.comm_headroom:.2f}x the least modeled compute of any plan, "
                        f"so even a plan with no communication at all could not reach {wanted:.1f}x")
-    gap = f"; ILP gap {r.ilp.gap:.0%}" if r.ilp else ""
+    gap = f"; ILP gap {fmt_gap(r.ilp.gap, 0)}" if r.ilp else ""
     if r.long_solve is not None and r.long_solve.status == "optimal":
         gap = (f"; re-solved for {r.long_solve.time_limit_s:g} s, the solver proves {fmt_s(r.long_solve.step_s)} "
                "optimal under the model")

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from autoshard.meshes.cluster import PRESETS
-from autoshard.plans.ledger import fmt_bytes, fmt_s
+from autoshard.plans.ledger import fmt_bytes, fmt_gap, fmt_s
 
 PlanLike = Any  # plans/plan.py imports this module; it reads a Plan's public fields
 
@@ -172,7 +172,7 @@ def _counter_signals(plan: PlanLike) -> tuple[tuple[str, ...], str | None]:
                      f"{fmt_bytes(plan.memory_budget_bytes)}")
     status = plan.solver.status
     if status not in ("optimal", "stage-dp"):  # the stage DP is exact over its choices
-        found.append(f"the solver did not prove optimality (status '{status}', gap {plan.solver.gap:.1%}): a "
+        found.append(f"the solver did not prove optimality (status '{status}', gap {fmt_gap(plan.solver.gap, 1)}): a "
                      "better plan may exist under the model")
     mine = "x".join(map(str, plan.mesh_shape))
     # a mesh whose modeled step equals the chosen one's (to 0.1%: the same plan's time, e.g. both keep every

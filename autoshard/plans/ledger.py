@@ -22,6 +22,11 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def fmt_gap(gap: float, digits: int = 2) -> str:
+    """A solver's relative gap: "3.5%", or "no bound" when the solve stopped before it had one (infinite)."""
+    return f"{gap:.{digits}%}" if math.isfinite(gap) else "no bound"
+
+
 def fmt_s(seconds: float) -> str:
     """3.2 ms, 41 µs, 1.2 s: for people."""
     if seconds == 0:
@@ -113,14 +118,14 @@ def solver_summary(info: SolverInfo) -> str:
     bound = f"no plan is modeled faster than {1 - info.gap:.0%} of this one" if info.gap < 1 else "no bound yet"
     if info.status.startswith("feasible (memory budget lowered"):  # passes/budget_search.bounded
         return (f"{info.status}: the plan at the budget itself peaked over it with the copies the ILP does not "
-                f"count, so it was re-solved below the budget; gap {info.gap:.2%} against the bound at the budget "
-                f"({bound}); {size}")
+                f"count, so it was re-solved below the budget; gap {fmt_gap(info.gap)} against the bound at the "
+                f"budget ({bound}); {size}")
     if info.status.startswith("feasible"):
-        return f"{info.status}: stopped at the time limit, gap {info.gap:.2%} ({bound}); {size}"
+        return f"{info.status}: stopped at the time limit, gap {fmt_gap(info.gap)} ({bound}); {size}"
     if info.status.startswith("optimal"):
         return f"{info.status}: proven under the model; {size}"
     if info.gap > 0 and math.isfinite(info.gap):  # a least-memory plan or the search's start, with a bound
-        return f"{info.status}: gap {info.gap:.2%} ({bound}); {size}"
+        return f"{info.status}: gap {fmt_gap(info.gap)} ({bound}); {size}"
     return f"{info.status}; {size}"
 
 

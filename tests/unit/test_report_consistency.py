@@ -77,3 +77,17 @@ def test_a_mesh_that_ties_the_chosen_one_is_no_counter_signal():
     assert not [s for s in tied.caveats.counter_signals if "other meshes" in s]
     close = dataclasses.replace(plan, alternatives={mine: plan.step_s, "other": plan.step_s * 1.02})
     assert [s for s in close.caveats.counter_signals if "other meshes" in s and "other (+2.0%)" in s]
+
+
+def test_a_solve_without_a_bound_says_so_instead_of_an_infinite_gap():
+    """A solve that stopped before its LP gave a bound has an infinite gap: reports say "no bound", not "inf%"."""
+    from autoshard.plans.caveats import plan_caveats
+    from autoshard.plans.ledger import solver_summary
+
+    info = SolverInfo("feasible", float("inf"), 2.0, 392, 392, 92993, 45222, 500)
+    summary = solver_summary(info)
+    assert "gap no bound" in summary and "inf" not in summary
+    assert "gap 12.50%" in solver_summary(dataclasses.replace(info, gap=0.125))
+    unbounded = dataclasses.replace(_plan("gpt"), solver=info)
+    signals = plan_caveats(unbounded).counter_signals
+    assert any("gap no bound" in c for c in signals), signals
