@@ -88,8 +88,8 @@ def measure(cell: str, time_limit_s: float) -> FidelityCell:
     for c in compiled.summary.collectives:
         by_kind[c.kind] += c.nbytes * c.count / 2**20
     solver = planned.plan.solver
-    return FidelityCell(cell, f"{solver.status} (gap {fmt_gap(solver.gap, 1)})" if solver.gap else solver.status, plan_s,
-                        ledger.communication_s, price.collectives_s, ledger.step_s, price.step_s,
+    status = f"{solver.status} (gap {fmt_gap(solver.gap, 1)})" if solver.gap else solver.status
+    return FidelityCell(cell, status, plan_s, ledger.communication_s, price.collectives_s, ledger.step_s, price.step_s,
                         {k: v / 2**20 for k, v in ledger.collective_bytes.items()}, dict(by_kind))
 
 

@@ -243,7 +243,7 @@ def long_solve_table(results: Sequence[CellResult]) -> TextTable:
         speedup = f"{best.step_s / ls.step_s:.3f}x" if best is not None and ls.step_s > 0 else "—"
         rows.append((str(r.cell), f"{best.name} {fmt_s(best.step_s)}" if best else "none fits",
                      f"{fmt_s(r.autoshard.step_s)} ({_num(r.speedup, '{:.3f}x')})",
-                     f"{fmt_s(ls.step_s)} with {ls.time_limit_s:g} s", f"{ls.status}, gap {fmt_gap(ls.gap, 0)}", speedup,
-                     f"{ls.seconds:.1f}"))
+                     f"{fmt_s(ls.step_s)} with {ls.time_limit_s:g} s", f"{ls.status}, gap {fmt_gap(ls.gap, 0)}",
+                     speedup, f"{ls.seconds:.1f}"))
     return TextTable("solver or search space? autoshard re-solved with a long time limit", headers, tuple(rows),
                      frozenset({2, 3, 5, 6}))

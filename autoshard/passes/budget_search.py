@@ -32,8 +32,8 @@ from autoshard.passes.decode import decode
 from autoshard.passes.ilp import IlpProblem, IlpSolution, evaluate, min_peak_plan, solve
 from autoshard.passes.ilp.lp import MIP_REL_GAP
 from autoshard.passes.lowering import build_problem, search_starts_of
-from autoshard.passes.search_starts import best_start
 from autoshard.passes.plan_result import IlpStats, IntraOpResult, PassClock
+from autoshard.passes.search_starts import best_start
 from autoshard.plans.ledger import fmt_bytes
 
 __all__ = ["BUDGET_PRECISION", "BudgetSearch", "MAX_MEMORY_ROUNDS", "bounded", "followed"]

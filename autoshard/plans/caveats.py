@@ -172,8 +172,8 @@ def _counter_signals(plan: PlanLike) -> tuple[tuple[str, ...], str | None]:
                      f"{fmt_bytes(plan.memory_budget_bytes)}")
     status = plan.solver.status
     if status not in ("optimal", "stage-dp"):  # the stage DP is exact over its choices
-        found.append(f"the solver did not prove optimality (status '{status}', gap {fmt_gap(plan.solver.gap, 1)}): a "
-                     "better plan may exist under the model")
+        found.append(f"the solver did not prove optimality (status '{status}', gap "
+                     f"{fmt_gap(plan.solver.gap, 1)}): a better plan may exist under the model")
     mine = "x".join(map(str, plan.mesh_shape))
     # a mesh whose modeled step equals the chosen one's (to 0.1%: the same plan's time, e.g. both keep every
     # array whole) is a tie, not a signal against the choice

@@ -26,9 +26,8 @@ def solve(problem: IlpProblem, later_hint: Callable[[], np.ndarray] | None = Non
     CP-SAT searches from its hint, so the hint is first improved by the local search; HiGHS proves these
     problems from its LP bound and only falls back on the hint: when it stops at its time limit without a
     proof, the local search improves the better of its plan and the hint, and the gap is taken against
-    HiGHS's bound. ``later_hint`` makes the hint of a problem without one, called only when HiGHS needs it
-    (not when the LP proves the problem's cutoff unbeatable, nor when the LP is integral: then no hint can
-    be better)."""
+    HiGHS's bound. ``later_hint`` makes the hint of a problem without one: with HiGHS it is called after the
+    LP, so not at all when the LP proves that no plan beats the problem's cutoff."""
     if problem.solver == "cpsat":
         if problem.hint is None and later_hint is not None:
             problem = dataclasses.replace(problem, hint=later_hint())
