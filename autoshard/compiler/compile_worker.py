@@ -5,12 +5,16 @@
 The parent starts it with ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` and ``JAX_PLATFORMS=cpu``
 (jax reads them once, at start). Each job (``CompileJob``) is deserialized with ``jax.export``, jitted with
 its plan's input and output shardings on a mesh of the first devices, lowered, compiled and read by
-``summarize_compiled``; OUT.pkl gets, per job, the summary or the error text.
+``summarize_compiled``; OUT.pkl gets, per job, the summary or the error text. A worker whose parent is gone
+(killed mid-comparison) stops at once rather than compiling for nobody (``exit_with_parent``).
 """
 from __future__ import annotations
 
+import os
 import pickle
 import sys
+import threading
+import time
 from collections.abc import Sequence
 
 import jax
@@ -30,8 +34,22 @@ def compile_job(job: CompileJob) -> CompiledSummary:
     return summarize_compiled(jitted.lower(*exported.in_avals).compile())
 
 
+def exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> threading.Thread:
+    """Exit this process once its parent ``parent_pid`` is gone (the child is re-parented), checked every
+    ``poll_s`` seconds on a daemon thread: a compile of 16 or 32 simulated devices takes minutes."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os._exit(3)
+
+    thread = threading.Thread(target=watch, name="exit-with-parent", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: Sequence[str]) -> int:
     jobs_path, out_path = argv
+    exit_with_parent(os.getppid())
     with open(jobs_path, "rb") as f:
         jobs: list[CompileJob] = pickle.load(f)  # written by the parent, our own data
     out: list[CompiledSummary | str] = []
