@@ -455,6 +455,34 @@ def test_an_lp_out_of_time_without_a_plan_falls_back_on_the_hint_not_a_mip_in_ov
     assert mips == [1]
 
 
+def test_a_hint_kept_after_an_lp_out_of_time_is_rated_against_the_stopped_dual_simplexs_bound(monkeypatch) -> None:
+    """The LP stopped with no plan but with a stopped dual simplex's bound (``stopped_bound``, in the LP's
+    units): the hint is the plan, and its gap is taken against that bound plus the seconds presolve took
+    out of the LP, so the plan says how far from optimal it may be instead of "no bound"."""
+    import time
+
+    import scipy.optimize
+
+    import autoshard.passes.ilp.mip as mip
+
+    problem = dataclasses.replace(_medium_problem(seed=7), time_limit_s=0.05, memory_budget_bytes=None)
+    optimum = solve(dataclasses.replace(problem, time_limit_s=10.0))
+    assert optimum.status == "optimal"
+    red = presolve(problem)
+    ticks = mip._ticks(red)
+    lp_bound = 0.8 * (optimum.objective_s - red.const_s) * ticks  # a valid bound, short of the LP's optimum
+    stopped = scipy.optimize.OptimizeResult(status=1, x=None, fun=None, mip_dual_bound=lp_bound,
+                                            message="Time limit reached")
+    monkeypatch.setattr(mip, "solve_lp", lambda b, limit_s, *args: time.sleep(limit_s) or stopped)
+    hint = np.zeros(problem.num_nodes, dtype=np.int64)
+    found = mip.solve_mip(dataclasses.replace(problem, hint=hint), hint)
+    bound_s = lp_bound / ticks + red.const_s
+    assert bound_s <= optimum.objective_s
+    assert found.choices.tolist() == hint.tolist() and found.status == "feasible"
+    assert found.gap == pytest.approx((found.objective_s - bound_s) / found.objective_s, rel=1e-9)
+    assert 0 < found.gap < 1
+
+
 def _edge_lp(problem: IlpProblem):
     """The LP builder of ``problem``'s strategies and edges (no memory rows), and its column upper bounds."""
     import autoshard.passes.ilp.mip as mip

@@ -390,7 +390,8 @@ def solve_lp(b: MipBuilder, time_limit_s: float, cutoff: float = np.inf) -> scip
     only the columns that price out (column generation) does not pay either: the duals of these degenerate
     LPs price thousands of columns in every round while the objective stays. Out of time, the restricted
     optimum is returned (status 1) when it is integral, with the bound the stopped dual simplex reached
-    (``stopped_bound``) as its ``mip_dual_bound`` when the race ran. An optimum carries its HiGHS
+    (``stopped_bound``) as its ``mip_dual_bound`` when the race ran; the stopped whole LP carries that bound
+    too when the restricted optimum is not integral (the plan is then a caller's). An optimum carries its HiGHS
     model (``highs``), on which ``plan_objective`` prices a plan.
 
     Given a finite ``cutoff`` (the LP's units: a plan must cost less to matter), the solve stops as soon as a
@@ -457,8 +458,8 @@ def _restricted_then_whole(b: MipBuilder, time_limit_s: float, start: float, upp
             cold = cold or ColdStart(b, upper, start + time_limit_s, cutoff)
             full, highs = cold.race(highs, start + time_limit_s)
             if full.status == 1 and cold.model is not None:  # neither finished: the dual simplex's basis, dual
-                bound = stopped_bound(b, cold.model, upper)  # feasible, still bounds the LP
-                if bound > cutoff:
+                bound = stopped_bound(b, cold.model, upper)  # feasible, still bounds the LP (and cuts it off
+                if np.isfinite(bound):  # when above the cutoff, ``cut_off``); a plan's gap is taken against it
                     full.mip_dual_bound = bound
         else:  # no core for a second thread: the continuation alone
             full = run_highs(highs, time_limit_s - (time.perf_counter() - start))

@@ -265,8 +265,12 @@ def _solve_relaxation_first(b: MipBuilder, time_limit_s: float, cutoff: float = 
     left = time_limit_s - (time.perf_counter() - start)
     if lp.status != 0 or lp.x is None or getattr(lp, "highs", None) is None:
         if lp.status == 1 and hinted and left < _MIP_SHARE * time_limit_s:
-            return lp  # out of time, no plan: the caller's hint
-        return b.solve(max(left, 0.1))
+            return lp  # out of time, no plan: the caller's hint (against the stopped LP's bound, if it has one)
+        mip = b.solve(max(left, 0.1))
+        stopped = getattr(lp, "mip_dual_bound", None)  # a stopped dual simplex's bound still bounds the MIP
+        if stopped is not None and math.isfinite(stopped):
+            mip.mip_dual_bound = max(stopped, float(getattr(mip, "mip_dual_bound", None) or -math.inf))
+        return mip
     found = b.solve(left) if left >= _MIP_SHARE * time_limit_s else None
     if found is not None and found.status == 0 and found.x is not None:
         return found
@@ -327,12 +331,15 @@ def solve_mip(problem: IlpProblem, hint: np.ndarray | Callable[[], np.ndarray] |
     result = evaluate(problem, choices) if choices is not None else None
     if result is not None and result.violations:
         raise RuntimeError("internal error: the MIP plan violates its problem: " + "; ".join(result.violations))
-    # presolve shifts every plan's objective by one constant: the full objective of HiGHS's bound
+    # presolve shifts every plan's objective by one constant: the full objective of HiGHS's bound (a stopped
+    # LP that found no plan, whose caller's hint is the plan, may still have its dual simplex's bound)
     bound = getattr(res, "mip_dual_bound", None)
-    if result is not None and bound is not None and math.isfinite(bound):
+    if bound is None or not math.isfinite(bound):
+        bound_s = -math.inf
+    elif result is not None and res.fun is not None:
         bound_s = float(bound) / ticks + (result.objective_s - float(res.fun) / ticks)
     else:
-        bound_s = -math.inf
+        bound_s = float(bound) / ticks + red.const_s
     if hint is not None:
         hinted = evaluate(problem, hint)
         if not hinted.violations and (result is None or hinted.objective_s < result.objective_s):
