@@ -307,13 +307,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     console = Console(width=None if sys.stdout.isatty() else 200)
     machine = describe(["run.py", *(argv if argv is not None else sys.argv[1:])])
-    start = time.perf_counter()
-
-    def elapsed() -> float:
-        return time.perf_counter() - start
+    start, started_at = time.perf_counter(), time.time()
 
     def say(msg: str) -> None:
-        console.print(f"[dim]{elapsed():7.1f}s {msg}[/dim]")
+        console.print(f"[dim]{time.perf_counter() - start:7.1f}s {msg}[/dim]")
 
     cells = quick_cells() if args.quick else default_cells()
     if args.cells is not None:
@@ -339,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             console.print(render_rich(fidelity_table(results)))
         if not (args.quick or args.no_scaling):
             with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-                points, spots, staged = pool.submit(timing_studies, scaling_options, time.time() - elapsed()).result()
+                points, spots, staged = pool.submit(timing_studies, scaling_options, started_at).result()
             console.print(render_rich(scaling_table(points)))
             console.print(render_rich(scaling_fit_table(points)))
             console.print(render_rich(hotspot_table(spots, PROFILE_TITLE)))

@@ -58,19 +58,21 @@ class BudgetSearch:
     probes: dict[tuple[float, float], float] = field(default_factory=dict)  # smallest budgets already found
     clock: PassClock = field(default_factory=PassClock)  # seconds per pass (build, solve, decode, memory)
 
-    def problem(self, budget: float, hinted: bool = True) -> IlpProblem:
-        """The ILP at ``budget``, hinted with the best search start that fits it (the starts are computed
-        on the first hinted problem); without a hint, and no start computed, when ``hinted`` is false."""
-        with self.clock.timing("build"):
-            if self.starts is None and hinted:
-                self.starts = search_starts_of(self.cg)
-            return build_problem(self.cg, budget, self.starts, hinted=hinted)
-
-    def hint_at(self, budget: float) -> np.ndarray:
-        """The best search start that fits ``budget`` (the starts are computed on the first call)."""
+    def search_starts(self) -> tuple[np.ndarray, ...]:
+        """The search starts of this cost graph, computed on the first call."""
         if self.starts is None:
             self.starts = search_starts_of(self.cg)
-        return best_start(self.cg, self.cg.terms, self.starts, budget)
+        return self.starts
+
+    def problem(self, budget: float, hinted: bool = True) -> IlpProblem:
+        """The ILP at ``budget``, hinted with the best search start that fits it; without a hint, and no start
+        computed, when ``hinted`` is false."""
+        with self.clock.timing("build"):
+            return build_problem(self.cg, budget, self.search_starts() if hinted else None, hinted=hinted)
+
+    def hint_at(self, budget: float) -> np.ndarray:
+        """The best search start that fits ``budget``."""
+        return best_start(self.cg, self.cg.terms, self.search_starts(), budget)
 
     def solve(self, problem: IlpProblem, later_hint: Callable[[], np.ndarray] | None = None) -> IlpSolution:
         with self.clock.timing("solve"):

@@ -116,16 +116,19 @@ def solver_summary(info: SolverInfo) -> str:
                 "(each stage's own plan: see the stages)")
     size = f"{info.solve_s:.2f}s; {info.num_nodes} nodes -> {info.num_classes} classes, {info.num_edges} edges"
     bound = f"no plan is modeled faster than {1 - info.gap:.0%} of this one" if info.gap < 1 else "no bound yet"
+    finite = math.isfinite(info.gap)
+    gap = f"gap {fmt_gap(info.gap)} ({bound})" if finite else "gap no bound (the solve had none yet)"
     if info.status.startswith("feasible (memory budget lowered"):  # passes/budget_search.bounded
+        at_budget = (f"gap {fmt_gap(info.gap)} against the bound at the budget ({bound})" if finite
+                     else "gap no bound (none at the budget yet)")
         return (f"{info.status}: the plan at the budget itself peaked over it with the copies the ILP does not "
-                f"count, so it was re-solved below the budget; gap {fmt_gap(info.gap)} against the bound at the "
-                f"budget ({bound}); {size}")
+                f"count, so it was re-solved below the budget; {at_budget}; {size}")
     if info.status.startswith("feasible"):
-        return f"{info.status}: stopped at the time limit, gap {fmt_gap(info.gap)} ({bound}); {size}"
+        return f"{info.status}: stopped at the time limit, {gap}; {size}"
     if info.status.startswith("optimal"):
         return f"{info.status}: proven under the model; {size}"
-    if info.gap > 0 and math.isfinite(info.gap):  # a least-memory plan or the search's start, with a bound
-        return f"{info.status}: gap {fmt_gap(info.gap)} ({bound}); {size}"
+    if info.gap > 0 and finite:  # a least-memory plan or the search's start, with a bound
+        return f"{info.status}: {gap}; {size}"
     return f"{info.status}; {size}"
 
 
