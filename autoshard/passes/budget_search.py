@@ -6,7 +6,10 @@ on pairs of choices and only the simulation of the decoded plan (``decode.memory
 again with the ILP's budget lowered by the largest gap seen between a plan's simulated peak and the
 ILP's estimate of it; once a plan fits, the ILP's budget is bisected between the highest at which the
 plan fit and the lowest at which it did not, and the fastest plan that fit is kept (``MAX_MEMORY_ROUNDS``
-solves in all). If none fits, the least-memory plans and the search's start are tried.
+solves in all). The rounds share the solver's time limit: each later one gets what the earlier ones left of
+it, and at least ``ROUND_SHARE`` of it, so a budget that binds costs a few limits, not one per round (a toy
+step under a tight budget took 7 solves of a 10 s limit each, every one of them out of time). If none fits,
+the least-memory plans and the search's start are tried.
 ``BudgetSearch.smallest_budget`` finds, when nothing fits, a budget at which planning succeeds within
 ``BUDGET_PRECISION`` of the least one: the figure an ``InfeasibleMemoryError`` names.
 
@@ -44,6 +47,7 @@ MAX_MEMORY_ROUNDS = 8  # ILP solves per plan before the least-memory plans decid
 MAX_BUDGET_CHECKS = 3  # replans at the budget an InfeasibleMemoryError is about to name
 MAX_BUDGET_PROBES = 5  # bisection steps towards the least budget it names
 BUDGET_PRECISION = 1.08  # stop when the bracket [fails, succeeds] is this tight
+ROUND_SHARE = 0.2  # the least share of the time limit a round of plan_within gets once the limit is spent
 REMEMBERED_GRAPHS = 32  # cost graphs whose budget-proving plans the process keeps (least recently used go)
 
 # cost graph fingerprint -> class choices of the plans that proved the budgets InfeasibleMemoryErrors named
@@ -97,6 +101,7 @@ class BudgetSearch:
         fits_at, fails_at = None, budget  # ILP budgets: the highest whose plan fit, the lowest whose did not
         ilp_budget = budget
         bound = -np.inf  # no plan that fits is faster (the ILP's bound at the budget itself, in ILP seconds)
+        limit, solving = problem.time_limit_s, time.perf_counter()
         for _ in range(MAX_MEMORY_ROUNDS):
             try:
                 solution = self.solve(problem, later_hint)
@@ -130,8 +135,11 @@ class BudgetSearch:
             if ilp_budget <= 0:
                 break
             problem = self.problem(ilp_budget)  # no cutoff: the bound at the budget decided that
+            left = limit - (time.perf_counter() - solving)
+            problem = replace(problem, time_limit_s=max(left, ROUND_SHARE * limit))
         if fitting:
             return bounded(min(fitting, key=lambda r: r.step_s), bound), seen, 0.0
+        problem = replace(problem, time_limit_s=limit)  # (the least memory needs its solves: the whole limit)
         floor, results = self.least_memory(problem, build_s, self.hint_at(budget), remembered(self.cg))
         fitting = [r for r in results if fits(r.peak_bytes, budget)]
         if fitting:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import time
 
 import numpy as np
 import pytest
@@ -137,6 +138,40 @@ def test_a_plan_found_below_its_budget_is_bounded_at_the_budget(work):
     assert least.ilp.status == "least-memory" and least.ilp.gap == pytest.approx(0.5)
     summary = solver_summary(SolverInfo(below.ilp.status, below.ilp.gap, 1.0, 1, 1, 1, 1, 1))
     assert "re-solved below the budget" in summary
+
+
+def test_the_rounds_of_a_budget_search_share_the_time_limit(work, monkeypatch):
+    """Every round of ``plan_within`` whose plan peaks over the budget solves again: the rounds share the solver's
+    limit (each later one gets what is left of it, at least ``ROUND_SHARE`` of it), so a budget that binds costs
+    about one limit and a few shares, not one limit a round (7 rounds of a toy step's search each ran its whole
+    limit out). Here every solve runs its limit out and every plan peaks over the budget: all rounds run."""
+    from autoshard.ir.trace import trace as trace_step
+    from autoshard.meshes.cluster import get_cluster
+    from autoshard.meshes.logical import make_logical_mesh
+    from autoshard.passes.cost_graph import CostGraph
+    from autoshard.passes.ilp import IlpSolution, evaluate
+
+    limit = 0.3
+    cg = CostGraph(trace_step(work.step, *work.args), make_logical_mesh(get_cluster("cpu-8"), (2, 4)),
+                   IntraOpOptions(time_limit_s=limit))
+    limits = []
+
+    def out_of_time(problem, later_hint=None):  # a solve that runs its limit out and keeps its hint
+        limits.append(problem.time_limit_s)
+        time.sleep(problem.time_limit_s)
+        hint = problem.hint if problem.hint is not None else later_hint() if later_hint is not None else None
+        if hint is None:
+            raise SolverTimeoutError("out of time without a plan")
+        return IlpSolution(np.asarray(hint), evaluate(problem, hint).objective_s, "feasible", math.inf,
+                           problem.time_limit_s, 0, 0)
+
+    monkeypatch.setattr(budget_search, "solve", out_of_time)
+    monkeypatch.setattr(budget_search, "fits", lambda peak, budget: False)  # no plan fits: every round runs
+    budget_search.BudgetSearch(cg).plan_within(2.0**30)
+    rounds = limits[:budget_search.MAX_MEMORY_ROUNDS]
+    assert len(rounds) == budget_search.MAX_MEMORY_ROUNDS and rounds[0] == limit
+    assert all(r == pytest.approx(budget_search.ROUND_SHARE * limit) for r in rounds[2:]), rounds
+    assert sum(rounds) <= limit * (2 + budget_search.ROUND_SHARE * (len(rounds) - 2)), rounds
 
 
 def test_a_named_budget_plans_again_when_the_solves_find_nothing_that_fits(monkeypatch):
