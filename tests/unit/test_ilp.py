@@ -494,6 +494,54 @@ def _edge_lp(problem: IlpProblem):
     return b, np.concatenate(b.upper)
 
 
+def test_a_fractional_lp_is_dived_to_an_integral_plan() -> None:
+    """``lp.dive`` fixes one node at a time at its largest strategy variable and re-solves the LP warm until it is
+    integral: on the frustrated ring (LP optimum 0 s, every node half on each strategy) the dive ends at a plan,
+    and one that costs the optimum, 1 s."""
+    import autoshard.passes.ilp.mip as mip
+    from autoshard.passes.ilp.lp import dive, highs_lp, integral, run_highs
+
+    problem = _frustrated_ring(7)
+    b, upper = _edge_lp(problem)
+    highs = highs_lp(b, upper)
+    lp = run_highs(highs, 5.0)
+    assert lp.status == 0 and not integral(b, lp.x) and lp.fun == pytest.approx(0.0, abs=1e-9)
+    lp.highs = highs
+    dived = dive(b, lp, 5.0)
+    assert dived is not None and integral(b, dived.x)
+    assert evaluate(problem, mip._decode(b, dived.x)).objective_s == pytest.approx(1.0)
+
+
+def test_a_dive_close_to_the_bound_leaves_the_mip_a_share_of_the_limit(monkeypatch) -> None:
+    """A fractional LP's dive that lands within ``_DIVE_GAP`` of the LP's bound, counting what every plan pays
+    (here a 1000 s op no choice changes, which presolve folds out of the LP), leaves HiGHS's MIP only
+    ``_POLISH_SHARE`` of the limit to prove or better it, not the rest of the limit; the dive is the plan when the
+    MIP finds nothing better, with its true gap. A dive further off leaves the MIP the rest of the limit."""
+    import scipy.optimize
+
+    import autoshard.passes.ilp.mip as mip
+    from autoshard.passes.ilp.lp import MipBuilder
+
+    given = []
+
+    def nothing_found(_builder, time_limit_s, relaxed=False):
+        given.append(time_limit_s)
+        return scipy.optimize.OptimizeResult(status=1, x=None, fun=None, message="Time limit reached")
+
+    ring = _frustrated_ring(5)
+    problem = dataclasses.replace(ring, node_names=(*ring.node_names, "big"),
+                                  node_costs=(*ring.node_costs, np.array([1000.0])), time_limit_s=5.0)
+    monkeypatch.setattr(MipBuilder, "solve", nothing_found)
+    found = mip.solve_mip(problem)
+    assert found.objective_s == pytest.approx(1001.0) == evaluate(problem, found.choices).objective_s
+    assert found.status == "feasible" and found.gap == pytest.approx(1.0 / 1001.0)
+    assert given == [pytest.approx(mip._POLISH_SHARE * 5.0, rel=0.01)]  # (of the limit less the build)
+    given.clear()
+    monkeypatch.setattr(mip, "_DIVE_GAP", 1e-4)  # a dive further off than that: the MIP gets the rest
+    assert mip.solve_mip(problem).objective_s == pytest.approx(1001.0)
+    assert len(given) == 1 and given[0] > 0.9 * 5.0
+
+
 def test_the_lp_race_returns_a_finished_optimum() -> None:
     """``lp.ColdStart`` solves the whole LP in a thread while the continuation runs in this one: what the race
     returns is an optimum of the LP (the same value as either alone) with the model that found it, whichever
