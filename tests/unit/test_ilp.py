@@ -495,11 +495,11 @@ def _edge_lp(problem: IlpProblem):
 
 
 def test_a_fractional_lp_is_dived_to_an_integral_plan() -> None:
-    """``lp.dive`` fixes one node at a time at its largest strategy variable and re-solves the LP warm until it is
+    """``mip.dive`` fixes one node at a time at its largest strategy variable and re-solves the LP warm until it is
     integral: on the frustrated ring (LP optimum 0 s, every node half on each strategy) the dive ends at a plan,
     and one that costs the optimum, 1 s."""
     import autoshard.passes.ilp.mip as mip
-    from autoshard.passes.ilp.lp import dive, highs_lp, integral, run_highs
+    from autoshard.passes.ilp.lp import highs_lp, integral, run_highs
 
     problem = _frustrated_ring(7)
     b, upper = _edge_lp(problem)
@@ -507,7 +507,7 @@ def test_a_fractional_lp_is_dived_to_an_integral_plan() -> None:
     lp = run_highs(highs, 5.0)
     assert lp.status == 0 and not integral(b, lp.x) and lp.fun == pytest.approx(0.0, abs=1e-9)
     lp.highs = highs
-    dived = dive(b, lp, 5.0)
+    dived = mip.dive(b, lp, 5.0)
     assert dived is not None and integral(b, dived.x)
     assert evaluate(problem, mip._decode(b, dived.x)).objective_s == pytest.approx(1.0)
 

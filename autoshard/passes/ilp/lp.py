@@ -216,42 +216,6 @@ def plan_objective(b: MipBuilder, highs: highspy.Highs, plan: np.ndarray, second
     return float(priced.fun) if priced.status == 0 else None
 
 
-def dive(b: MipBuilder, lp: scipy.optimize.OptimizeResult, seconds: float) -> scipy.optimize.OptimizeResult | None:
-    """A plan from a fractional LP optimum (``lp``, holding its HiGHS model): the free node whose largest strategy
-    variable is the largest among the fractional nodes is fixed to that strategy and the LP solved again from the
-    basis it holds (a warm dual simplex: a few pivots), until the LP is integral; its optimum is then a plan,
-    within its objective of the first LP's bound. On ConvNet-large (1x8-a100) one fixing made the LP integral in
-    0.1 s at the plan HiGHS's MIP proved optimal in 28 s (and at 10 s had not found: 7.27 ms against 5.29).
-    None when a fixing leaves the LP infeasible (memory rows a tight budget sets) or ``seconds`` run out. The
-    model is left with the fixings (``plan_objective`` sets every strategy column's bounds itself)."""
-    highs, x, fun = lp.highs, lp.x, lp.fun
-    free = [(int(f), len(a)) for f, a in zip(b.first, b.red.allowed) if f >= 0]
-    if not free:
-        return None
-    columns = b.strategy_columns()  # the free nodes' columns, node after node
-    offsets = np.concatenate([[0], np.cumsum([count for _, count in free])[:-1]])
-    deadline = time.perf_counter() + seconds
-    while True:
-        v = x[columns]
-        largest = np.maximum.reduceat(v, offsets)
-        fractional = np.maximum.reduceat(np.minimum(v, 1.0 - v), offsets) > 1e-6
-        if not fractional.any():
-            return scipy.optimize.OptimizeResult(status=1, x=x, fun=fun, highs=highs,
-                                                 message="the fractional LP's dive: an integral LP optimum")
-        node = int(np.flatnonzero(fractional)[np.argmax(largest[fractional])])
-        first, count = free[node]
-        keep = first + int(np.argmax(x[first:first + count]))
-        others = np.array([c for c in range(first, first + count) if c != keep], dtype=np.int32)
-        highs.changeColsBounds(len(others), others, np.zeros(len(others)), np.zeros(len(others)))
-        left = deadline - time.perf_counter()
-        if left <= 0:
-            return None
-        again = run_highs(highs, left)
-        if again.status != 0:
-            return None
-        x, fun = again.x, again.fun
-
-
 def lagrangian_bound(b: MipBuilder, row_dual: np.ndarray, upper: np.ndarray) -> float:
     """A lower bound on the LP (so on every plan), in its scaled units, from any row multipliers ``row_dual``
     (HiGHS's sign: reduced costs are ``c - A^T y``): for x in [0, upper] with the rows in [lo, hi],
