@@ -78,7 +78,7 @@ _LARGEST_COST = 1e6  # the largest finite reduced cost after scaling
 _MIP_SHARE = 0.3  # a fractional LP goes on to the MIP when this share of the time limit is left
 _PRICE_S = 1.0  # at least this long to price a fractional LP's rounding (a warm start: well under it)
 _DIVE_GAP = 0.01  # a dive this close to the LP's bound leaves the MIP only _POLISH_SHARE of the limit
-_POLISH_SHARE = 0.2
+_POLISH_SHARE = 0.2  # the MIP's share of the limit after such a dive: to prove it or find a better plan
 _DIVE_S = 0.25  # at least this long to dive from a fractional LP to a plan (dive: warm starts, often 0.1 s)
 
 
