@@ -738,3 +738,56 @@ def test_a_cutoff_counts_the_seconds_presolve_takes_out() -> None:
         solve(dataclasses.replace(problem, cutoff_s=3.4))
     assert cut.value.bound_s == pytest.approx(3.5)
     assert solve(dataclasses.replace(problem, cutoff_s=3.6)).objective_s == pytest.approx(3.5)
+
+
+def test_random_problems_outside_random_cuts_match_brute_force(monkeypatch) -> None:
+    """The best plan outside no-good cuts (``disjunction.py``: branching on the cuts over the LP without their
+    rows) is brute force's, for a cut of the best plan alone and with cuts marking a random part of every
+    node's strategies, on problems with memory rows, shared charges and shared reshards; where the cuts leave
+    no plan (that fits), both say so. ``next_best``'s k plans are brute force's k next objectives, from one
+    search: the LP is solved once."""
+    from autoshard.passes.ilp import disjunction
+    from autoshard.passes.ilp.candidates import exact_cut, next_best
+
+    runs, roots = [], []
+    run, solve_lp = disjunction.CutSearch.run, disjunction.solve_lp
+    monkeypatch.setattr(disjunction.CutSearch, "run", lambda *a, **k: runs.append(r := run(*a, **k)) or r)
+    monkeypatch.setattr(disjunction, "solve_lp", lambda *a, **k: roots.append(1) or solve_lp(*a, **k))
+    rng = np.random.default_rng(31)
+    compared = refused = ranked = 0
+    for instance in range(60):
+        problem = _random_problem(rng)
+        if instance % 3 == 1:
+            problem = dataclasses.replace(problem, charges=(SharedCharge("c", float(rng.uniform(0, 1.5)), tuple(
+                (int(i), rng.random(len(problem.node_costs[i])) < 0.5) for i in range(problem.num_nodes))),))
+        elif instance % 3 == 2 and problem.num_nodes > 2:
+            readers = tuple((r, rng.integers(-1, 2, size=len(problem.node_costs[r]))) for r in (1, 2))
+            problem = dataclasses.replace(problem, reshards=(SharedReshard(
+                "r", 0, rng.uniform(0, 1, size=(len(problem.node_costs[0]), 2)), readers),))
+        first = _outcome(brute_force, problem)
+        if isinstance(first, PlanningError):
+            continue
+        cuts = [exact_cut(problem, first.choices)]
+        cuts += [tuple(rng.random(len(c)) < rng.uniform(0.3, 0.9) for c in problem.node_costs)
+                 for _ in range(int(rng.integers(0, 3)))]
+        cut = dataclasses.replace(problem, excluded=tuple(cuts))
+        expected, got = _outcome(brute_force, cut), _outcome(solve, cut)
+        assert isinstance(got, PlanningError) == isinstance(expected, PlanningError), (instance, expected, got)
+        if isinstance(expected, PlanningError):
+            refused += 1
+            continue
+        assert not evaluate(cut, got.choices).violations, instance
+        assert got.objective_s == pytest.approx(expected.objective_s, rel=1e-6, abs=1e-12), instance
+        assert got.status == "optimal", instance
+        compared += 1
+        sizes = [len(c) for c in problem.node_costs]
+        every = sorted(e.objective_s for ch in np.ndindex(*sizes)
+                       if not (e := evaluate(problem, np.array(ch))).violations)
+        if len(every) >= 4:
+            del roots[:]
+            found = next_best(problem, cuts[0], 3, lambda ch: exact_cut(problem, ch))
+            assert [s.objective_s for s in found] == pytest.approx(every[1:4], rel=1e-6, abs=1e-12), instance
+            assert len(roots) <= 1, instance  # one LP for the three plans (none: presolve decided the cut's nodes)
+            ranked += len(roots)
+    assert compared >= 25 and refused >= 1 and ranked >= 10, (compared, refused, ranked)
+    assert sum(r is not None for r in runs) >= compared  # the branching, not the rows, found them

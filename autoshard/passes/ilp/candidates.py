@@ -18,6 +18,7 @@ import numpy as np
 
 from autoshard.errors import PlanningError
 from autoshard.passes.ilp import solve
+from autoshard.passes.ilp.disjunction import forget_cut_search
 from autoshard.passes.ilp.problem import IlpProblem, IlpSolution, evaluate
 
 __all__ = ["Cut", "exact_cut", "next_best", "solve_excluding"]
@@ -63,13 +64,16 @@ def next_best(problem: IlpProblem, first: Cut, k: int, cut_of: Callable[[np.ndar
     (``cut_of(choices)`` of each); a plan ``keep`` refuses (it does not fit, say) is excluded and not
     returned. At most ``max_solves`` solves (default 2k + 1); ``starts``: hints (``solve_excluding``)."""
     cuts, found = [first], []
-    for _ in range(2 * k + 1 if max_solves is None else max_solves):
-        if len(found) >= k:
-            break
-        solution = solve_excluding(problem, cuts, starts)
-        if solution is None:
-            break
-        cuts.append(cut_of(solution.choices))
-        if keep(solution):
-            found.append(solution)
+    try:
+        for _ in range(2 * k + 1 if max_solves is None else max_solves):
+            if len(found) >= k:
+                break
+            solution = solve_excluding(problem, cuts, starts)
+            if solution is None:
+                break
+            cuts.append(cut_of(solution.choices))
+            if keep(solution):
+                found.append(solution)
+    finally:
+        forget_cut_search()  # the re-solves were one search (passes/ilp/disjunction.py), kept between them
     return found

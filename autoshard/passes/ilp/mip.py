@@ -66,6 +66,7 @@ import scipy.optimize
 import scipy.sparse
 
 from autoshard.errors import CutOffError, PlanningError, SolverTimeoutError
+from autoshard.passes.ilp.disjunction import KEPT_SEARCH, CutSearch
 from autoshard.passes.ilp.lp import MIP_REL_GAP, MipBuilder, integral, plan_objective, run_highs, solve_lp
 from autoshard.passes.ilp.presolve import Reduced, exclusion_cuts, identical_lines, presolve
 from autoshard.passes.ilp.problem import IlpProblem, IlpSolution, evaluate, memory_error
@@ -195,15 +196,11 @@ def _add_reshard_fixed_producer(b: MipBuilder, ticks: float, prices: np.ndarray,
                           -np.inf, 0.0)
 
 
-def _add_exclusions(b: MipBuilder, excluded: tuple[tuple[np.ndarray, ...], ...]) -> bool:
-    """Rows (k), the no-good cuts (``IlpProblem.excluded``); False when a cut excludes every plan left."""
-    cuts = exclusion_cuts(excluded, b.red.allowed, b.first >= 0)
-    if cuts is None:
-        return False
+def _add_exclusions(b: MipBuilder, cuts: list[list[tuple[int, np.ndarray]]]) -> None:
+    """Rows (k), the no-good cuts (``presolve.exclusion_cuts`` of ``IlpProblem.excluded``)."""
     for cut in cuts:
         columns = np.concatenate([b.s(i, positions) for i, positions in cut])
         b.add_row(columns, np.ones(len(columns)), -np.inf, float(len(cut) - 1))
-    return True
 
 
 def _add_memory(b: MipBuilder, budget_bytes: float) -> bool:
@@ -354,22 +351,39 @@ def solve_mip(problem: IlpProblem, hint: np.ndarray | Callable[[], np.ndarray] |
     Raises ``InfeasibleMemoryError`` when no plan fits the budget, and ``CutOffError`` when
     ``problem.cutoff_s`` is given and the LP proves no plan costs less."""
     start = time.perf_counter()
-    red = presolve(problem)
-    ticks = _ticks(red)
-    b = _new(problem, red, ticks)
-    _add_edges(b, ticks)
-    _add_charges(b, ticks)
-    _add_reshards(b, ticks)
-    if not _add_exclusions(b, problem.excluded):
+    search = KEPT_SEARCH.take(problem) if problem.excluded and problem.cutoff_s is None else None
+    if search is not None:  # a later plan of candidates.next_best: the search of the earlier ones goes on
+        b, red, ticks = search.b, search.b.red, search.ticks
+    else:
+        red = presolve(problem)
+        ticks = _ticks(red)
+        b = _new(problem, red, ticks)
+        _add_edges(b, ticks)
+        _add_charges(b, ticks)
+        _add_reshards(b, ticks)
+        if problem.memory_budget_bytes is not None and not _add_memory(b, problem.memory_budget_bytes):
+            raise _infeasible(problem)
+    cuts = exclusion_cuts(problem.excluded, b.red.allowed, b.first >= 0)
+    if cuts is None:
         raise PlanningError(f"the {len(problem.excluded)} no-good cut(s) exclude every plan of the "
                             f"{problem.num_nodes} nodes")
-    if problem.memory_budget_bytes is not None and not _add_memory(b, problem.memory_budget_bytes):
-        raise _infeasible(problem)
     built = time.perf_counter()
     left = max(problem.time_limit_s - (built - start), 0.1)
     # the cutoff in the LP's units: presolve leaves out red.const_s, which every plan pays
     cutoff = (problem.cutoff_s - red.const_s) * ticks if problem.cutoff_s is not None else math.inf
-    res = _solve_relaxation_first(b, left, cutoff, hinted=hint is not None, const=red.const_s * ticks)
+    res = None
+    if cuts and not math.isfinite(cutoff):  # branch on the cuts over the LP without them (disjunction.py)
+        search = search or CutSearch(b, ticks, const=red.const_s * ticks)
+        res = search.run(cuts, left)
+        if res is not None and res.status == 2:
+            raise PlanningError(f"the {len(cuts)} no-good cut(s) exclude every plan of the {problem.num_nodes} "
+                                "nodes that fits")
+        if res is not None:
+            KEPT_SEARCH.keep(problem, search)
+    if res is None:
+        _add_exclusions(b, cuts)
+        res = _solve_relaxation_first(b, max(left - (time.perf_counter() - built), 0.1), cutoff,
+                                      hinted=hint is not None, const=red.const_s * ticks)
     log.debug("mip: %d nodes (%d free), %d edges kept of %d; build %.2fs (%d columns, %d rows), HiGHS %.2fs: %s",
               problem.num_nodes, int((b.first >= 0).sum()), len(red.edges), len(problem.edges), built - start,
               b.num_cols, len(b.lower_rhs), time.perf_counter() - built, res.message)
