@@ -60,7 +60,7 @@ def test_a_slower_program_listed_first_loses(work):
 def test_next_best_plans_are_distinct_programs_that_fit(work):
     chosen = autoshard.compiler.driver.plan_step(work.step, work.args, mesh=(2, 4), cluster="1x8-a100",
                                                  options=FAST)
-    # a no-good cut can make the mlp-tiny solve run to its limit: at 1 s none was found, alone or under load
+    # a ceiling: the three plans are proven in 0.3-0.7 s each (with cut rows, HiGHS took 6-8 s each)
     nexts = next_best_steps(chosen, FAST, k=3, time_limit_s=10.0)
     assert nexts, "no next-best plan found"
     keys = [program_key(s.plan) for s in (chosen, *nexts)]
