@@ -13,7 +13,8 @@ CASES = [("mlp", (2, 4)), ("gpt", (2, 4)), ("gpt", (1, 8)), ("moe", (2, 4))]
 
 @pytest.mark.parametrize("model, mesh", CASES, ids=[f"{m}-{'x'.join(map(str, s))}" for m, s in CASES])
 def test_predicted_collectives_match_compiled_hlo(model, mesh, devices8):
-    report = planned_example(model, mesh).report  # shared with test_memory_fidelity.py's cases
+    # the plans of test_memory_fidelity.py and of the FLOP/HBM cases below (gpt-2x4, gpt-1x8, moe-2x4): one plan each
+    report = planned_example(model, mesh, cluster="cpu-8", num_stages=1).report
     total = report.row("all collective bytes")
     assert total.compiled > 0, "the plan should communicate"
     assert total.rel_error <= 0.10, str(report)
