@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from autoshard.passes.ilp.cpsat import min_peak_plan_cpsat, solve_cpsat
 from autoshard.passes.ilp.mip import min_peak_plan_mip, solve_mip
 from autoshard.passes.ilp.problem import IlpProblem, IlpSolution, evaluate
 from autoshard.passes.ilp.search import local_search
@@ -29,6 +28,8 @@ def solve(problem: IlpProblem, later_hint: Callable[[], np.ndarray] | None = Non
     HiGHS's bound. ``later_hint`` makes the hint of a problem without one: with HiGHS it is called after the
     LP, so not at all when the LP proves that no plan beats the problem's cutoff."""
     if problem.solver == "cpsat":
+        from autoshard.passes.ilp.cpsat import solve_cpsat  # on use: OR-Tools (and the pandas it loads) take 0.3 s
+
         if problem.hint is None and later_hint is not None:
             problem = dataclasses.replace(problem, hint=later_hint())
         if problem.hint is not None:
@@ -52,6 +53,8 @@ def solve(problem: IlpProblem, later_hint: Callable[[], np.ndarray] | None = Non
 def min_peak_plan(problem: IlpProblem) -> tuple[float, np.ndarray]:
     """(smallest peak, a plan that reaches it): the least memory any plan free of forbidden choices needs."""
     if problem.solver == "cpsat":
+        from autoshard.passes.ilp.cpsat import min_peak_plan_cpsat  # on use, as in ``solve``
+
         return min_peak_plan_cpsat(problem)
     return min_peak_plan_mip(problem)
 
