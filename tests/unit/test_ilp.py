@@ -791,3 +791,30 @@ def test_random_problems_outside_random_cuts_match_brute_force(monkeypatch) -> N
             ranked += len(roots)
     assert compared >= 25 and refused >= 1 and ranked >= 10, (compared, refused, ranked)
     assert sum(r is not None for r in runs) >= compared  # the branching, not the rows, found them
+
+
+def test_the_model_a_raced_lp_hands_back_runs_again() -> None:
+    """The race in ``lp.solve_lp`` stops the loser with ``cancelSolve``, which HiGHS keeps for as long as the
+    model handles user interrupts: the model ``ColdStart.race`` hands back (for a dive, a plan's pricing, the
+    boxes of ``disjunction.py``), whichever start won, has them off, so a cancel sent to it as the race ended
+    does not stop its later runs."""
+    import time
+
+    import autoshard.passes.ilp.lp as lp
+    from autoshard.passes.ilp import mip
+    from autoshard.passes.ilp.presolve import presolve
+
+    problem = _medium_problem(seed=7)
+    red = presolve(problem)
+    ticks = mip._ticks(red)
+    b = mip._new(problem, red, ticks)
+    mip._add_edges(b, ticks)
+    upper = np.concatenate(b.upper)
+    deadline = time.perf_counter() + 10.0
+    result, model = lp.ColdStart(b, upper, deadline).race(lp.highs_lp(b, upper), deadline)
+    assert result.status == 0
+    model.cancelSolve()  # as the winner can be sent its rival's cancel when both finish together
+    taken = int(np.flatnonzero(result.x[:b.num_cols] > 0.5)[0])  # a column of the optimum, held at 0: a new LP
+    model.changeColsBounds(1, np.array([taken], dtype=np.int32), np.zeros(1), np.zeros(1))
+    again = lp.run_highs(model, 5.0)
+    assert again.status in (0, 2), again.message  # solved (status 4: stopped by the cancel)

@@ -137,7 +137,7 @@ class CutSearch:
             if solved is None:
                 self.boxes.show(held)
                 solved = run_highs(self.boxes.highs, left)
-                if solved.status == 1:  # out of time: the box stays open at its bound
+                if solved.status in (1, 4):  # out of time (or stopped): the box stays open at its bound
                     heapq.heappush(self.heap, entry)
                     break
                 if solved.status != 0:

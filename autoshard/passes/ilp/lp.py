@@ -293,6 +293,14 @@ def run_highs(highs: highspy.Highs, seconds: float) -> scipy.optimize.OptimizeRe
     return scipy.optimize.OptimizeResult(status=code, x=None, fun=None, message=highs.modelStatusToString(status))
 
 
+def _uncancelled(highs: highspy.Highs) -> highspy.Highs:
+    """``highs`` with user interrupts off: a ``cancelSolve`` the race sent it as it finished (its rival's, or
+    ``ColdStart.stop``'s) would otherwise stop every later run of it (a dive, a plan's pricing, a box of
+    ``disjunction.py``) at once, status 4, for as long as the interrupts are handled."""
+    highs.HandleUserInterrupt = False
+    return highs
+
+
 class ColdStart:
     """The whole LP by the serial dual simplex from a cold start (``highs_lp(b, upper, dual=True)``), built
     and solved in a thread of its own until ``deadline`` (``time.perf_counter()`` seconds): ``solve_lp``'s
@@ -353,13 +361,13 @@ class ColdStart:
                 self._rival = None
             if result.status in (0, 2):
                 self.stop()
-                return result, highs
+                return result, _uncancelled(highs)
         self.stop()
         if self.finished.is_set() and self.result is not None and self.model is not None:
             log.debug("mip: the whole LP's cold start finished first")
-            return self.result, self.model
+            return self.result, _uncancelled(self.model)
         assert result is not None  # not racing only when the cold start had finished
-        return result, highs
+        return result, _uncancelled(highs)
 
     def stop(self) -> None:
         """Cancel the solve if it still runs, and wait for its thread."""
