@@ -15,6 +15,8 @@ matrix, with continuous y (integral whenever s is) and the costs in floating poi
     (j) made      y[k,r,A,l] - t[k,A,l] <= 0                               P the producer of k, A its price groups
     (k) exclude   sum_{i in F_c} sum_{a in X[c,i]} s[i,a] <= |F_c| - 1      every no-good cut c (``excluded``):
                   X[c,i] its marked strategies of node i, F_c the free nodes with marked and unmarked ones
+                  (rows only when the LP without them has no optimum in time: ``disjunction.py`` branches
+                  on the cuts instead, over that LP, as the LP spreads a cut row over every node it names)
 
     minimize  q (sum c[i,a] s[i,a] + sum R[e,A,B] y[e,A,B] + sum g[k] z[k] + sum G[k,a,l] t[k,a,l])
 
