@@ -18,7 +18,7 @@ import numpy as np
 
 from autoshard.errors import PlanningError
 from autoshard.passes.ilp import solve
-from autoshard.passes.ilp.disjunction import forget_cut_search
+from autoshard.passes.ilp.disjunction import KEPT_SEARCH
 from autoshard.passes.ilp.problem import IlpProblem, IlpSolution, evaluate
 
 __all__ = ["Cut", "exact_cut", "next_best", "solve_excluding"]
@@ -75,5 +75,5 @@ def next_best(problem: IlpProblem, first: Cut, k: int, cut_of: Callable[[np.ndar
             if keep(solution):
                 found.append(solution)
     finally:
-        forget_cut_search()  # the re-solves were one search (passes/ilp/disjunction.py), kept between them
+        KEPT_SEARCH.forget()  # the re-solves were one search (passes/ilp/disjunction.py), kept between them
     return found

@@ -29,7 +29,7 @@ import scipy.optimize
 from autoshard.passes.ilp.lp import MIP_REL_GAP, MipBuilder, integral, run_highs, solve_lp
 from autoshard.passes.ilp.problem import IlpProblem
 
-__all__ = ["KEPT_SEARCH", "CutSearch", "KeptSearch", "forget_cut_search"]
+__all__ = ["KEPT_SEARCH", "CutSearch", "KeptSearch"]
 
 Cuts = list[list[tuple[int, np.ndarray]]]  # presolve.exclusion_cuts: per cut, (free node, its marked positions)
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -52,13 +52,12 @@ class _Boxes:
 def _children(b: MipBuilder, cut: list[tuple[int, np.ndarray]], held: np.ndarray, fun: float,
               reduced: np.ndarray) -> list[tuple[float, np.ndarray]]:
     """The boxes that split ``held`` less the plans ``cut`` excludes, each with its bound (module docstring)."""
-    heldset = set(held.tolist())
     sides = []  # per node of the cut: (its columns outside the marks, inside them), each without the held ones
     for node, marked in cut:
         columns = b.s(node, np.arange(len(b.red.allowed[node])))
         inside = np.zeros(len(columns), dtype=bool)
         inside[marked] = True
-        keep = np.array([c not in heldset for c in columns.tolist()], dtype=bool)
+        keep = ~np.isin(columns, held)
         sides.append((columns[~inside & keep], columns[inside & keep], columns[~inside], columns[inside]))
     bounds = [fun + max(0.0, float(reduced[outside].min())) if len(outside) else np.inf
               for outside, _, _, _ in sides]
@@ -73,21 +72,15 @@ def _children(b: MipBuilder, cut: list[tuple[int, np.ndarray]], held: np.ndarray
     return out
 
 
-def _violated(b: MipBuilder, cuts: Cuts, positions: list[int]) -> list[tuple[int, np.ndarray]] | None:
+def _violated(cuts: Cuts, positions: list[int]) -> list[tuple[int, np.ndarray]] | None:
     return next((cut for cut in cuts if all(positions[node] in marked for node, marked in cut)), None)
 
 
 def _split_fractional(b: MipBuilder, x: np.ndarray, held: np.ndarray) -> list[np.ndarray]:
-    """Two boxes: the most decided fractional node takes its largest strategy, or does not."""
-    best = None
-    for node, allowed in enumerate(b.red.allowed):
-        if b.first[node] < 0:
-            continue
-        v = x[b.first[node]:b.first[node] + len(allowed)]
-        if np.minimum(v, 1.0 - v).max() > 1e-6 and (best is None or v.max() > best[0]):
-            best = (float(v.max()), node, int(np.argmax(v)))
-    assert best is not None, "a fractional LP optimum with no fractional node"
-    _, node, position = best
+    """Two boxes: the most decided fractional node (as ``mip.dive`` fixes it) takes its largest strategy, or not."""
+    decided = b.most_decided_fractional(x)
+    assert decided is not None, "a fractional LP optimum with no fractional node"
+    node, position = decided
     columns = b.s(node, np.arange(len(b.red.allowed[node])))
     return [np.union1d(held, np.delete(columns, position)), np.union1d(held, columns[position:position + 1])]
 
@@ -150,7 +143,7 @@ class CutSearch:
                 for child in _split_fractional(self.b, solved.x, held):
                     self._push(solved.fun, child, None)
                 continue
-            cut = _violated(self.b, cuts, self.b.positions(solved.x))
+            cut = _violated(cuts, self.b.positions(solved.x))
             if cut is None:  # the box's optimum, outside every cut: its other plans cost no less
                 if best is not None:
                     self._push(best.fun, self.found[2], None)
@@ -208,7 +201,3 @@ class KeptSearch:
 
 KEPT_SEARCH = KeptSearch()
 
-
-def forget_cut_search() -> None:
-    """Drop the kept search (its HiGHS model): ``candidates.next_best`` calls it after its last re-solve."""
-    KEPT_SEARCH.forget()

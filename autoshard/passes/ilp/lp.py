@@ -180,6 +180,16 @@ class MipBuilder:
         a node presolve fixed."""
         return [int(np.argmax(x[f:f + len(a)])) if f >= 0 else 0 for f, a in zip(self.first, self.red.allowed)]
 
+    def most_decided_fractional(self, x: np.ndarray) -> tuple[int, int] | None:
+        """(node, position) of the free node whose largest strategy variable in ``x`` is the largest among the
+        nodes with a fractional one, and that variable's position; None when ``x`` is integral."""
+        best = None
+        for node, (f, allowed) in enumerate(zip(self.first, self.red.allowed)):
+            v = x[f:f + len(allowed)] if f >= 0 else None
+            if v is not None and np.minimum(v, 1.0 - v).max() > 1e-6 and (best is None or v.max() > best[0]):
+                best = (float(v.max()), node, int(np.argmax(v)))
+        return None if best is None else best[1:]
+
     def one_hot(self, positions: list[int]) -> np.ndarray:
         """The columns with each free node's strategy at ``positions`` taken and nothing else set."""
         x = np.zeros(self.num_cols)

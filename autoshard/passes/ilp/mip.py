@@ -250,23 +250,14 @@ def dive(b: MipBuilder, lp: scipy.optimize.OptimizeResult, seconds: float) -> sc
     None when a fixing leaves the LP infeasible (memory rows a tight budget sets) or ``seconds`` run out. The
     model is left with the fixings (``plan_objective`` sets every strategy column's bounds itself)."""
     highs, x, fun = lp.highs, lp.x, lp.fun
-    free = [(int(f), len(a)) for f, a in zip(b.first, b.red.allowed) if f >= 0]
-    if not free:
-        return None
-    columns = b.strategy_columns()  # the free nodes' columns, node after node
-    offsets = np.concatenate([[0], np.cumsum([count for _, count in free])[:-1]])
     deadline = time.perf_counter() + seconds
     while True:
-        v = x[columns]
-        largest = np.maximum.reduceat(v, offsets)
-        fractional = np.maximum.reduceat(np.minimum(v, 1.0 - v), offsets) > 1e-6
-        if not fractional.any():
+        decided = b.most_decided_fractional(x)
+        if decided is None:
             return scipy.optimize.OptimizeResult(status=1, x=x, fun=fun, highs=highs,
                                                  message="the fractional LP's dive: an integral LP optimum")
-        node = int(np.flatnonzero(fractional)[np.argmax(largest[fractional])])
-        first, count = free[node]
-        keep = first + int(np.argmax(x[first:first + count]))
-        others = np.array([c for c in range(first, first + count) if c != keep], dtype=np.int32)
+        node, position = decided
+        others = np.delete(b.s(node, np.arange(len(b.red.allowed[node]))), position).astype(np.int32)
         highs.changeColsBounds(len(others), others, np.zeros(len(others)), np.zeros(len(others)))
         left = deadline - time.perf_counter()
         if left <= 0:
