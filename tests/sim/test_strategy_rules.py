@@ -31,7 +31,7 @@ try:  # jax 0.10 / 0.11; jax 0.12 keeps it private
     from jax._src.lax.parallel import all_gather_invariant
 except ImportError:
     from jax._src.lax.parallel import _all_gather_invariant as all_gather_invariant
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from autoshard.ir.graph import Op, Role, Value
 from autoshard.ir.primitives import INLINED_CALLS
@@ -205,9 +205,12 @@ def _apply_collectives(ys: list[Any], strategy: Strategy, sizes: dict[str, int])
     reduces = [c for c in strategy.collectives if c.kind == "all-reduce"]
     scatters = [c for c in strategy.collectives if c.kind == "reduce-scatter"]
     assert len(strategy.collectives) == len(reduces) + len(scatters), f"unexpected collectives in {strategy}"
-    if reduces:  # one all-reduce per output, all over the same axes
-        assert len(reduces) == len(ys) and len({c.axes for c in reduces}) == 1, strategy
-        ys = [_all_reduce(y, reduces[0].axes, strategy.reduction) for y in ys]
+    # one all-reduce per output for each split reduced factor, over its axes (XLA reduces each factor apart)
+    groups = list(dict.fromkeys(c.axes for c in reduces))
+    assert len(reduces) == len(ys) * len(groups), strategy
+    assert len({a for g in groups for a in g}) == sum(len(g) for g in groups), strategy  # disjoint axes
+    for axes in groups:
+        ys = [_all_reduce(y, axes, strategy.reduction) for y in ys]
     for c in scatters:
         assert len(ys) == 1, strategy
         d = _scatter_dim(strategy.out_specs[0], c.axes)
@@ -659,6 +662,36 @@ def test_strategy_matches_unsharded_op(devices8: Any, name: str, index: int) -> 
     if isinstance(got, Exception):
         raise AssertionError(f"{name}: strategy {strategy} cannot run on shards: {got}") from got
     assert_same(got, want, f"{name}: {strategy}")
+
+
+# reductions split over two axes: two contracting (or reduced) dims split over x and y each, and one over both
+SPLIT_REDUCTIONS = ("dot_general/two-contracting", "dot_general/matmul", "reduce_sum/all")
+
+
+@pytest.mark.parametrize("name", SPLIT_REDUCTIONS)
+def test_a_reduction_s_collectives_are_those_xla_compiles(devices8: Any, name: str) -> None:
+    """Each strategy of the case that reduces to a replicated result over more than one axis names the
+    all-reduces XLA compiles for it (kind, group size, bytes): XLA reduces each split reduced dim apart,
+    the whole result over each dim's axes in turn (x and y for dims split over x and y, all of them
+    again over x: the bytes cross that axis's links once more), and a dim split over both axes at once."""
+    from autoshard.compiler.hlo import read_hlo_collectives
+
+    case, mesh = CASES[name], logical_mesh(CASES[name].mesh)
+    dmesh = device_mesh(case.mesh)
+    checked = 0
+    for strategy in _strategies(case):
+        reduced = {a for c in strategy.collectives for a in c.axes}
+        if (len(reduced) < 2 or any(c.kind != "all-reduce" for c in strategy.collectives)
+                or any(s.used_axes for s in strategy.out_specs)):
+            continue
+        shardings = tuple(NamedSharding(dmesh, _pspec(spec)) for spec in strategy.in_specs)
+        jitted = jax.jit(case.fn, in_shardings=shardings, out_shardings=NamedSharding(dmesh, P()))
+        compiled = jitted.lower(*case.args).compile(fast_compile())
+        got = sorted((c.kind, c.group_size, c.nbytes * c.count) for c in read_hlo_collectives(compiled.as_text()))
+        want = sorted((c.kind, mesh.size_of(c.axes), c.nbytes) for c in strategy.collectives)
+        assert got == want, f"{name}: {strategy}"
+        checked += 1
+    assert checked, f"{name}: no strategy reduces over two axes"
 
 
 NO_CASE = {  # registered primitives without a simulation case, and why

@@ -9,7 +9,9 @@ A factor that appears in the outputs is *parallel*: splitting it splits the
 work and the output. A factor absent from every output is *reduced*: splitting
 it leaves partial results that the strategy itself reduces (an all-reduce over
 the split axes, or a reduce-scatter when the output is then split over those
-axes too). A factor marked ``replicate_only`` is never split (sort along an
+axes too). As XLA does, each split reduced factor is all-reduced apart, over
+its own axes: two reduced dims split over x and y are two all-reduces of the
+whole result, not one over both. A factor marked ``replicate_only`` is never split (sort along an
 axis, cumsum's axis, a gather's indexed dimension...).
 
 Every strategy must be *locally computable*: each device runs the primitive
@@ -269,6 +271,7 @@ def factor_strategies(
         in_dims: list[list[MeshAxes]] = [[() for _ in range(v.rank)] for v in ins]
         out_dims: list[list[MeshAxes]] = [[() for _ in range(v.rank)] for v in outs]
         reduced_axes: list[str] = []
+        reduced_groups: list[tuple[str, ...]] = []  # per split reduced factor, its axes (mesh order)
         parallelism = 1
         for fi, ax in per_factor.items():
             f = factors[fi]
@@ -281,6 +284,7 @@ def factor_strategies(
                     out_dims[k][d] = tuple(ax)
             if f.reduced:
                 reduced_axes.extend(ax)
+                reduced_groups.append(tuple(a for a in mesh.axis_names if a in ax))
         in_specs = tuple(Spec(tuple(d)) for d in in_dims)
         base_out = [Spec(tuple(d)) for d in out_dims]
         compute = op_compute_s(op, mesh, parallelism, dtype)
@@ -290,10 +294,15 @@ def factor_strategies(
             continue
         reduced = tuple(a for a in mesh.axis_names if a in reduced_axes)
         out_bytes = [v.nbytes / s.num_shards(sizes) for v, s in zip(outs, base_out)]
-        reduce_comm = [Collective("all-reduce", reduced, b) for b in out_bytes]
+        # XLA's partitioner reduces each split reduced factor apart: partial sums over two contracting dims
+        # split over x and y are an all-reduce of the whole result over y, then another over x (measured: a
+        # GPT's weight gradient with batch over the nodes and sequence inside them sends all its bytes across
+        # nodes, not the eighth a hierarchical all-reduce over both would); one dim split over both axes is one
+        in_mesh_order = sorted(reduced_groups, key=lambda g: mesh.axis_names.index(g[0]))
+        reduce_comm = [Collective("all-reduce", group, b) for group in in_mesh_order for b in out_bytes]
         strategies.append(Strategy(
             in_specs, tuple(base_out), compute,
-            comm_s=sum(cost.all_reduce_s(mesh, reduced, b) for b in out_bytes),
+            comm_s=sum(cost.collective_s(mesh, c) for c in reduce_comm),
             collectives=tuple(reduce_comm), note=_join(f"all-reduce({reduction})", note), reduction=reduction,
             flops=flops,
         ))
