@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from autoshard.ir.graph import OpGraph, ValueId
-from autoshard.ir.spec import Spec
+from autoshard.ir.spec import Spec, partial_sums
 from autoshard.ir.train_graph import LayerTrainGraph
 from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes.decode import memory_simulation
@@ -113,7 +113,7 @@ def backward_apart(sim: MemorySimulation, residuals: set[ValueId], graph: OpGrap
         if all(v in outputs or all(id(c) in tail for c in consumers.get(v, ())) for v in graph.ops[t].outputs):
             tail.add(id(graph.ops[t]))
     pending = sum(float(c.nbytes) for op, s in zip(graph.ops, op_strategies) if id(op) in tail
-                  for c in s.collectives if c.kind in ("all-reduce", "reduce-scatter"))
+                  for c in partial_sums(s.collectives))
     return peak, pending
 
 

@@ -69,7 +69,7 @@ import numpy as np
 
 from autoshard.ir.graph import OpGraph, Role, ValueId, dtype_itemsize
 from autoshard.ir.primitives import CONTRACTIONS
-from autoshard.ir.spec import Collective, Spec
+from autoshard.ir.spec import Collective, Spec, partial_sums
 from autoshard.passes.buffer_rules import (Span, assign_to_donated, combine_all_reduces, donation,
                                            excess_precision, f32_dot_buffers, transposed_operands)
 from autoshard.passes.liveness import (InstructionOrder, NodeId, OpIndex, OpKind, place_fused, reader_positions,
@@ -436,7 +436,7 @@ class _Simulation:
             spans.append(Span(start, max(start, last_read[vid]), self.nbytes(vid), kind, vid))
         for t, node in self.ar_node.items():
             out = graph.ops[t].outputs[0]
-            for c in self.op_collectives[t]:
+            for c in partial_sums(self.op_collectives[t]):
                 spans.append(Span(self.at(t), self.at(node), float(c.nbytes), "partial sum", out))
                 if c.kind == "reduce-scatter":
                     late = max((last_read[v] for v in graph.ops[t].outputs if v in sliced_late), default=-1)

@@ -60,3 +60,28 @@ def test_combined_groups_never_wait_for_each_other():
         done.add(ready[0])
     # b1 reads a1: a1's group closes, and a2 (reading b2) starts a group of its own
     assert [a1] in groups and [a2] in groups and sorted([b2, b1]) in [sorted(g) for g in groups]
+
+
+def test_a_reduction_over_two_split_dims_holds_one_partial_sum():
+    """``einsum("bsd,bsf->df")`` with b split over x and s over y: two all-reduces of the whole [d, f] result
+    (XLA reduces each split dim apart; tests/sim/test_strategy_rules.py checks that against the HLO), but the
+    second reduces what the first wrote: one partial-sum buffer, as with one all-reduce over both axes."""
+    import jax
+    import jax.numpy as jnp
+
+    from autoshard.ir.spec import Collective, Spec, partial_sums
+    from autoshard.ir.trace import trace
+    from autoshard.passes.memory_model import simulate
+
+    a, b = jax.ShapeDtypeStruct((8, 16, 32), jnp.float32), jax.ShapeDtypeStruct((8, 16, 64), jnp.float32)
+    graph = trace(lambda x, y: jnp.einsum("bsd,bsf->df", x, y), a, b)
+    (t, op), = [(t, op) for t, op in enumerate(graph.ops) if op.primitive == "dot_general"]
+    result = 32 * 64 * 4.0
+    twice = (Collective("all-reduce", ("x",), result), Collective("all-reduce", ("y",), result))
+    assert partial_sums(twice) == twice[:1]
+    assert partial_sums((Collective("reduce-scatter", ("x", "y"), result),)) == (
+        Collective("reduce-scatter", ("x", "y"), result),)
+    split = Spec((("x",), ("y",), ()))
+    specs = {op.inputs[0]: split, op.inputs[1]: split, op.outputs[0]: Spec(((), ()))}
+    sim = simulate(graph, specs, {"x": 2, "y": 4}, op_collectives={t: twice}, op_reductions={t: "sum"})
+    assert [s.nbytes for s in sim.spans if s.kind == "partial sum"] == [result]
