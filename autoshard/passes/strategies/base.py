@@ -11,8 +11,8 @@ it leaves partial results that the strategy itself reduces (an all-reduce over
 the split axes, or a reduce-scatter when the output is then split over those
 axes too). As XLA does, each split reduced factor is all-reduced apart, over
 its own axes: two reduced dims split over x and y are two all-reduces of the
-whole result, not one over both. A factor marked ``replicate_only`` is never split (sort along an
-axis, cumsum's axis, a gather's indexed dimension...).
+whole result, not one over both. A factor marked ``replicate_only`` is never
+split (sort along an axis, cumsum's axis, a gather's indexed dimension...).
 
 Every strategy must be *locally computable*: each device runs the primitive
 on its own input shards (with shape-carrying params such as reshape's
