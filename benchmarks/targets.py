@@ -41,6 +41,7 @@ ONE_NODE_CLUSTER = "1x8-a100"
 TWO_NODE_CLUSTER = "2x8-a100"
 TOY_PARAMS = 10_000_000  # below this a step is latency, not compute: geomeans are also given without these
 SUPERLINEAR = 1.1  # a pass whose seconds grow faster than layers^this is named in the linear-growth target
+COLLECTIVE_TOLERANCE = 0.10  # the returned plan's compiled collective seconds against its modeled ones
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,35 @@ def _over_dp_target(results: Sequence[CellResult]) -> Target:
     return Target(name, got >= OVER_DP, detail)
 
 
+def _collective_target(results: Sequence[CellResult]) -> Target:
+    """What XLA runs is what was priced: the returned SPMD plan's modeled collectives (its ops' own and the
+    reshards between them) against the collectives of its compiled program, priced on the cell's cluster."""
+    name = (f"the returned plan's compiled collectives within {COLLECTIVE_TOLERANCE:.0%} of its modeled ones, "
+            "every cell")
+    rated, off, skipped = [], [], []
+    for r in results:
+        row = r.autoshard
+        if row is None or row.compiled is None:
+            skipped.append(f"{r.cell} ({_unrated(r)})")
+            continue
+        if r.compiled_answer_row is not row:
+            skipped.append(f"{r.cell} (a pipeline is returned: its stages are compared one by one, not here)")
+            continue
+        modeled, compiled = row.comm_s + row.reshard_s, row.compiled.collectives_s
+        error = (modeled - compiled) / compiled if compiled > 0 else (0.0 if modeled == 0 else math.inf)
+        rated.append(r)
+        if abs(error) > COLLECTIVE_TOLERANCE:
+            off.append(f"{r.cell} modeled {fmt_s(modeled)}, compiled {fmt_s(compiled)} ({error:+.0%})")
+    if not rated:
+        return Target(name, None, "no cell rated" + (": " + ", ".join(skipped) if skipped else ""))
+    parts = [f"{len(rated) - len(off)} of {len(rated)} cells within {COLLECTIVE_TOLERANCE:.0%}"]
+    if off:
+        parts.append("off: " + "; ".join(off))
+    if skipped:
+        parts.append("not rated: " + ", ".join(skipped))
+    return Target(name, not off, "; ".join(parts))
+
+
 def _planning_target(points: Sequence[ScalingPoint], layers: int, limit_s: float,
                      spots: Sequence[Hotspot]) -> Target:
     name = f"{layers}-layer GPT planned in <= {limit_s:.0f} s on (2, 4), arbitration off"
@@ -247,6 +277,7 @@ def evaluate(results: Sequence[CellResult], points: Sequence[ScalingPoint],
         _geomean_target(f"geomean >= {GEOMEAN_SPEEDUP}x on the MoE cells (compiled prices)", moe, GEOMEAN_SPEEDUP),
         _geomean_target(f"geomean >= {GEOMEAN_SPEEDUP}x on the two-node ({TWO_NODE_CLUSTER}) cells (compiled "
                         "prices)", two_node, GEOMEAN_SPEEDUP),
+        _collective_target(results),
         *(_planning_target(points, layers, limit, spots) for layers, limit in PLANNING_LIMITS_S.items()),
         _linear_target(points),
         *(_stage_search_target(staged, case, limit) for case, limit in STAGE_SEARCH_CASES),

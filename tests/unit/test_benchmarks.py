@@ -288,3 +288,19 @@ def test_the_stage_search_targets_read_the_timed_searches():
     assert xl.met is False and "<= 90 s" in xl.name and "inflated by the load" in xl.detail
     table = markdown([fast, slow])
     assert table.count("\n") == 3 and "| gpt-xl@8 | 32 | 2x8-a100 | 95.0 | 80.0 |" in table
+
+
+def test_the_returned_plan_s_compiled_collectives_are_rated_against_its_modeled_ones():
+    def row(modeled_comm: float, compiled_comm: float) -> StrategyRow:  # half the modeled in ops, half resharding
+        return StrategyRow("autoshard", 1.0, 1e9, True, 64, 0.5, modeled_comm / 2, modeled_comm / 2,
+                           CompiledRow(1.0, 0.6, compiled_comm, 0.01, 0.05, True))
+
+    near = _cell("gpt", "1x8-a100", row(0.21, 0.2), _row("DP", 2.0))  # +5%
+    far = _cell("moe", "4x8-h100", row(0.2, 0.3), _row("DP", 2.0))  # -33%
+    target = next(t for t in evaluate([near], []) if "collectives within" in t.name)
+    assert target.met is True and target.detail == "1 of 1 cells within 10%"
+    target = next(t for t in evaluate([near, far], []) if "collectives within" in t.name)
+    assert target.met is False and "1 of 2 cells" in target.detail
+    assert "moe-large on 4x8-h100" in target.detail and "(-33%)" in target.detail
+    uncompiled = dataclasses.replace(near, autoshard=dataclasses.replace(near.autoshard, compiled=None))
+    assert next(t for t in evaluate([uncompiled], []) if "collectives within" in t.name).met is None
