@@ -110,9 +110,12 @@ class Collective:
         return f"{self.kind}[{','.join(self.axes)}]({self.nbytes:.3g}B)"
 
 
+REDUCING: frozenset[CollectiveKind] = frozenset({"all-reduce", "reduce-scatter"})  # the kinds that sum partials
+
+
 def partial_sums(collectives: Sequence[Collective]) -> tuple[Collective, ...]:
     """The reductions of a strategy's ``collectives`` that each read a partial-sum buffer: the first reduction's,
     one per output. A reduction over dims split over different axes runs one all-reduce per dim (as XLA
     does), each of the whole result: the later ones reduce what the first wrote, no partial sum of their own."""
-    reducing = [c for c in collectives if c.kind in ("all-reduce", "reduce-scatter")]
+    reducing = [c for c in collectives if c.kind in REDUCING]
     return tuple(c for c in reducing if c.axes == reducing[0].axes)

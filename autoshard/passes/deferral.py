@@ -24,9 +24,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from autoshard.ir.graph import Op, OpGraph
-from autoshard.ir.spec import Spec
+from autoshard.ir.spec import REDUCING, Spec
 from autoshard.passes.buffer_rules import Span
-from autoshard.passes.objective import REDUCING
 from autoshard.passes.strategies import Strategy
 from autoshard.plans.annotations import PARTIAL_OPS, PARTIAL_VIEWS, Deferral, partial_spec
 

@@ -40,6 +40,7 @@ import numpy as np
 
 from autoshard.errors import ObjectiveMismatchWarning
 from autoshard.ir.graph import OpGraph, ValueId, dtype_itemsize
+from autoshard.ir.spec import REDUCING
 from autoshard.meshes import cost
 from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes.hbm_traffic import OpTraffic, op_traffic, strategies_work
@@ -55,7 +56,6 @@ EdgeSite = tuple[int, int, int, int, ValueId]  # (producer node, out pos, consum
 LatencyKey = tuple[str, tuple[str, ...], str | None, int]  # ("all-reduce", axes, reduction, loop index)
 
 LOOP_EXITS = frozenset({"loop_stack", "loop_final"})
-REDUCING = frozenset({"all-reduce", "reduce-scatter"})
 
 
 def late_reductions(graph: OpGraph) -> frozenset[int]:

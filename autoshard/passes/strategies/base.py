@@ -270,7 +270,6 @@ def factor_strategies(
             continue
         in_dims: list[list[MeshAxes]] = [[() for _ in range(v.rank)] for v in ins]
         out_dims: list[list[MeshAxes]] = [[() for _ in range(v.rank)] for v in outs]
-        reduced_axes: list[str] = []
         reduced_groups: list[tuple[str, ...]] = []  # per split reduced factor, its axes (mesh order)
         parallelism = 1
         for fi, ax in per_factor.items():
@@ -283,16 +282,15 @@ def factor_strategies(
                 if d is not None:
                     out_dims[k][d] = tuple(ax)
             if f.reduced:
-                reduced_axes.extend(ax)
                 reduced_groups.append(tuple(a for a in mesh.axis_names if a in ax))
         in_specs = tuple(Spec(tuple(d)) for d in in_dims)
         base_out = [Spec(tuple(d)) for d in out_dims]
         compute = op_compute_s(op, mesh, parallelism, dtype)
         flops = op.flops / parallelism
-        if not reduced_axes:
+        if not reduced_groups:
             strategies.append(Strategy(in_specs, tuple(base_out), compute, flops=flops))
             continue
-        reduced = tuple(a for a in mesh.axis_names if a in reduced_axes)
+        reduced = tuple(a for a in mesh.axis_names if any(a in group for group in reduced_groups))
         out_bytes = [v.nbytes / s.num_shards(sizes) for v, s in zip(outs, base_out)]
         # XLA's partitioner reduces each split reduced factor apart: partial sums over two contracting dims
         # split over x and y are an all-reduce of the whole result over y, then another over x (measured: a
