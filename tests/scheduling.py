@@ -11,8 +11,8 @@ stale one costs balance, never a test.
 
 Refresh the record from a run's JUnit report::
 
-    python -m pytest -q --junitxml=/tmp/junit.xml
-    python tests/scheduling.py /tmp/junit.xml
+    python -m pytest -q --junitxml=junit.xml
+    python tests/scheduling.py junit.xml
 """
 from __future__ import annotations
 
