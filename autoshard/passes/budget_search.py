@@ -2,9 +2,10 @@
 
 The ILP bounds memory at a few liveness points with per-choice terms; resharded and layout copies depend
 on pairs of choices and only the simulation of the decoded plan (``decode.memory_profile``) sees them. So
-``BudgetSearch.plan_within`` solves, decodes, and when the simulated peak exceeds the budget solves
-again with the ILP's budget lowered by the largest gap seen between a plan's simulated peak and the
-ILP's estimate of it; once a plan fits, the ILP's budget is bisected between the highest at which the
+``BudgetSearch.plan_within`` solves, decodes, and when the simulated peak exceeds the budget, the plan's
+resharded copies join the ILP's memory points (``passes/learned_memory.py``) and it solves again with the
+ILP's budget lowered by the largest gap seen between a plan's simulated peak and the ILP's estimate of it,
+copies included; once a plan fits, the ILP's budget is bisected between the highest at which the
 plan fit and the lowest at which it did not, and the fastest plan that fit is kept (``MAX_MEMORY_ROUNDS``
 solves in all). The rounds share the solver's time limit: each later one gets what the earlier ones left of
 it, and at least ``ROUND_SHARE`` of it, so a budget that binds costs a few limits, not one per round (a toy
@@ -34,6 +35,7 @@ from autoshard.passes.cost_graph import CostGraph
 from autoshard.passes.decode import decode
 from autoshard.passes.ilp import IlpProblem, IlpSolution, evaluate, min_peak_plan, solve
 from autoshard.passes.ilp.lp import MIP_REL_GAP
+from autoshard.passes.learned_memory import CopiesLearned
 from autoshard.passes.lowering import build_problem, search_starts_of
 from autoshard.passes.plan_result import IlpStats, IntraOpResult, PassClock
 from autoshard.passes.search_starts import best_start
@@ -61,6 +63,11 @@ class BudgetSearch:
     starts: tuple[np.ndarray, ...] | None = None  # the search starts, once
     probes: dict[tuple[float, float], float] = field(default_factory=dict)  # smallest budgets already found
     clock: PassClock = field(default_factory=PassClock)  # seconds per pass (build, solve, decode, memory)
+    learned: CopiesLearned | None = None  # resharded copies of plans over budget, in later rounds' memory points
+
+    def __post_init__(self) -> None:
+        if self.learned is None:
+            self.learned = CopiesLearned(self.cg)
 
     def search_starts(self) -> tuple[np.ndarray, ...]:
         """The search starts of this cost graph, computed on the first call."""
@@ -72,11 +79,12 @@ class BudgetSearch:
         """The ILP at ``budget``, hinted with the best search start that fits it; without a hint, and no start
         computed, when ``hinted`` is false."""
         with self.clock.timing("build"):
-            return build_problem(self.cg, budget, self.search_starts() if hinted else None, hinted=hinted)
+            return build_problem(self.cg, budget, self.search_starts() if hinted else None, hinted=hinted,
+                                 points=self.learned.points())
 
     def hint_at(self, budget: float) -> np.ndarray:
         """The best search start that fits ``budget``."""
-        return best_start(self.cg, self.cg.terms, self.search_starts(), budget)
+        return best_start(self.cg, self.cg.terms, self.search_starts(), budget, self.learned.points())
 
     def solve(self, problem: IlpProblem, later_hint: Callable[[], np.ndarray] | None = None) -> IlpSolution:
         with self.clock.timing("solve"):
@@ -100,7 +108,9 @@ class BudgetSearch:
         fitting: list[IntraOpResult] = []
         fits_at, fails_at = None, budget  # ILP budgets: the highest whose plan fit, the lowest whose did not
         ilp_budget = budget
-        bound = -np.inf  # no plan that fits is faster (the ILP's bound at the budget itself, in ILP seconds)
+        # no plan that fits is faster: the ILP's bound at the budget itself, in ILP seconds, while it has learned no
+        # copies (a learned copy may be counted for a plan that does not make it, so that ILP's bound is no proof)
+        bound = -np.inf
         limit, solving = problem.time_limit_s, time.perf_counter()
         for _ in range(MAX_MEMORY_ROUNDS):
             try:
@@ -108,7 +118,7 @@ class BudgetSearch:
             except (InfeasibleMemoryError, SolverTimeoutError):
                 solution = None  # the (tightened) ILP has no plan, or none was found within the time limit
             later_hint = None  # (the problems of later rounds are built with their hints)
-            if solution is not None and ilp_budget >= budget:
+            if solution is not None and ilp_budget >= budget and not self.learned.bytes_at:
                 bound = solution.objective_s * (1.0 - solution.gap) if np.isfinite(solution.gap) else -np.inf
             if solution is not None:
                 result = self.decoded(problem, solution, build_s)
@@ -120,6 +130,10 @@ class BudgetSearch:
                 else:
                     seen.append(result.peak_bytes)
                     fails_at = ilp_budget
+                    # its resharded copies join the memory points (passes/learned_memory.py), so the budget is
+                    # lowered only by what the ILP still does not count of this plan
+                    if self.learned.learn(result):
+                        problem = replace(problem, memory_points=self.learned.points())
                     estimate = max(evaluate(problem, solution.choices).memory_bytes, default=0.0)
                     margin = max(margin, result.peak_bytes - estimate)
                     log.info("intra-op on %s: the plan peaks at %s, over the budget %s (the ILP saw %s)",

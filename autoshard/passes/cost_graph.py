@@ -28,7 +28,7 @@ XLA allocates it as it does the priced one.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -438,10 +438,15 @@ def class_name(cg: CostGraph, c: int) -> str:
     return f"{op.primitive}#{op.id}" + (f" ({op.source})" if op.source else "")
 
 
-def memory_points(cg: CostGraph) -> MemoryPoints:
+def point_positions(cg: CostGraph, live: Mapping[ValueId, tuple[int, int]] | None = None,
+                    keep: Set[ValueId] | None = None) -> list[int]:
+    """The positions of the ILP's memory points, in order, in XLA:CPU's breadth-first order (that of
+    ``liveness_intervals``; ``memory_model.op_positions`` places the ops in it): the most replicated bytes
+    live, spread over the step (``live``, ``keep``: the graph's liveness intervals and materialised values,
+    when already computed)."""
     graph = cg.graph
-    live = liveness_intervals(graph)
-    keep = materialized_values(graph)
+    live = liveness_intervals(graph) if live is None else live
+    keep = materialized_values(graph) if keep is None else keep
     num_points = len(graph.ops) + 1
     change = np.zeros(num_points + 1)  # bytes that start (+) and stop (-) living at each point
     for vid, (start, stop) in live.items():
@@ -457,6 +462,13 @@ def memory_points(cg: CostGraph) -> MemoryPoints:
             chosen.append(int(t))
         if len(chosen) >= cg.options.num_memory_points:
             break
+    return sorted(chosen)
+
+
+def memory_points(cg: CostGraph) -> MemoryPoints:
+    graph = cg.graph
+    live = liveness_intervals(graph)
+    keep = materialized_values(graph)
     held = []  # a deferred twin's stack of partial sums, over its loop: (first point, end, class, bytes)
     for j, site in cg.sites.items():
         node, region = cg.num_inputs + j, graph.loops[site.loop]
@@ -464,7 +476,7 @@ def memory_points(cg: CostGraph) -> MemoryPoints:
         if extra.any():
             held.append((region.start, region.stop, int(cg.classes.node_class[node]), extra))
     points = []
-    for t in sorted(chosen):
+    for t in point_positions(cg, live, keep):
         terms: dict[int, np.ndarray] = {}
         for vid, (start, stop) in live.items():
             if start <= t <= stop and vid in keep and vid in cg.producer:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from autoshard.passes.cost_graph import CostGraph, class_name
+from autoshard.passes.cost_graph import CostGraph, MemoryPoints, class_name
 from autoshard.passes.ilp import IlpProblem
 from autoshard.passes.search_starts import best_start, hint_from, start_candidates
 
@@ -23,23 +23,26 @@ def search_starts_of(cg: CostGraph) -> tuple[np.ndarray, ...]:
 
 
 def build_problem(cg: CostGraph, budget_bytes: float | None = None,
-                  starts: Sequence[np.ndarray] | None = None, hinted: bool = True) -> IlpProblem:
+                  starts: Sequence[np.ndarray] | None = None, hinted: bool = True,
+                  points: MemoryPoints | None = None) -> IlpProblem:
     """The ILP of a cost graph under ``budget_bytes`` (default: the options', else the device memory),
     hinted with the best search start (``passes/search_starts.py``; ``starts``: computed before for this
-    cost graph) that fits it; not hinted, and no start computed, when ``hinted`` is false."""
+    cost graph) that fits it; not hinted, and no start computed, when ``hinted`` is false. ``points``
+    replaces the cost graph's memory points (``passes/learned_memory.py`` adds to them)."""
     terms = cg.terms
+    points = terms.points if points is None else points
     budget = budget_bytes if budget_bytes is not None else cg.options.memory_budget_bytes
     if budget is None:
         budget = cg.mesh.cluster.memory_per_device_bytes
     if starts is None and hinted:
         starts = search_starts_of(cg)
-    hint = best_start(cg, terms, starts, float(budget)) if hinted and starts is not None else None
+    hint = best_start(cg, terms, starts, float(budget), points) if hinted and starts is not None else None
     return IlpProblem(
         node_names=tuple(class_name(cg, c) for c in range(cg.classes.num_classes)),
         node_costs=terms.class_cost,
         edges=tuple((u, v) for u, v, _ in terms.edges),
         edge_costs=tuple(m for _, _, m in terms.edges),
-        memory_points=terms.points,
+        memory_points=points,
         memory_budget_bytes=float(budget),
         hint=hint,
         charges=terms.charges,

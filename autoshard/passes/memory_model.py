@@ -460,6 +460,17 @@ def liveness_intervals(graph: OpGraph) -> Mapping[ValueId, tuple[int, int]]:
     return graph.derived("liveness_intervals", lambda: types.MappingProxyType(_liveness_intervals(graph)))
 
 
+def op_positions(graph: OpGraph) -> np.ndarray:
+    """Each op's position in XLA:CPU's breadth-first order before any plan is chosen: the positions of
+    ``liveness_intervals`` and of the ILP's memory points (made once per graph)."""
+    def make() -> np.ndarray:
+        sim = _Simulation(graph, {}, {}, (), {}, {})
+        positions = np.array([sim.at(t) for t in range(len(graph.ops))], dtype=int)
+        positions.setflags(write=False)
+        return positions
+    return graph.derived("op_positions", make)
+
+
 def _liveness_intervals(graph: OpGraph) -> dict[ValueId, tuple[int, int]]:
     sim = _Simulation(graph, {}, {}, (), {}, {})
     reads = sim.reads(sim.layout_groups())

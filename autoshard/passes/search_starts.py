@@ -22,7 +22,7 @@ from autoshard.ir.graph import Role
 from autoshard.ir.spec import Spec
 from autoshard.passes.classic import classic_layouts
 from autoshard.passes.experts import expert_layouts
-from autoshard.passes.cost_graph import ClassEdge, CostGraph, ProblemTerms
+from autoshard.passes.cost_graph import ClassEdge, CostGraph, MemoryPoints, ProblemTerms
 from autoshard.passes.ilp.problem import IlpProblem, evaluate
 from autoshard.passes.ilp.search import local_search
 from autoshard.passes.strategies import Strategy
@@ -112,20 +112,22 @@ def start_candidates(cg: CostGraph, terms: ProblemTerms, start: np.ndarray | Non
     return tuple(found) + (_greedy_hint(cg, class_cost, edges, start),)
 
 
-def _probe(cg: CostGraph, terms: ProblemTerms, budget_bytes: float | None) -> IlpProblem:
+def _probe(cg: CostGraph, terms: ProblemTerms, budget_bytes: float | None,
+           points: MemoryPoints | None = None) -> IlpProblem:
     return IlpProblem(
         node_names=tuple(str(c) for c in range(cg.classes.num_classes)), node_costs=terms.class_cost,
         edges=tuple((u, v) for u, v, _ in terms.edges), edge_costs=tuple(m for _, _, m in terms.edges),
-        memory_points=terms.points, memory_budget_bytes=budget_bytes, charges=terms.charges,
+        memory_points=terms.points if points is None else points, memory_budget_bytes=budget_bytes,
+        charges=terms.charges,
         reshards=terms.reshards,
     )
 
 
 def best_start(cg: CostGraph, terms: ProblemTerms, candidates: Sequence[np.ndarray],
-               budget_bytes: float | None = None) -> np.ndarray:
-    """The cheapest of ``start_candidates`` that fits ``budget_bytes`` (the last, the plain greedy start,
-    when none does)."""
-    probe = _probe(cg, terms, budget_bytes if budget_bytes is not None else cg.options.memory_budget_bytes)
+               budget_bytes: float | None = None, points: MemoryPoints | None = None) -> np.ndarray:
+    """The cheapest of ``start_candidates`` that fits ``budget_bytes`` at the memory points ``points`` (default:
+    the terms'; the last candidate, the plain greedy start, when none fits)."""
+    probe = _probe(cg, terms, budget_bytes if budget_bytes is not None else cg.options.memory_budget_bytes, points)
     best, best_s = None, np.inf
     for candidate in candidates[:-1]:
         result = evaluate(probe, candidate)
