@@ -16,7 +16,9 @@ each strategy of the class that reads the value in that layout. The ILP's count 
 from then includes each copy wherever it was live in that order; another plan pays a copy while the last
 reader reads that layout (once more than due when the producer itself makes that layout, which needs no copy:
 a cut learned from one plan, checked, like every plan, by the simulation). A copy is learned once per
-(value, layout), from the first plan that made it.
+(value, layout), from the first plan that made it. On the gpt-xl@8 cell the ILP then counts 84.6 GiB of that
+plan and the next round's budget is 77 GiB: given 40 s, that round's plan fits at 995.7 ms, 0.2% from the bound
+at 80 GiB (at the default 10 s its MIP is left too little time and the search keeps its hint, as before).
 """
 from __future__ import annotations
 
