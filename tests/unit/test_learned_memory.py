@@ -21,7 +21,7 @@ from autoshard.passes.memory_model import op_positions
 from examples import gpt, moe
 
 
-@pytest.mark.parametrize("model", [gpt, moe], ids=["gpt", "moe"])
+@pytest.mark.parametrize("model", [gpt, pytest.param(moe, marks=pytest.mark.slow)], ids=["gpt", "moe"])
 def test_a_plan_s_copies_raise_its_ilp_count_by_the_copies_live_at_each_point(model):
     work = model.workload("tiny", abstract=True)
     cg = CostGraph(trace(work.step, *work.args), make_logical_mesh(get_cluster("1x8-a100"), (2, 4)),
