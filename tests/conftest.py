@@ -33,7 +33,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")  # and h
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 import pytest  # noqa: E402
-from scheduling import longest_groups_first, recorded_seconds  # noqa: E402
+from scheduling import group_of, longest_groups_first, recorded_seconds  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
@@ -68,11 +68,7 @@ def pytest_collection_modifyitems(config, items):
         if not any(item.iter_markers("xdist_group")):
             item.add_marker(pytest.mark.xdist_group(path.rsplit("/tests/", 1)[-1]))
     # the longest groups first (tests/scheduling.py), so that no long group is left for one worker at the end
-    items[:] = longest_groups_first(items, _group_of, recorded_seconds())
-
-
-def _group_of(item) -> str:
-    return next(item.iter_markers("xdist_group")).args[0]
+    items[:] = longest_groups_first(items, group_of, recorded_seconds())
 
 
 @pytest.fixture(scope="session")

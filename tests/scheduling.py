@@ -51,6 +51,11 @@ def longest_groups_first(items: Sequence[T], group_of: Callable[[T], str], secon
     return [item for group in order for item in groups[group]]
 
 
+def group_of(item) -> str:
+    """A collected test's xdist group (tests/conftest.py gives every test one)."""
+    return next(item.iter_markers("xdist_group")).args[0]
+
+
 def seconds_from_junit(path: Path) -> dict[str, float]:
     """Seconds per group from a JUnit report of an xdist run (each test's name ends in ``@group``)."""
     seconds: dict[str, float] = {}

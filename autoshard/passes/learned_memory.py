@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autoshard.ir.graph import ValueId, dtype_itemsize
+from autoshard.ir.graph import ValueId
 from autoshard.ir.spec import Spec
 from autoshard.passes.cost_graph import CostGraph, MemoryPoints, point_positions
 from autoshard.passes.memory_model import op_positions
@@ -84,9 +84,7 @@ class CopiesLearned:
             node = cg.num_inputs + last_op
             own = cg.strategies[node]
             reads_it = np.array([own[i].in_specs[pos] == dst for i in cg.classes.strategy_map[node]])
-            value = cg.graph.values[vid]
-            nbytes = float(np.prod(dst.shard_shape(value.shape, cg.sizes), dtype=np.float64)) * dtype_itemsize(
-                value.dtype)
+            nbytes = cg.graph.values[vid].nbytes / dst.num_shards(cg.sizes)  # as the ILP counts a value's bytes
             if not reads_it.any() or nbytes <= 0:
                 continue
             c = int(cg.classes.node_class[node])

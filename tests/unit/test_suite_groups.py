@@ -38,11 +38,11 @@ def test_groups_are_handed_out_longest_first_each_kept_whole():
 def test_the_recorded_group_seconds_name_groups_of_this_suite(request):
     """The record orders the run; a group it names that the suite no longer has is a stale record (refresh it:
     ``python tests/scheduling.py JUNIT.xml``, see tests/scheduling.py)."""
-    from scheduling import recorded_seconds
+    from scheduling import group_of, recorded_seconds
 
     recorded = recorded_seconds()
     assert recorded, "tests/group_seconds.json is missing or empty: the groups run in collection order"
-    groups = {next(item.iter_markers("xdist_group")).args[0] for item in request.session.items}
+    groups = {group_of(item) for item in request.session.items}
     if len(groups) < 20:
         pytest.skip("only part of the suite was collected: the record names groups this run did not collect")
     stale = sorted(set(recorded) - groups)
