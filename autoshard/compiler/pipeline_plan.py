@@ -15,12 +15,12 @@ import numpy as np
 
 from autoshard.compiler.driver import PlannedStep
 from autoshard.compiler.pipeline_context import PipelineContext, PricedPipeline, StepView
+from autoshard.compiler.stage_boundaries import StageBoundaries, boundary_collectives, edge_pins
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.spec import Spec
 from autoshard.ir.split import StepParts, batch_inputs
 from autoshard.ir.stage_programs import StageProgram
 from autoshard.passes.hbm_traffic import compute_lower_bound_s, graph_flops_by_dtype
-from autoshard.passes.resharding import reshard
 from autoshard.passes.stage_costs import MODES, PricedStages, lerp_microbatch
 from autoshard.passes.stages import StageChoice, StagePlan
 from autoshard.plans.ledger import Ledger, SolverInfo, fmt_s
@@ -35,8 +35,8 @@ INTRA_STAGE = "per stage: its own intra-op plan (see each stage's intra-op line)
 
 
 def stage_layout(graph: OpGraph, parts: StepParts, programs: Sequence[StageProgram], priced: PricedStages,
-                 choice: StageChoice, devices: Sequence[int]) -> StageLayout:
-    """The runtime layout of one chosen stage (module docstring)."""
+                 choice: StageChoice, devices: Sequence[int], num_microbatches: int) -> StageLayout:
+    """The runtime layout of one chosen stage (module docstring) in a pipeline of ``num_microbatches``."""
     k = choice.submesh_index
     variant = priced.variants[k]
     mesh = priced.meshes[priced.mesh_of[k]]
@@ -64,163 +64,15 @@ def stage_layout(graph: OpGraph, parts: StepParts, programs: Sequence[StageProgr
                 batch_axes = tuple(leading[0].dims[0])
     pins = {layer: priced.layer_cost(layer, k).train_pins for layer in range(choice.first_layer, choice.last_layer + 1)}
     inputs = state_specs(graph, parts, params, grads)
-    edges = edge_pins(parts, programs, priced, choice.first_layer, choice.last_layer, k)
+    batch_axes = batch_axes if batch_axes is not None else ()
+    edges = edge_pins(StageBoundaries(parts, programs, priced, choice.first_layer, choice.last_layer, k, batch_axes,
+                                      num_microbatches))
     return StageLayout(choice.first_layer, choice.last_layer, tuple(devices), mesh_shape=tuple(mesh.shape),
                        axis_names=tuple(mesh.axis_names), param_specs=params, grad_specs=grads,
-                       input_specs=inputs, batch_axes=batch_axes if batch_axes is not None else (),
+                       input_specs=inputs, batch_axes=batch_axes,
                        recompute=variant.recompute, op_out_specs=op_out, op_in_reshards=op_in,
                        output_specs=output_specs(graph.carried, inputs), edge_pins=edges,
                        train_pins=pins if all(p is not None for p in pins.values()) else {})
-
-
-def _act_specs(priced: PricedStages, layer: int, k: int
-               ) -> tuple[Sequence[Spec], Sequence[Spec], Sequence[Spec], Sequence[Spec]]:
-    """(activations in, cotangents in, activations out, cotangents out) of a layer's plan on variant k."""
-    cost = priced.layer_cost(layer, k)
-    na, npar, nd, nact, nct = priced.groups[layer]
-    ins = cost.input_specs[na + npar + nd:]
-    outs = cost.output_specs[na:]
-    return ins[:nact], ins[nact:nact + nct], outs[:nct], outs[nct:]
-
-
-def _matches(priced: PricedStages, layer: int, k: int, program: StageProgram) -> bool:
-    """Whether the layer plan's activation specs line up with this layer's own program (a layer sharing its
-    class's graph may cross other values: then its boundaries are left to XLA)."""
-    acts_in, cts_in, acts_out, dacts = _act_specs(priced, layer, k)
-    return len(acts_in) == len(dacts) == len(program.in_acts) and len(acts_out) == len(cts_in) == len(
-        program.out_acts)
-
-
-def edge_pins(parts: StepParts, programs: Sequence[StageProgram], priced: PricedStages, first: int, last: int,
-              k: int) -> dict[tuple[int, int, int], tuple[Spec, Spec]]:
-    """The two-way pins (``runtime/stage_pins.two_way_pin``) of the activations a stage's layers read and
-    make: each reading equation takes it in its layer plan's input spec (its cotangent leaves in that plan's
-    gradient spec); each making equation gives it in its plan's output spec (its cotangent arrives in that
-    plan's cotangent spec); a batch leaf is taken in the plan's spec for it. The last layer's outputs (the
-    loss, the aux outputs) are not pinned."""
-    fwd = parts.forward
-    out: dict[tuple[int, int, int], tuple[Spec, Spec]] = {}
-    producer = {v: i for i, e in enumerate(fwd.eqns) for v in e.outs}
-    for layer in range(first, last + 1):
-        program = programs[layer]
-        acts_in, cts_in, acts_out, dacts = _act_specs(priced, layer, k)
-        if not _matches(priced, layer, k, program):
-            continue
-        position = {v: i for i, v in enumerate(program.in_acts)}
-        cost = priced.layer_cost(layer, k)
-        na, npar, nd = priced.groups[layer][:3]
-        data = {fwd.invars[leaf]: cost.input_specs[na + npar + d] for d, leaf in enumerate(program.data_leaves)
-                if d < nd}
-        for i in program.eqns:
-            for pos, atom in enumerate(fwd.eqns[i].ins):
-                if not hasattr(atom, "val") and atom in data and not fwd.free[i]:
-                    out[(i, 0, pos)] = (data[atom], data[atom])
-        for i in program.eqns:
-            for pos, atom in enumerate(fwd.eqns[i].ins):
-                if not hasattr(atom, "val") and atom in position:
-                    out[(i, 0, pos)] = (acts_in[position[atom]], dacts[position[atom]])
-        if layer == len(programs) - 1:
-            continue
-        for j, v in enumerate(program.out_acts):
-            if not hasattr(v, "val") and v in producer:
-                i = producer[v]
-                out[(i, 1, fwd.eqns[i].outs.index(v))] = (acts_out[j], cts_in[j])
-    return out
-
-
-def boundary_collectives(parts: StepParts, programs: Sequence[StageProgram], priced: PricedStages,
-                         layout: StageLayout, k: int, num_microbatches: int, last: bool
-                         ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-    """(forward, backward, forward without the outputs) per-device bytes per microbatch of the reshards
-    between the layer plans of one stage: an activation leaves its producing layer's plan in that plan's
-    output spec and enters each reading layer's plan in that plan's input spec; at the stage's boundaries it
-    is in the runtime's layout (split over the batch axes). Cotangents go the other way. Each is priced as
-    ``passes/resharding`` would run it. A backward that re-runs the forward does not return the forward's
-    outputs, so it runs the third figure, not the first; a forward that keeps its residuals for the backward
-    returns its outputs in the layouts XLA leaves them in (their move happens in the send), so only a
-    recomputing stage's forward reshards them to the runtime layout; cotangents arrive in it either way.
-    A value several layers read in one layout is resharded once (XLA CSEs the copies, as the ILP's shared
-    reshards say), and each reader takes a value from the last layer before it that gives it out."""
-    mesh = priced.meshes[priced.mesh_of[k]]
-    sizes = dict(zip(mesh.axis_names, mesh.shape))
-    fwd = parts.forward
-    layers = [layer for layer in range(layout.first_layer, layout.last_layer + 1)
-              if _matches(priced, layer, k, programs[layer])]
-    # var -> the layers giving it out, in order, with its index among each one's out_acts; a layer that reads a
-    # value and gives it out again (the residual stream through the pieces of a split block) is one of them
-    givers: dict[int, list[tuple[int, int]]] = {}
-    for layer in layers:
-        for j, v in enumerate(programs[layer].out_acts):
-            if not hasattr(v, "val"):
-                givers.setdefault(v, []).append((layer, j))
-
-    def giver(var: int, before: int) -> tuple[int, int] | None:
-        """The last layer before ``before`` that gives ``var`` out (None: it enters the stage)."""
-        found = [(a, j) for a, j in givers.get(var, ()) if a < before]
-        return found[-1] if found else None
-
-    out: dict[str, dict[str, float]] = {"forward": {}, "backward": {}, "inside": {}}
-    moved: set[tuple[int, Spec, Spec]] = set()  # forward reshards made once: XLA CSEs a value's equal copies
-
-    def move(action: str, var: int, src: Spec, dst: Spec, leaving: bool = False) -> None:
-        aval = fwd.avals[var]
-        shape = tuple(int(d) for d in aval.shape)
-        if shape and shape[0] % num_microbatches == 0:
-            shape = (shape[0] // num_microbatches,) + shape[1:]
-        if src == dst or src.rank != len(shape) or dst.rank != len(shape):
-            return
-        if action == "forward" and not leaving:
-            if (var, src, dst) in moved:
-                return
-            moved.add((var, src, dst))
-        for c in reshard(shape, np.dtype(aval.dtype).itemsize, src, dst, mesh).collectives:
-            for key in (action, "inside") if action == "forward" and not leaving else (action,):
-                out[key][c.kind] = out[key].get(c.kind, 0.0) + c.nbytes
-
-    def specs(layer: int) -> tuple[Sequence[Spec], Sequence[Spec], Sequence[Spec], Sequence[Spec]]:
-        return _act_specs(priced, layer, k)
-
-    for layer in layers:  # the batch leaves a layer reads arrive in the runtime's layout
-        cost = priced.layer_cost(layer, k)
-        na, npar = priced.groups[layer][:2]
-        for d, leaf in enumerate(programs[layer].data_leaves):
-            var = fwd.invars[leaf]
-            if d < priced.groups[layer][2] and fwd.avals[var].shape:
-                here = batch_split_spec(tuple(fwd.avals[var].shape), layout.split_axes, sizes)
-                move("forward", var, here, cost.input_specs[na + npar + d])
-    for layer in layers:
-        acts_in, _, _, dacts = specs(layer)
-        for i, v in enumerate(programs[layer].in_acts):
-            given = giver(v, layer)
-            if given is not None:  # made (or passed on) inside the stage
-                a, j = given
-                _, cts_in_a, acts_out_a, _ = specs(a)
-                move("forward", v, acts_out_a[j], acts_in[i])
-                move("backward", v, dacts[i], cts_in_a[j])
-            else:  # enters the stage
-                here = batch_split_spec(tuple(fwd.avals[v].shape), layout.split_axes, sizes)
-                move("forward", v, here, acts_in[i])
-                move("backward", v, dacts[i], here)
-    if not last:
-        for v in programs_out(programs, layout):
-            given = giver(v, layout.last_layer + 1)
-            if given is None:
-                continue
-            a, j = given
-            _, cts_in_a, acts_out_a, _ = specs(a)
-            here = batch_split_spec(tuple(fwd.avals[v].shape), layout.split_axes, sizes)
-            if layout.recompute:  # a stage keeping its residuals returns its outputs as XLA leaves them
-                move("forward", v, acts_out_a[j], here, leaving=True)
-            move("backward", v, here, cts_in_a[j])
-    return out["forward"], out["backward"], out["inside"]
-
-
-def programs_out(programs: Sequence[StageProgram], layout: StageLayout) -> list[int]:
-    """The activations one stage's layers make that a later layer outside it reads."""
-    inside = set(range(layout.first_layer, layout.last_layer + 1))
-    made = {v for layer in inside for v in programs[layer].out_acts if not hasattr(v, "val")}
-    read_after = {v for layer in range(layout.last_layer + 1, len(programs)) for v in programs[layer].in_acts}
-    return sorted(made & read_after)
 
 
 def stage_collectives(priced: PricedStages, choice: StageChoice, num_microbatches: int, last: bool,
@@ -323,7 +175,8 @@ def build_pipeline_plan(ctx: PipelineContext, view: StepView, sp: StagePlan, lay
             train_pins=dict(layout.train_pins), batch_axes=layout.split_axes,
             collective_bytes=stage_collectives(
                 priced, choice, sp.num_microbatches, s == len(sp.stages) - 1,
-                boundary_collectives(parts, programs, priced, layout, k, sp.num_microbatches,
+                boundary_collectives(StageBoundaries(parts, programs, priced, i, j, k, layout.split_axes,
+                                                     sp.num_microbatches), layout.recompute,
                                      s == len(sp.stages) - 1) if programs else ({}, {}, {}))))
     times = list(sp.stage_times_s) + list(sp.transfer_times_s)
     worst = int(np.argmax(times))

@@ -51,7 +51,8 @@ def finish_pipeline(ctx: PipelineContext, priced: PricedPipeline, stage_plan: St
         placed = [tuple(pool[i] for i in devs) for devs in placed]
     priced = at_runtime_microbatch(ctx, priced, stage_plan)
     view = ctx.view()
-    layouts = tuple(stage_layout(view.graph, view.parts, priced.programs, priced.stages, st, devs)
+    layouts = tuple(stage_layout(view.graph, view.parts, priced.programs, priced.stages, st, devs,
+                                 stage_plan.num_microbatches)
                     for st, devs in zip(stage_plan.stages, placed))
     plan = build_pipeline_plan(ctx, view, stage_plan, layouts, priced, spmd, name, spmd_bound_s)
     log.info("%s", plan)

@@ -30,7 +30,9 @@ def stage_json(stage: Any, index: int) -> dict[str, Any]:
             elif f.name == "train_pins":
                 value = _train_pins_json(value)
             elif f.name == "edge_pins":
-                value = {":".join(map(str, k)): [a.to_json(), b.to_json()] for k, (a, b) in value.items()}
+                value = {":".join(map(str, k)): {"forward": [s.to_json() for s in a],
+                                                 "backward": [s.to_json() for s in b]}
+                         for k, (a, b) in value.items()}
             elif f.name == "collective_bytes":
                 value = {a: dict(kinds) for a, kinds in value.items()}
             elif isinstance(value, StageMemory):
@@ -84,13 +86,20 @@ def _stage_op_specs(body: Mapping[str, Any], names: Sequence[str], where: str) -
                                               f"{where}.train_pins")
     edges = jf.optional_dict(body, "edge_pins", where)
     out["edge_pins"] = {}
-    for key, pair in edges.items():
+    for key, pin in edges.items():
         parts = key.split(":")
-        if len(parts) != 3 or not isinstance(pair, list) or len(pair) != 2:
-            raise PlanFileError(f"{where}.edge_pins: expected 'equation:side:position': [forward spec, cotangent "
-                                f"spec], got {key!r}: {pair!r}")
-        index = tuple(jf.index(x, None, f"{where}.edge_pins[{key}]") for x in parts)
-        out["edge_pins"][index] = tuple(jf.spec(x, names, f"{where}.edge_pins[{key}]") for x in pair)
+        at = f"{where}.edge_pins[{key}]"
+        if isinstance(pin, list) and len(pin) == 2:  # older files: one spec a side
+            chains = tuple((jf.spec(x, names, at),) for x in pin)
+        elif isinstance(pin, dict) and set(pin) == {"forward", "backward"}:
+            chains = tuple(jf.specs(pin[side], names, f"{at}.{side}") for side in ("forward", "backward"))
+        else:
+            chains = ()
+        if len(parts) != 3 or len(chains) != 2 or not all(chains):
+            raise PlanFileError(f"{where}.edge_pins: expected 'equation:side:position': {{\"forward\": [spec, ...], "
+                                f"\"backward\": [spec, ...]}} (each at least one spec), got {key!r}: {pin!r}")
+        index = tuple(jf.index(x, None, at) for x in parts)
+        out["edge_pins"][index] = chains
     collectives = jf.optional_dict(body, "collective_bytes", where)
     out["collective_bytes"] = {str(a): jf.numbers(jf.mapping(kinds, f"{where}.collective_bytes[{a}]"),
                                                   f"{where}.collective_bytes[{a}]")

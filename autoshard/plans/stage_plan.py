@@ -25,6 +25,11 @@ from autoshard.plans.ledger import fmt_bytes, fmt_s
 from autoshard.plans.schedules import PipelineSchedule
 
 
+# an activation crossing between layer plans: the layouts it is pinned through going forward (the last: the
+# reading plan's input spec, or the making plan's output spec), and those its cotangent is pinned through
+EdgePin = tuple[tuple[Spec, ...], tuple[Spec, ...]]
+
+
 def batch_split_spec(shape: Sequence[int], batch_axes: Sequence[str], sizes: Mapping[str, int]) -> Spec:
     """How a pipeline stage lays out a batch leaf or an activation at its boundary: its leading (batch) dim
     split over the stage's ``batch_axes`` of size > 1 when their product divides it, else replicated. The
@@ -84,9 +89,10 @@ class PipelineStage:
     # position the layouts it is resharded through (``runtime/stage_pins.py``)
     op_out_specs: Mapping[int, tuple[Spec | None, ...]] = field(default_factory=dict)
     op_in_reshards: Mapping[int, Mapping[int, tuple[Spec, ...]]] = field(default_factory=dict)
-    # activations crossing between layer plans: (equation, 0 input / 1 output, position) -> (forward spec,
-    # cotangent spec), ``runtime/stage_pins.two_way_pin``
-    edge_pins: Mapping[tuple[int, int, int], tuple[Spec, Spec]] = field(default_factory=dict)
+    # activations crossing between layer plans: (equation, 0 input / 1 output, position) -> (the layouts the
+    # value is pinned through going forward, those its cotangent is pinned through coming back),
+    # ``runtime/stage_pins.two_way_pin``
+    edge_pins: Mapping[tuple[int, int, int], EdgePin] = field(default_factory=dict)
     # predicted per-device bytes by collective kind per call of each executable: {forward|backward|apply: {kind:
     # bytes}} (forward, backward per microbatch; apply once per step); empty: not predicted
     collective_bytes: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
@@ -144,7 +150,8 @@ class PipelineStage:
         data["batch_specs"] = {k: str(v) for k, v in self.batch_specs.items()}
         data["state_specs"] = {k: str(v) for k, v in self.state_specs.items()}
         data["op_out_specs"] = {k: [str(s) if s is not None else None for s in v] for k, v in self.op_out_specs.items()}
-        data["edge_pins"] = {":".join(map(str, k)): [str(a), str(b)] for k, (a, b) in self.edge_pins.items()}
+        data["edge_pins"] = {":".join(map(str, k)): {"forward": [str(s) for s in a], "backward": [str(s) for s in b]}
+                             for k, (a, b) in self.edge_pins.items()}
         data["op_in_reshards"] = {k: {p: [str(s) for s in c] for p, c in v.items()} for k, v in self.op_in_reshards.items()}
         return data
 

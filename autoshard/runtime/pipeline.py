@@ -162,7 +162,8 @@ class PipelineStep:
         if self._layer_programs is None:
             self._layer_programs = one_layer_programs(self.parts.forward, self.layers)
         runner, why = stage_runner(self.parts.forward, p, self._layer_programs, layout.train_pins,
-                                   layout.first_layer, layout.last_layer, self.meshes[p.index], graphs)
+                                   layout.first_layer, layout.last_layer, self.meshes[p.index], graphs,
+                                   layout.edge_pins)
         if runner is None:
             log.warning("pipeline stage %d runs jax.vjp of its pinned forward, not its planned backward: %s",
                         p.index, why)

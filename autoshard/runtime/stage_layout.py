@@ -15,7 +15,7 @@ from autoshard.ir.split import StepParts
 from autoshard.ir.stage_programs import LayerEqns
 from autoshard.plans.annotations import TrainPins
 from autoshard.plans.schedules import PipelineSchedule
-from autoshard.plans.stage_plan import batch_split_spec
+from autoshard.plans.stage_plan import EdgePin, batch_split_spec
 from autoshard.runtime.spmd import named_sharding
 
 
@@ -41,8 +41,8 @@ class StageLayout:
     op_in_reshards: Mapping[int, Mapping[int, tuple[Spec, ...]]] = field(default_factory=dict)
     output_specs: Mapping[int, Spec] = field(default_factory=dict)  # flat step output -> its planned spec
     # activations crossing between layer plans: (forward equation, 0: an input / 1: an output, position) ->
-    # (the spec the value is pinned to going forward, the spec its cotangent is pinned to coming back)
-    edge_pins: Mapping[tuple[int, int, int], tuple[Spec, Spec]] = field(default_factory=dict)
+    # (the layouts the value is pinned through going forward, those its cotangent is pinned through coming back)
+    edge_pins: Mapping[tuple[int, int, int], EdgePin] = field(default_factory=dict)
     # layer -> its train-graph plan (``plans/annotations.TrainPins``): with one for every layer the stage runs
     # its layers' train graphs pinned op by op, the backward as planned; without, jax.vjp of the pinned forward
     train_pins: Mapping[int, TrainPins] = field(default_factory=dict)

@@ -20,11 +20,12 @@ Where an activation passes from one layer plan to another (and at the stage's ed
 ways (``two_way_pin``): forward to the reading layer plan's input spec, and its cotangent to the spec that
 plan's backward hands it back in; at the producing end, forward to the producer's output spec and the
 cotangent to the producer's cotangent-input spec. The reshards in between are what
-``compiler/pipeline_plan.boundary_collectives`` predicts.
+``compiler/stage_boundaries.boundary_collectives`` predicts, and each is pinned through its planned
+intermediate layouts (``StageLayout.edge_pins`` holds chains), so XLA runs them as priced.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -33,6 +34,7 @@ from jax.sharding import Mesh
 from autoshard.ir.spec import Spec
 from autoshard.ir.split import EqnHook, Forward
 from autoshard.runtime.spmd import SharedPins, pin, pin_op_inputs, pin_op_outputs
+from autoshard.plans.stage_plan import EdgePin
 from autoshard.runtime.stage_layout import StageLayout
 
 
@@ -62,16 +64,17 @@ def stage_hooks(forward: Forward, layout: StageLayout, mesh: Mesh) -> tuple[EqnH
             if chain and all(_fits(s, forward.avals[atom], sizes) for s in chain):
                 moves.setdefault(i, {})[pos] = tuple(chain)
 
-    edges: dict[tuple[int, int], dict[int, tuple[Spec, Spec]]] = {}
-    for (i, side, pos), (fwd_spec, bwd_spec) in layout.edge_pins.items():
+    edges: dict[tuple[int, int], dict[int, EdgePin]] = {}
+    for (i, side, pos), chains in layout.edge_pins.items():
         eqn = forward.eqns[i]
         atoms = eqn.ins if side == 0 else eqn.outs
         atom = atoms[pos] if pos < len(atoms) else None
-        if atom is not None and not hasattr(atom, "val") and _fits(fwd_spec, forward.avals[atom], sizes) \
-                and _fits(bwd_spec, forward.avals[atom], sizes):
-            edges.setdefault((i, side), {})[pos] = (fwd_spec, bwd_spec)
+        if atom is not None and not hasattr(atom, "val"):
+            fitted = fitted_edge_pin(chains, side, forward.avals[atom].shape, sizes)
+            if fitted is not None:
+                edges.setdefault((i, side), {})[pos] = fitted
 
-    def crossing(vals: list[Any], pins: Mapping[int, tuple[Spec, Spec]] | None) -> list[Any]:
+    def crossing(vals: list[Any], pins: Mapping[int, EdgePin] | None) -> list[Any]:
         if not pins:
             return vals
         return [two_way_pin(v, *pins[k], mesh) if k in pins else v for k, v in enumerate(vals)]
@@ -87,21 +90,43 @@ def stage_hooks(forward: Forward, layout: StageLayout, mesh: Mesh) -> tuple[EqnH
     return before, after
 
 
-def two_way_pin(x: Any, forward_spec: Spec, backward_spec: Spec, mesh: Mesh) -> Any:
-    """``x`` pinned to ``forward_spec``; under ``jax.vjp`` its cotangent pinned to ``backward_spec`` (a plain
-    sharding constraint would pin the cotangent to the forward's spec). Where an activation passes from one
-    layer plan to the next, the forward takes it in the reader's input spec and the backward hands its
-    cotangent back in the reader's gradient-output spec, as the layer plans were priced."""
+def fitted_edge_pin(chains: EdgePin, side: int, shape: Sequence[int], sizes: Mapping[str, int]
+                    ) -> EdgePin | None:
+    """An edge pin (on an equation's input: ``side`` 0, output: 1) at the runtime's ``shape``: None when the
+    layer plan's own layouts in it (a reader's input and gradient spec: the forward chain's last and the
+    cotangent chain's first; a maker's: the forward's first and the cotangent's last) do not divide it (left
+    to XLA); else its chains without the layouts that do not."""
+    forward, backward = chains
+    shape = tuple(shape)
+
+    def fits(spec: Spec) -> bool:
+        return spec.rank == len(shape) and spec.divides(shape, dict(sizes))
+
+    if not forward or not backward:
+        return None
+    own = (forward[-1], backward[0]) if side == 0 else (forward[0], backward[-1])
+    if not all(map(fits, own)):
+        return None
+    return tuple(filter(fits, forward)), tuple(filter(fits, backward))
+
+
+def two_way_pin(x: Any, forward: Sequence[Spec], backward: Sequence[Spec], mesh: Mesh) -> Any:
+    """``x`` pinned through the layouts ``forward`` in order; under ``jax.vjp`` its cotangent pinned through
+    ``backward`` (a plain sharding constraint would pin the cotangent to the forward's layouts, reversed).
+    Where an activation passes from one layer plan to the next, the forward takes it along the planned
+    reshard into the reader's input spec and the backward hands its cotangent back from the reader's
+    gradient-output spec, as the layer plans and the reshards between them were priced."""
+    forward_chain, backward_chain = tuple(forward), tuple(backward)
 
     @jax.custom_vjp
     def constrained(y: Any) -> Any:
-        return pin(y, (forward_spec,), mesh)
+        return pin(y, forward_chain, mesh)
 
-    def forward(y: Any) -> tuple[Any, None]:
+    def forward_rule(y: Any) -> tuple[Any, None]:
         return constrained(y), None
 
-    def backward(_: None, ct: Any) -> tuple[Any]:
-        return (pin(ct, (backward_spec,), mesh),)
+    def backward_rule(_: None, ct: Any) -> tuple[Any]:
+        return (pin(ct, backward_chain, mesh),)
 
-    constrained.defvjp(forward, backward)
+    constrained.defvjp(forward_rule, backward_rule)
     return constrained(x)

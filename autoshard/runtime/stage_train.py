@@ -23,7 +23,9 @@ the activations the earlier layers (or the stage's input) made; the backward
 runs the layers in reverse, each handing the cotangents of its entering
 activations to the layer before. Every layer's entering activations are kept
 (pinned to its plan's input specs) with its residuals when its backward reads
-them.
+them. Between two layer plans (and at the stage's edges) a value moves along
+the planned reshard's intermediate layouts (``StageLayout.edge_pins``, the
+chains ``compiler/stage_boundaries.py`` prices), both ways (:class:`LayerEdges`).
 
 The graphs are traced again from the runtime's forward (at the runtime's
 microbatch, which may differ from the one the plan was solved at: then a spec
@@ -34,6 +36,7 @@ layer without pins, runs the ``jax.vjp`` path (:func:`stage_runner` says why).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax.numpy as jnp
@@ -46,7 +49,9 @@ from autoshard.ir.split import Forward
 from autoshard.ir.stage_programs import StageProgram
 from autoshard.ir.train_graph import Groups, Unit, input_signature, split_phases, train_graph
 from autoshard.plans.annotations import TrainPins
+from autoshard.plans.stage_plan import EdgePin
 from autoshard.runtime.spmd import SharedPins, pin, pin_op_inputs, pin_op_outputs
+from autoshard.runtime.stage_pins import fitted_edge_pin
 
 # ---------------------------------------------------------------------------
 # Running one layer's graph, pinned
@@ -152,26 +157,79 @@ def _value(atom: Any, env: Mapping[Any, Any]) -> Any:
     return atom.val if isinstance(atom, jcore.Literal) else env[atom]
 
 
+@dataclass(frozen=True)
+class LayerEdges:
+    """The layouts a layer's boundary values pass through outside its own pins (its plan pins its inputs to
+    their input specs and its outputs to their output specs): per entering activation (by position) those
+    before its input pin going forward and after its gradient leaves coming back; per batch leaf those before
+    its input pin; per leaving activation those after its output pin and before its cotangent's pin."""
+
+    into: Mapping[int, tuple[Spec, ...]] = field(default_factory=dict)
+    back_from: Mapping[int, tuple[Spec, ...]] = field(default_factory=dict)
+    data_into: Mapping[int, tuple[Spec, ...]] = field(default_factory=dict)
+    out_of: Mapping[int, tuple[Spec, ...]] = field(default_factory=dict)
+    back_into: Mapping[int, tuple[Spec, ...]] = field(default_factory=dict)
+
+    @staticmethod
+    def of(forward: Forward, program: StageProgram, edges: Mapping[tuple[int, int, int], EdgePin],
+           sizes: Mapping[str, int]) -> "LayerEdges":
+        """Read off the stage's edge pins on the layer's equations (``runtime/stage_pins.py`` keys them)."""
+        acts = {v: p for p, v in enumerate(program.in_acts)}
+        data = {forward.invars[leaf]: d for d, leaf in enumerate(program.data_leaves)}
+        made = {v: j for j, v in enumerate(program.out_acts) if not isinstance(v, jcore.Literal)}
+        into: dict[int, tuple[Spec, ...]] = {}
+        back_from: dict[int, tuple[Spec, ...]] = {}
+        data_into: dict[int, tuple[Spec, ...]] = {}
+        out_of: dict[int, tuple[Spec, ...]] = {}
+        back_into: dict[int, tuple[Spec, ...]] = {}
+        for i in program.eqns:
+            eqn = forward.eqns[i]
+            for side, atoms in ((0, eqn.ins), (1, eqn.outs)):
+                for pos, atom in enumerate(atoms):
+                    chains = edges.get((i, side, pos))
+                    if chains is None or isinstance(atom, jcore.Literal):
+                        continue
+                    fitted = fitted_edge_pin(chains, side, forward.avals[atom].shape, sizes)
+                    if fitted is None:
+                        continue
+                    ahead, back = fitted
+                    if side == 0 and atom in acts:
+                        into.setdefault(acts[atom], ahead[:-1])
+                        back_from.setdefault(acts[atom], back[1:])
+                    elif side == 0 and atom in data:
+                        data_into.setdefault(data[atom], ahead[:-1])
+                    elif side == 1 and atom in made:
+                        out_of.setdefault(made[atom], ahead[1:])
+                        back_into.setdefault(made[atom], back[:-1])
+        return LayerEdges(into, back_from, data_into, out_of, back_into)
+
+
 class StageRunner:
     """A stage's layers chained: ``forward(params, data, acts) -> (out_acts, stash)`` and
     ``backward(params, data, stash, cts, acc) -> (acc, dacts)``, in the stage program's leaves."""
 
-    def __init__(self, program: StageProgram, layers: Sequence[tuple[StageProgram, LayerRunner]]) -> None:
+    def __init__(self, program: StageProgram, layers: Sequence[tuple[StageProgram, LayerRunner]],
+                 edges: Sequence[LayerEdges] | None = None) -> None:
         self.program, self.layers = program, tuple(layers)
+        self.edges = tuple(edges) if edges is not None else (LayerEdges(),) * len(self.layers)
         self._param_pos = {k: i for i, k in enumerate(program.param_leaves)}
         self._data_pos = {k: i for i, k in enumerate(program.data_leaves)}
 
-    def _leaves(self, layer: StageProgram, params: Sequence[Any], data: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    def _leaves(self, layer: StageProgram, params: Sequence[Any], data: Sequence[Any], runner: LayerRunner,
+                edges: LayerEdges) -> tuple[list[Any], list[Any]]:
         return ([params[self._param_pos[k]] for k in layer.param_leaves],
-                [data[self._data_pos[k]] for k in layer.data_leaves])
+                [pin(data[self._data_pos[k]], edges.data_into.get(d, ()), runner.mesh)
+                 for d, k in enumerate(layer.data_leaves)])
 
     def forward(self, params: Sequence[Any], data: Sequence[Any], acts: Sequence[Any]
                 ) -> tuple[list[Any], list[dict[ValueId, Any]]]:
         env: dict[Any, Any] = dict(zip(self.program.in_acts, acts))
         stash = []
-        for layer, runner in self.layers:
-            pr, d = self._leaves(layer, params, data)
-            outs, kept = runner.forward(pr, d, [env[v] for v in layer.in_acts])
+        for (layer, runner), edges in zip(self.layers, self.edges):
+            pr, d = self._leaves(layer, params, data, runner, edges)
+            outs, kept = runner.forward(pr, d, [pin(env[v], edges.into.get(p, ()), runner.mesh)
+                                                for p, v in enumerate(layer.in_acts)])
+            outs = [pin(x, edges.out_of.get(j, ()), runner.mesh) for j, x in enumerate(outs)]
             env.update((v, x) for v, x in zip(layer.out_acts, outs) if not isinstance(v, jcore.Literal))
             stash.append(kept)
         return [_value(v, env) for v in self.program.out_acts], stash
@@ -181,12 +239,13 @@ class StageRunner:
         ct_env: dict[Any, Any] = {v: c for v, c in zip(self.program.out_acts, cts)
                                   if not isinstance(v, jcore.Literal)}
         acc = list(acc)
-        for (layer, runner), kept in zip(reversed(self.layers), reversed(stash)):
-            pr, d = self._leaves(layer, params, data)
+        for (layer, runner), edges, kept in zip(reversed(self.layers), reversed(self.edges), reversed(stash)):
+            pr, d = self._leaves(layer, params, data, runner, edges)
             mine = [acc[self._param_pos[k]] for k in layer.param_leaves]
-            layer_cts = [ct_env[v] if not isinstance(v, jcore.Literal) else jnp.zeros_like(v.val)
-                         for v in layer.out_acts]
+            layer_cts = [pin(ct_env[v], edges.back_into.get(j, ()), runner.mesh) if not isinstance(v, jcore.Literal)
+                         else jnp.zeros_like(v.val) for j, v in enumerate(layer.out_acts)]
             mine, dacts = runner.backward(pr, d, kept, layer_cts, mine)
+            dacts = [pin(x, edges.back_from.get(p, ()), runner.mesh) for p, x in enumerate(dacts)]
             for k, a in zip(layer.param_leaves, mine):
                 acc[self._param_pos[k]] = a
             ct_env.update(zip(layer.in_acts, dacts))
@@ -200,7 +259,8 @@ class StageRunner:
 
 def stage_runner(forward: Forward, program: StageProgram, layer_programs: Sequence[StageProgram],
                  pins: Mapping[int, TrainPins], first: int, last: int, mesh: Mesh,
-                 graphs: dict[Any, tuple[OpGraph, Groups]] | None = None
+                 graphs: dict[Any, tuple[OpGraph, Groups]] | None = None,
+                 edges: Mapping[tuple[int, int, int], EdgePin] | None = None
                  ) -> tuple[StageRunner | None, str]:
     """The runner of the stage over layers ``first..last``, or (None, why not). ``graphs`` caches the traced
     train graph per layer class and input signature (tied and repeated layers trace once; a layer of the
@@ -224,4 +284,5 @@ def stage_runner(forward: Forward, program: StageProgram, layer_programs: Sequen
             return None, (f"layer {layer}: its train graph has {len(graph.ops)} ops at the runtime microbatch, "
                           f"the plan {own.num_ops}")
         layers.append((own_program, LayerRunner(graph, groups, own, mesh)))
-    return StageRunner(program, layers), ""
+    sizes = dict(mesh.shape)
+    return StageRunner(program, layers, [LayerEdges.of(forward, p, edges or {}, sizes) for p, _ in layers]), ""

@@ -41,7 +41,8 @@ def staged_plan():
         state_specs={**{p: split for p in params[:2]}, **{p: Spec((("x", "y"), ())) for p in opt[:1]}},
         op_out_specs={3: (split, None), 7: (Spec(((), ("y",))),)},
         op_in_reshards={7: {1: (Spec.replicated(2), Spec((("y",), ())))}},
-        edge_pins={(3, 0, 1): (split, Spec.replicated(2)), (7, 1, 0): (Spec.replicated(2), split)},
+        edge_pins={(3, 0, 1): ((Spec(((), ("x",))), split), (Spec.replicated(2),)),  # a path through S(-,x)
+                   (7, 1, 0): ((Spec.replicated(2),), (split,))},
         collective_bytes={"forward": {"all-gather": 1024.0}, "backward": {"reduce-scatter": 2048.0}, "apply": {}},
         train_pins={s: TRAIN_PINS, s + 2: TRAIN_PINS})  # two layers of one class: its plan is stored once
         for s in range(2))
@@ -57,8 +58,23 @@ def test_stage_intra_op_fields_round_trip(staged_plan, tmp_path):
     assert loaded == staged_plan
     assert loaded.stages[0].op_out_specs[3] == (Spec((("x",), ())), None)
     assert loaded.stages[1].collective_bytes["backward"] == {"reduce-scatter": 2048.0}
-    assert loaded.stages[0].edge_pins[(3, 0, 1)] == (Spec((("x",), ())), Spec.replicated(2))
+    assert loaded.stages[0].edge_pins[(3, 0, 1)] == ((Spec(((), ("x",))), Spec((("x",), ()))), (Spec.replicated(2),))
     assert loaded.stages[1].train_pins == {1: TRAIN_PINS, 3: TRAIN_PINS}
+
+
+def test_edge_pins_of_older_files_are_one_spec_a_side(staged_plan, tmp_path):
+    """Files from before the pins held chains wrote one spec per side: each loads as a chain of one; a side
+    without a spec fails naming the pin."""
+    staged_plan.save(tmp_path / "plan.json")
+    data = json.loads((tmp_path / "plan.json").read_text())
+    data["stages"][0]["edge_pins"] = {"3:0:1": [[["x"], []], [[], []]]}
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    assert load_plan(tmp_path / "plan.json").stages[0].edge_pins == {(3, 0, 1): ((Spec((("x",), ())),),
+                                                                                 (Spec.replicated(2),))}
+    data["stages"][0]["edge_pins"] = {"3:0:1": {"forward": [], "backward": [[[], []]]}}
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    with pytest.raises(PlanFileError, match=r"edge_pins: expected .*each at least one spec.*'3:0:1'"):
+        load_plan(tmp_path / "plan.json")
 
 
 def test_train_pins_are_stored_once_per_layer_class(staged_plan, tmp_path):
