@@ -512,6 +512,64 @@ def test_a_fractional_lp_is_dived_to_an_integral_plan() -> None:
     assert evaluate(problem, mip._decode(b, dived.x)).objective_s == pytest.approx(1.0)
 
 
+def _tied_chain(size: int = 6) -> IlpProblem:
+    """A chain of two-strategy nodes that must all choose alike (a mismatched pair is forbidden): strategy 0
+    costs nothing and holds 10 bytes, strategy 1 costs 1 ms and holds 1 byte; one memory point over them all
+    at 7 bytes a node. The LP takes every node 2/3 on strategy 0 (the budget binds), so every node is split
+    alike: one mixture of the all-0 plan, over the budget, and the all-1 plan, under it."""
+    tied = np.array([[0.0, INF], [INF, 0.0]])
+    return IlpProblem(node_names=tuple(f"n{i}" for i in range(size)),
+                      node_costs=tuple(np.array([0.0, 1.0]) * MS for _ in range(size)),
+                      edges=tuple((i, i + 1) for i in range(size - 1)),
+                      edge_costs=tuple(tied for _ in range(size - 1)),
+                      memory_points=(tuple((i, np.array([10.0, 1.0])) for i in range(size)),),
+                      memory_budget_bytes=7.0 * size, time_limit_s=5.0)
+
+
+def test_a_block_split_alike_is_fixed_to_its_other_share_in_one_re_solve(monkeypatch) -> None:
+    """``mip.dive`` first fixes every node split alike (their largest variables equal) to its second-largest
+    strategy at once, the plan a binding memory row lets through, and keeps it when the LP then stays within
+    ``_DIVE_GAP`` of the bound: on the tied chain one re-solve gives the all-1 plan. Further from the bound the
+    block's bounds are put back and the dive goes on a node at a time (here: fixing one node to strategy 0 forces
+    all, over the budget, so the dive finds nothing)."""
+    import time
+
+    import autoshard.passes.ilp.mip as mip
+    from autoshard.passes.ilp.lp import highs_lp, integral, run_highs
+
+    problem = _tied_chain()
+    red = presolve(problem)
+    ticks = mip._ticks(red)
+    b = mip._new(problem, red, ticks)
+    mip._add_edges(b, ticks)
+    mip._add_memory(b, problem.memory_budget_bytes)
+
+    def relaxed():
+        highs = highs_lp(b, np.concatenate(b.upper))
+        lp = run_highs(highs, 5.0)
+        assert lp.status == 0 and not integral(b, lp.x)
+        lp.highs = highs
+        return lp
+
+    lp = relaxed()
+    assert len(mip.split_alike(b, lp.x)) == problem.num_nodes
+    runs = []
+    real = mip.run_highs
+    monkeypatch.setattr(mip, "run_highs", lambda *a: runs.append(1) or real(*a))
+    monkeypatch.setattr(mip, "_DIVE_GAP", 10.0)  # the all-1 plan (6 ms) is 3x the LP's 2 ms: let it through
+    dived = mip.dive(b, lp, 5.0)
+    assert dived is not None and integral(b, dived.x) and len(runs) == 1
+    assert mip._decode(b, dived.x).tolist() == [1] * problem.num_nodes
+    assert evaluate(problem, mip._decode(b, dived.x)).objective_s == pytest.approx(6 * MS)
+
+    monkeypatch.setattr(mip, "_DIVE_GAP", 0.01)
+    lp = relaxed()
+    assert mip._block_fixed(b, lp.highs, lp.x, lp.fun, time.perf_counter() + 5.0) is None
+    again = real(lp.highs, 5.0)  # the block's bounds are back: the LP has its first optimum again
+    assert again.status == 0 and again.fun == pytest.approx(lp.fun) and not integral(b, again.x)
+    assert mip.dive(b, relaxed(), 5.0) is None  # one node at a time: fixing one to strategy 0 fixes all, over budget
+
+
 def test_a_dive_close_to_the_bound_leaves_the_mip_a_share_of_the_limit(monkeypatch) -> None:
     """A fractional LP's dive that lands within ``_DIVE_GAP`` of the LP's bound, counting what every plan pays
     (here a 1000 s op no choice changes, which presolve folds out of the LP), leaves HiGHS's MIP only
