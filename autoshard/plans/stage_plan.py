@@ -25,8 +25,10 @@ from autoshard.plans.ledger import fmt_bytes, fmt_s
 from autoshard.plans.schedules import PipelineSchedule
 
 
-# an activation crossing between layer plans: the layouts it is pinned through going forward (the last: the
-# reading plan's input spec, or the making plan's output spec), and those its cotangent is pinned through
+# an activation crossing between layer plans: the layouts it is pinned through going forward, and those its
+# cotangent is pinned through coming back (on a reading equation the forward chain ends in the reader's input
+# spec and the cotangent's starts in its gradient spec; on a making equation the forward chain starts in the
+# maker's output spec and the cotangent's ends in its cotangent spec)
 EdgePin = tuple[tuple[Spec, ...], tuple[Spec, ...]]
 
 

@@ -33,8 +33,8 @@ from jax.sharding import Mesh
 
 from autoshard.ir.spec import Spec
 from autoshard.ir.split import EqnHook, Forward
-from autoshard.runtime.spmd import SharedPins, pin, pin_op_inputs, pin_op_outputs
 from autoshard.plans.stage_plan import EdgePin
+from autoshard.runtime.spmd import SharedPins, pin, pin_op_inputs, pin_op_outputs
 from autoshard.runtime.stage_layout import StageLayout
 
 
