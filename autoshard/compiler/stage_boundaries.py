@@ -98,7 +98,7 @@ class StageBoundaries:
         """Whether a layer of the stage after ``layer`` reads ``var``."""
         return any(var in self.programs[b].in_acts for b in self.layers if b > layer)
 
-    def reshard(self, var: Any, src: Spec, dst: Spec) -> Reshard | None:
+    def move(self, var: Any, src: Spec, dst: Spec) -> Reshard | None:
         """The move of ``var`` from ``src`` to ``dst`` at the runtime's microbatch; None: nothing moves."""
         aval = self.fwd.avals[var]
         shape = tuple(int(d) for d in aval.shape)
@@ -110,7 +110,7 @@ class StageBoundaries:
 
     def via(self, var: Any, src: Spec, dst: Spec) -> Chain:
         """The layouts a move from ``src`` passes through before ``dst`` (its plan's path)."""
-        moved = self.reshard(var, src, dst)
+        moved = self.move(var, src, dst)
         return tuple(moved.path) if moved is not None else ()
 
 
@@ -185,7 +185,7 @@ def boundary_collectives(b: StageBoundaries, recompute: bool, last: bool
             if (var, src, dst) in moved:
                 return
             moved.add((var, src, dst))
-        moving = b.reshard(var, src, dst)
+        moving = b.move(var, src, dst)
         for c in moving.collectives if moving is not None else ():
             for key in (action, "inside") if action == "forward" and not leaving else (action,):
                 out[key][c.kind] = out[key].get(c.kind, 0.0) + c.nbytes

@@ -58,6 +58,16 @@ def test_interleaved_pipeline_matches_one_device(devices8, tmp_path):
     load = [sum(t[c] + x[c] for c in range(g, len(t), 2)) for g in range(2)]
     assert price.step_s == pytest.approx(b * max(load) + t[0] + x[0]), str(price)
     assert report.row("stage 0 peak memory bytes").compiled == report.row("stage 2 peak memory bytes").compiled
+    # the stages run their layers' train graphs, and a reshard between two layer plans that passes through
+    # intermediate layouts (the plan's edge pins) is pinned through them there too (stage_train.LayerEdges)
+    runtime = piped.planned(params, tx.init(params), batch).runtime()
+    assert all(r is not None for r in runtime.runners), "every stage runs its layers' train graphs"
+    for st, runner in zip(plan.stages, runtime.runners):
+        pinned = {s for e in runner.edges for m in (e.into, e.back_from, e.data_into, e.out_of, e.back_into)
+                  for chain in m.values() for s in chain}
+        planned = {s for (_, side, _), (ahead, back) in st.edge_pins.items()
+                   for s in ((*ahead[:-1], *back[1:]) if side == 0 else (*ahead[1:], *back[:-1]))}
+        assert pinned <= planned and bool(pinned) == bool(planned), (st.index, pinned, planned)
     path = tmp_path / "interleaved.plan.json"
     plan.save(path)
     again = autoshard.apply(autoshard.load_plan(path), step, jax.devices())
