@@ -13,7 +13,11 @@ bytes; what stays inside a fusion never touches memory. So an op's traffic is:
 - *writes*: each result the op materialises (a fusion root, a dot, a reduction,
   a value read by an unfusible op or returned);
 - *layout copies* (rule 8 of the memory model): an operand a dot or convolution
-  reads transposed is copied first (one more read and write of it).
+  reads transposed is copied first (one more read and write of it);
+- *stacked slices*: a scan's loop copies each slice of a stacked input out of
+  the stack (the stack read, each slice written) and writes each stacked output
+  a slice per iteration; a scan unrolled whole (``fully_unrolled``) is
+  straight-line code whose static slices fuse into their readers.
 
 Views (reshapes, bitcasts) move nothing. Bytes are per device: each buffer at
 the shard size of the spec the strategy reads or writes it in. A strategy's
@@ -31,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autoshard.ir.graph import Op, OpGraph, Role, ValueId
+from autoshard.ir.graph import LoopRegion, Op, OpGraph, Role, ValueId
 from autoshard.ir.primitives import CONTRACTIONS
 from autoshard.ir.spec import Collective, Spec
 from autoshard.meshes.cluster import ClusterSpec
@@ -97,8 +101,14 @@ def _op_traffic(graph: OpGraph, fusion: Fusion) -> list[OpTraffic]:
     counts: dict[tuple[int, int], int] = defaultdict(int)
     for t_p in first_reader.values():
         counts[t_p] += 1
+    unrolled = {t for region in graph.loops if region.kind == "scan" and fully_unrolled(region)
+                for t in region.slice_ops}
     out: list[OpTraffic] = []
     for t, op in enumerate(graph.ops):
+        if op.primitive == "loop_slice" and t in unrolled:  # a static slice, fused into the ops that read it:
+            # through a view its readers read their slices of the stack; else the stack is read once here
+            out.append(OpTraffic() if t in views else OpTraffic(((0, 1),)))
+            continue
         if op.primitive == "loop_slice":  # each iteration copies its slice out of the stack (a dynamic-slice):
             out.append(OpTraffic(((0, 1),), (0,)))  # the whole stack read over the loop, and each slice written
             continue
@@ -116,6 +126,14 @@ def _op_traffic(graph: OpGraph, fusion: Fusion) -> list[OpTraffic]:
             copies, output_copied = transposed_operands(op, [graph.values[v].rank for v in op.inputs])
         out.append(OpTraffic(reads, writes, tuple(copies), output_copied))
     return out
+
+
+def fully_unrolled(region: LoopRegion) -> bool:
+    """Whether a scan is unrolled whole (``lax.scan(..., unroll=True)`` or ``unroll >= length``, as penzai's
+    ``LayerStack`` scans): XLA then runs straight-line code, each slice of a stacked input a static slice that
+    fuses into its readers, where a loop copies each slice out of the stack."""
+    return region.unroll is True or (isinstance(region.unroll, int) and not isinstance(region.unroll, bool)
+                                     and region.unroll >= region.length)
 
 
 def _per_run(op: Op) -> float:

@@ -213,3 +213,28 @@ def test_the_plan_independent_passes_run_once_per_graph():
     assert forced is not fusion_analysis(graph) and graph.ops[0].outputs[0] in forced.materialized
     fresh = dataclasses.replace(graph)  # a new graph object: its own cache, the same results
     assert op_traffic(fresh) is not op_traffic(graph) and op_traffic(fresh) == op_traffic(graph)
+
+
+@pytest.mark.parametrize("unroll", [1, 3, True])
+def test_a_scan_unrolled_whole_reads_its_slices_in_place(unroll):
+    """A scan XLA keeps as a loop copies each slice of a stacked input out of the stack (a dynamic-slice: the
+    stack read, each slice written); one unrolled whole (``unroll=True`` or ``>= length``, as penzai's
+    ``LayerStack`` scans) is straight-line code whose static slices fuse into their readers: no slice is
+    written (penzai's stacked Llama on 2x4: HBM bytes predicted 27% over XLA's with the loop rule, 12% with
+    this one, tests/sim/test_penzai_models.py)."""
+    from autoshard.passes.hbm_traffic import fully_unrolled, op_traffic
+
+    def step(ws, x):
+        def body(c, w):
+            return jnp.tanh(c @ w), c.sum()
+        c, ys = jax.lax.scan(body, x, ws, unroll=unroll)
+        return c.sum() + ys.sum()
+
+    graph = trace(jax.grad(step), jax.ShapeDtypeStruct((3, 16, 16), jnp.float32),
+                  jax.ShapeDtypeStruct((4, 16), jnp.float32))
+    [region] = [r for r in graph.loops if r.kind == "scan" and r.slice_ops][:1]
+    whole = unroll is True or unroll >= region.length
+    assert fully_unrolled(region) == whole
+    traffic = op_traffic(graph)
+    slices = [traffic[t] for r in graph.loops for t in r.slice_ops]
+    assert slices and all(bool(s.writes) != whole for s in slices), slices
