@@ -95,9 +95,11 @@ class BudgetSearch:
         """The plan within ``budget`` (module docstring), or None; the simulated peaks of every plan
         decoded on the way; the ILP's floor (its least memory of any plan; 0 when not computed). With
         ``cutoff_s`` the solve at the budget raises ``CutOffError`` when it proves no plan costs less: no plan
-        that fits does either (those the search finds below the budget are among them); its hint, the search
-        starts, is then made only once the LP has not cut it off (HiGHS reads the hint after the LP)."""
-        lazy = cutoff_s is not None and self.starts is None and self.cg.options.solver == "mip"
+        that fits does either (those the search finds below the budget are among them). With HiGHS the first
+        solve's hint, the search starts, is made only once the LP has neither cut it off nor proven its plan
+        optimal (HiGHS reads the hint after the LP): most solves are proven, and the starts' greedy descents
+        cost more than the LP on small problems."""
+        lazy = self.starts is None and self.cg.options.solver == "mip"
         problem = self.problem(budget, hinted=not lazy)
         later_hint = (lambda: self.hint_at(budget)) if lazy else None  # (its seconds count as the solve's)
         if cutoff_s is not None:

@@ -18,6 +18,7 @@ from autoshard.ir.trace import trace
 from autoshard.passes import budget_search
 from autoshard.passes.classic import Baseline
 from autoshard.passes.intra_op import IntraOpOptions
+from autoshard.passes.lowering import search_starts_of
 from autoshard.plans.ledger import SolverInfo, solver_summary
 from examples import gpt
 
@@ -204,3 +205,20 @@ def test_a_named_budget_plans_again_when_the_solves_find_nothing_that_fits(monke
     monkeypatch.setattr(budget_search, "_PROVEN", collections.OrderedDict())  # forget it: the test can fail
     with pytest.raises(InfeasibleMemoryError):
         plan(named)
+
+
+def test_the_search_starts_are_made_only_for_a_solve_left_unproven(work, monkeypatch):
+    """HiGHS reads its hint, the best search start, after the LP: a solve the LP proves never makes the starts
+    (their greedy descents cost more than the LP on small problems); one cut short falls back on them."""
+    made = []
+    monkeypatch.setattr(budget_search, "search_starts_of", lambda cg: made.append(cg) or search_starts_of(cg))
+
+    def plan(seconds):
+        return autoshard.plan(work.step, *work.args, mesh=(2, 4), cluster="cpu-8", num_stages=1,
+                              options=IntraOpOptions(time_limit_s=seconds))
+
+    proven = plan(30.0)
+    assert proven.solver.status == "optimal" and made == []
+    cut_short = plan(0.01)
+    assert cut_short.solver.status != "optimal" and len(made) == 1
+    assert cut_short.step_s >= proven.step_s * (1 - 1e-9)

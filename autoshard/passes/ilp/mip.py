@@ -385,7 +385,8 @@ def solve_mip(problem: IlpProblem, hint: np.ndarray | Callable[[], np.ndarray] |
     """Pick one strategy per node minimising node + edge seconds under the memory budget, with HiGHS.
 
     ``hint`` (a plan free of violations, e.g. the local search's) is returned when HiGHS's plan is not
-    cheaper or it found none in time; a callable is called for it once the LP has not cut the solve off.
+    cheaper or it found none in time; a callable is called for it once the LP has neither cut the solve off
+    nor proven its plan optimal.
     Raises ``InfeasibleMemoryError`` when no plan fits the budget, and ``CutOffError`` when
     ``problem.cutoff_s`` is given and the LP proves no plan costs less."""
     start = time.perf_counter()
@@ -431,8 +432,8 @@ def solve_mip(problem: IlpProblem, hint: np.ndarray | Callable[[], np.ndarray] |
         bound_s = float(res.bound) / ticks + red.const_s
         raise CutOffError(f"no plan of the {problem.num_nodes} nodes costs less than the cutoff "
                           f"{problem.cutoff_s:.6g} s: the LP bounds every plan at {bound_s:.6g} s", bound_s)
-    if callable(hint):
-        hint = hint()
+    if callable(hint):  # made only when needed: no plan is cheaper than a proven optimum
+        hint = None if res.status == 0 else hint()
     choices = _decode(b, res.x) if res.x is not None else None
     result = evaluate(problem, choices) if choices is not None else None
     if result is not None and result.violations:

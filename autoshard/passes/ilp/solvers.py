@@ -26,7 +26,7 @@ def solve(problem: IlpProblem, later_hint: Callable[[], np.ndarray] | None = Non
     problems from its LP bound and only falls back on the hint: when it stops at its time limit without a
     proof, the local search improves the better of its plan and the hint, and the gap is taken against
     HiGHS's bound. ``later_hint`` makes the hint of a problem without one: with HiGHS it is called after the
-    LP, so not at all when the LP proves that no plan beats the problem's cutoff."""
+    LP, so not at all when the LP proves that no plan beats the problem's cutoff, or proves its own plan optimal."""
     if problem.solver == "cpsat":
         from autoshard.passes.ilp.cpsat import solve_cpsat  # on use: OR-Tools (and the pandas it loads) take 0.3 s
 
