@@ -4,7 +4,8 @@
 unbound from the model, bound again inside the loss, named arrays in and out).
 
 Three sharded SGD steps equal the same steps on one device, and the plan's predicted collectives, peak memory,
-FLOPs and HBM bytes are what XLA compiles (``verify_compiled``, within its tolerances). penzai is a dev dependency (pyproject's ``dev`` extra); without it the module skips.
+FLOPs and HBM bytes are what XLA compiles (``verify_compiled``, within its tolerances). penzai is a dev
+dependency (pyproject's ``dev`` extra); without it the module skips.
 """
 from __future__ import annotations
 
@@ -76,4 +77,5 @@ def test_penzai_llama_steps_match_one_device(stacked, devices8):
     assert any(not spec.is_replicated for spec in plan.input_specs.values()), "the plan shards nothing"
     report = verify_compiled(plan, sharded.lower(params, tx.init(params), tokens).compile())
     assert "all collective bytes" in {row.what for row in report.rows}
-    assert report.ok, "\n".join(f"{r.what}: predicted {r.predicted:.4g}, compiled {r.compiled:.4g}" for r in report.rows)
+    assert report.ok, "\n".join(f"{r.what}: predicted {r.predicted:.4g}, compiled {r.compiled:.4g}"
+                                 for r in report.rows)
