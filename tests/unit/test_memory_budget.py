@@ -209,7 +209,7 @@ def test_a_named_budget_plans_again_when_the_solves_find_nothing_that_fits(monke
 
 def test_the_search_starts_are_made_only_for_a_solve_left_unproven(work, monkeypatch):
     """HiGHS reads its hint, the best search start, after the LP: a solve the LP proves never makes the starts
-    (their greedy descents cost more than the LP on small problems); one cut short falls back on them."""
+    (on small programs their greedy descents were a third of the pass); one cut short falls back on them."""
     made = []
     monkeypatch.setattr(budget_search, "search_starts_of", lambda cg: made.append(cg) or search_starts_of(cg))
 
