@@ -132,8 +132,7 @@ def fully_unrolled(region: LoopRegion) -> bool:
     """Whether a scan is unrolled whole (``lax.scan(..., unroll=True)`` or ``unroll >= length``, as penzai's
     ``LayerStack`` scans): XLA then runs straight-line code, each slice of a stacked input a static slice that
     fuses into its readers, where a loop copies each slice out of the stack."""
-    return region.unroll is True or (isinstance(region.unroll, int) and not isinstance(region.unroll, bool)
-                                     and region.unroll >= region.length)
+    return region.unroll is True or (isinstance(region.unroll, int) and region.unroll >= region.length)
 
 
 def _per_run(op: Op) -> float:
