@@ -46,6 +46,17 @@ jax.config.update("jax_enable_x64", False)
 gc.set_threshold(gc.get_threshold()[0], gc.get_threshold()[1], 40)
 
 
+@pytest.fixture(autouse=True)
+def _no_kept_lp_bases():
+    """Each test solves its LPs as a fresh process would: the simplex bases a process keeps between solves of
+    one LP (``autoshard/passes/ilp/warm.py``) do not carry from one test to the next, so no test's plan depends
+    on which tests its worker ran before it."""
+    from autoshard.passes.ilp import warm
+
+    warm.clear()
+    yield
+
+
 def pytest_collection_finish(session):
     gc.collect()
     gc.freeze()

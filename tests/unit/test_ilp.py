@@ -10,6 +10,7 @@ import pytest
 
 from autoshard.errors import InfeasibleMemoryError, PlanningError, SolverTimeoutError
 from autoshard.passes.ilp import IlpProblem, brute_force, evaluate, local_search, min_peak_memory, solve
+from autoshard.passes.ilp import warm
 from autoshard.passes.ilp.presolve import presolve
 from autoshard.passes.ilp.problem import SharedCharge, SharedReshard
 
@@ -468,6 +469,7 @@ def test_a_hint_kept_after_an_lp_out_of_time_is_rated_against_the_stopped_dual_s
     problem = dataclasses.replace(_medium_problem(seed=7), time_limit_s=0.05, memory_budget_bytes=None)
     optimum = solve(dataclasses.replace(problem, time_limit_s=10.0))
     assert optimum.status == "optimal"
+    warm.clear()  # (from the kept basis of that optimum, the LP would be solved at once)
     red = presolve(problem)
     ticks = mip._ticks(red)
     lp_bound = 0.8 * (optimum.objective_s - red.const_s) * ticks  # a valid bound, short of the LP's optimum

@@ -108,6 +108,7 @@ class MipBuilder:
     # per column: whether the restricted LP of ``lp.solve_lp`` leaves it out (a pair that pays a reshard)
     lazy: list[np.ndarray] = field(default_factory=list)
     left_out: list[np.ndarray] = field(default_factory=list)  # columns added earlier and left out too
+    memory_points: list[int] = field(default_factory=list)  # the point of each memory row (e), in order
 
     def add_cols(self, cost: np.ndarray, upper: np.ndarray, integral: bool,
                  lazy: np.ndarray | None = None) -> int:

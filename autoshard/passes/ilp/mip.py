@@ -73,6 +73,7 @@ from autoshard.passes.ilp.disjunction import KEPT_SEARCH, CutSearch
 from autoshard.passes.ilp.lp import MIP_REL_GAP, MipBuilder, integral, plan_objective, run_highs, solve_lp
 from autoshard.passes.ilp.presolve import Reduced, exclusion_cuts, identical_lines, presolve
 from autoshard.passes.ilp.problem import IlpProblem, IlpSolution, evaluate, memory_error
+from autoshard.passes.ilp.warm import WarmStart
 
 __all__ = ["dive", "min_peak_plan_mip", "solve_mip"]
 
@@ -216,6 +217,7 @@ def _add_memory(b: MipBuilder, budget_bytes: float) -> bool:
         if sum(int(nbytes.max()) for _, nbytes in terms) <= room:
             continue  # it can never bind
         columns, coeffs = _memory_row(b, p)
+        b.memory_points.append(p)
         if room == 0:
             b.add_row(columns, np.ones(len(columns)), -np.inf, 0.0)
         else:
@@ -313,8 +315,8 @@ def _block_fixed(b: MipBuilder, highs: highspy.Highs, x: np.ndarray, fun: float,
     return None
 
 
-def _solve_relaxation_first(b: MipBuilder, time_limit_s: float, cutoff: float = math.inf,
-                            hinted: bool = False, const: float = 0.0) -> scipy.optimize.OptimizeResult:
+def _solve_relaxation_first(b: MipBuilder, time_limit_s: float, cutoff: float = math.inf, hinted: bool = False,
+                            const: float = 0.0, warm: WarmStart | None = None) -> scipy.optimize.OptimizeResult:
     """The LP relaxation, and the MIP only when that is fractional: the relaxation of these problems is
     nearly always integral (module docstring), and an integral LP optimum is the MIP's optimum with its
     proof, without HiGHS's MIP presolve and cuts, which cost more than the LP itself here. A fractional
@@ -333,7 +335,7 @@ def _solve_relaxation_first(b: MipBuilder, time_limit_s: float, cutoff: float = 
     plan to fall back on: a MIP whose relaxation did not finish finds nothing in the few tenths of a second
     HiGHS's set-up overruns a small limit by (the layer solves of the stage search: 0.24 s each, for nothing)."""
     start = time.perf_counter()
-    lp = solve_lp(b, time_limit_s, cutoff)
+    lp = warm.solve_lp(b, time_limit_s, cutoff, solve_lp) if warm is not None else solve_lp(b, time_limit_s, cutoff)
     if lp.status == 5:
         return lp
     if lp.status == 0 and lp.x is not None and integral(b, lp.x):
@@ -391,6 +393,7 @@ def solve_mip(problem: IlpProblem, hint: np.ndarray | Callable[[], np.ndarray] |
     ``problem.cutoff_s`` is given and the LP proves no plan costs less."""
     start = time.perf_counter()
     search = KEPT_SEARCH.take(problem) if problem.excluded and problem.cutoff_s is None else None
+    warm = None
     if search is not None:  # a later plan of candidates.next_best: the search of the earlier ones goes on
         b, red, ticks = search.b, search.b.red, search.ticks
     else:
@@ -400,6 +403,7 @@ def solve_mip(problem: IlpProblem, hint: np.ndarray | Callable[[], np.ndarray] |
         _add_edges(b, ticks)
         _add_charges(b, ticks)
         _add_reshards(b, ticks)
+        warm = WarmStart.of(b)  # the LP's name but for its memory rows: the last optimum's basis starts it
         if problem.memory_budget_bytes is not None and not _add_memory(b, problem.memory_budget_bytes):
             raise _infeasible(problem)
     cuts = exclusion_cuts(problem.excluded, b.red.allowed, b.first >= 0)
@@ -422,7 +426,7 @@ def solve_mip(problem: IlpProblem, hint: np.ndarray | Callable[[], np.ndarray] |
     if res is None:
         _add_exclusions(b, cuts)
         res = _solve_relaxation_first(b, max(left - (time.perf_counter() - built), 0.1), cutoff,
-                                      hinted=hint is not None, const=red.const_s * ticks)
+                                      hinted=hint is not None, const=red.const_s * ticks, warm=warm)
     log.debug("mip: %d nodes (%d free), %d edges kept of %d; build %.2fs (%d columns, %d rows), HiGHS %.2fs: %s",
               problem.num_nodes, int((b.first >= 0).sum()), len(red.edges), len(problem.edges), built - start,
               b.num_cols, len(b.lower_rhs), time.perf_counter() - built, res.message)
