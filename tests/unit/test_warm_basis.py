@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import autoshard.passes.ilp.warm as warm
-from autoshard.passes.ilp import IlpProblem, evaluate, solve
+from autoshard.errors import InfeasibleMemoryError
+from autoshard.passes.ilp import IlpProblem, evaluate, min_peak_memory, solve
 from tests.unit.test_ilp import _medium_problem
 
 
@@ -85,3 +86,17 @@ def test_the_bases_kept_are_bounded(monkeypatch) -> None:
     for scale in (1.0, 2.0, 3.0):
         solve(dataclasses.replace(problem, node_costs=tuple(np.asarray(c) * scale for c in problem.node_costs)))
     assert len(warm._KEPT) == 2
+
+
+def test_a_budget_no_plan_fits_is_proven_from_the_kept_basis(monkeypatch) -> None:
+    """An LP the memory rows make infeasible is infeasible from any start: the warm run's proof stands and the
+    budget's error follows without the cold path (``smallest_budget`` probes such budgets)."""
+    problem = _medium_problem(seed=1)
+    solve(_at(problem, 53.0))
+    calls = _cold_path_calls(monkeypatch)
+    # below every point's least bytes even the LP relaxation has no solution (the MIP would search in vain)
+    lp_floor = max(sum(float(np.min(nbytes)) for _, nbytes in point) for point in problem.memory_points)
+    assert lp_floor - 1.0 < min_peak_memory(problem)
+    with pytest.raises(InfeasibleMemoryError):
+        solve(_at(problem, lp_floor - 1.0))
+    assert calls == []

@@ -12,8 +12,8 @@ took 1,300 simplex iterations from it against 24,000 for the dual simplex from a
 rows), taken before the memory rows are added; each memory row is matched to the last basis's by its memory
 point (``MipBuilder.memory_points``), a new point's row starts basic, and a basis whose count no longer
 matches the rows (a binding row dropped) is not used. The warm run has ``WARM_SHARE`` of the limit; when it
-does not finish, ``lp.solve_lp`` solves as from cold with the time left. Bases are kept per process for the
-``KEPT_BASES`` LPs last solved to optimality.
+proves neither an optimum nor that no plan fits, ``lp.solve_lp`` solves as from cold with the time left.
+Bases are kept per process for the ``KEPT_BASES`` LPs last solved to optimality.
 """
 from __future__ import annotations
 
@@ -94,6 +94,7 @@ class WarmStart:
                 if result.status == 0:
                     result.highs = highs
                     self.keep(b, highs)
+                if result.status in (0, 2):  # an optimum, or no plan fits the memory rows from any start
                     return cut_off(result, cutoff)
         result = cold(b, max(time_limit_s - (time.perf_counter() - start), 0.1), cutoff)
         if result.status == 0 and getattr(result, "highs", None) is not None:
