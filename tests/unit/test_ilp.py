@@ -845,6 +845,7 @@ def test_random_problems_outside_random_cuts_match_brute_force(monkeypatch) -> N
                        if not (e := evaluate(problem, np.array(ch))).violations)
         if len(every) >= 4:
             del roots[:]
+            warm.clear()  # (else the root is the kept optimum of the solve above, and no LP is solved)
             found = next_best(problem, cuts[0], 3, lambda ch: exact_cut(problem, ch))
             assert [s.objective_s for s in found] == pytest.approx(every[1:4], rel=1e-6, abs=1e-12), instance
             assert len(roots) <= 1, instance  # one LP for the three plans (none: presolve decided the cut's nodes)

@@ -16,16 +16,16 @@ from tests.unit.test_ilp import _medium_problem
 def _cold_path_calls(monkeypatch) -> list[float]:
     """Record every solve that takes ``lp.solve_lp`` (the restricted LP, then the whole one) rather than the
     kept basis."""
+    import autoshard.passes.ilp.disjunction as disjunction
     import autoshard.passes.ilp.mip as mip
 
     calls: list[float] = []
-    cold = mip.solve_lp
+    for module in (mip, disjunction):  # a plan's LP, and the root LP of a search outside no-good cuts
+        def recorded(b, time_limit_s, cutoff=float("inf"), cold=module.solve_lp):
+            calls.append(time_limit_s)
+            return cold(b, time_limit_s, cutoff)
 
-    def recorded(b, time_limit_s, cutoff):
-        calls.append(time_limit_s)
-        return cold(b, time_limit_s, cutoff)
-
-    monkeypatch.setattr(mip, "solve_lp", recorded)
+        monkeypatch.setattr(module, "solve_lp", recorded)
     return calls
 
 
@@ -100,3 +100,25 @@ def test_a_budget_no_plan_fits_is_proven_from_the_kept_basis(monkeypatch) -> Non
     with pytest.raises(InfeasibleMemoryError):
         solve(_at(problem, lp_floor - 1.0))
     assert calls == []
+
+
+def test_the_next_best_plans_start_from_the_basis_of_the_best(monkeypatch) -> None:
+    """``candidates.next_best`` branches on no-good cuts over the LP without their rows: the same LP as the
+    best plan's, so its root is that LP's kept optimum, and the plans are those found from cold."""
+    from autoshard.passes.ilp.candidates import exact_cut, next_best
+
+    problem = _at(_medium_problem(seed=1), None)
+
+    def ranked() -> list[float]:
+        best = solve(problem)
+        return [s.objective_s for s in next_best(problem, exact_cut(problem, best.choices), 2,
+                                                 lambda choices: exact_cut(problem, choices))]
+
+    calls = _cold_path_calls(monkeypatch)
+    monkeypatch.setattr(warm, "KEPT_BASES", 0)  # nothing kept: every LP from cold
+    from_cold = ranked()
+    assert len(calls) == 2  # the best plan's LP, then the root of the search
+    monkeypatch.setattr(warm, "KEPT_BASES", 16)
+    calls.clear()
+    assert ranked() == pytest.approx(from_cold, rel=1e-9)
+    assert len(calls) == 1 and len(from_cold) == 2  # the best plan's LP only
