@@ -2,11 +2,13 @@
 
 The budget search (``passes/budget_search.py``) solves one cost graph's ILP round after round with only its
 memory rows (e) changed: the ILP's budget lowered or bisected, a plan's resharded copies learned into its
-points; ``smallest_budget`` probes budgets the same way, and planning a program again solves its LP again.
-Every such LP has the same columns and the same other rows, so the simplex basis of the last optimum is a
-near-optimal start: the round after gpt-xl@8's first plan peaked over its budget on 2x8-a100 (87k columns)
-took 1,300 simplex iterations from it against 24,000 for the dual simplex from a cold start (3.1 against
-8.8 s on a loaded machine), where the round, restricted LP first, had run out of the time it was left.
+points; ``smallest_budget`` probes budgets the same way, the search for the next-best plans
+(``disjunction.CutSearch``) solves the best plan's LP without its cut rows, and planning a program again
+solves its LP again. Every such LP has the same columns and the same other rows, so the simplex basis of
+the last optimum is a near-optimal start: the round after gpt-xl@8's first plan peaked over its budget on
+2x8-a100 (87k columns) took 1,300 simplex iterations from it against 24,000 for the dual simplex from a cold
+start (3.1 against 8.8 s on a loaded machine), where the round, restricted LP first, had run out of the time
+it was left.
 
 ``WarmStart.of(builder)`` names the LP by everything but its memory rows (a hash of its costs, bounds and
 rows), taken before the memory rows are added; each memory row is matched to the last basis's by its memory
