@@ -27,8 +27,8 @@ import numpy as np
 import scipy.optimize
 
 from autoshard.passes.ilp.lp import MIP_REL_GAP, MipBuilder, integral, run_highs, solve_lp
-from autoshard.passes.ilp.warm import WarmStart
 from autoshard.passes.ilp.problem import IlpProblem
+from autoshard.passes.ilp.warm import WarmStart
 
 __all__ = ["KEPT_SEARCH", "CutSearch", "KeptSearch"]
 
