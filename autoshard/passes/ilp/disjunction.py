@@ -92,9 +92,9 @@ class CutSearch:
     earlier ones left open, the LP solved once. ``ticks``: the LP's cost scale (``mip._ticks``); ``const``: what every plan pays beyond the LP's objective (the
     gap is a share of the whole)."""
 
-    def __init__(self, b: MipBuilder, ticks: float, const: float = 0.0, warm: WarmStart | None = None) -> None:
+    def __init__(self, b: MipBuilder, ticks: float, warm: WarmStart, const: float = 0.0) -> None:
         self.b, self.ticks, self.const = b, ticks, const
-        self.warm = warm  # the LP's kept basis (``warm.py``): the plan before the cuts solved this LP
+        self.warm = warm  # the LP's name for its kept basis (``warm.py``): the plan before the cuts solved this LP
         self.boxes: _Boxes | None = None
         self.heap: list = []  # (bound, tie, held columns, the box's LP optimum or None)
         self.order = itertools.count()
@@ -110,8 +110,7 @@ class CutSearch:
         optimum in time (the caller solves with the rows). ``cuts`` must extend those of the last run."""
         deadline = time.perf_counter() + time_limit_s
         if self.boxes is None:
-            root = (self.warm.solve_lp(self.b, time_limit_s, float("inf"), solve_lp) if self.warm is not None
-                    else solve_lp(self.b, time_limit_s))
+            root = self.warm.solve_lp(self.b, time_limit_s, float("inf"), solve_lp)
             if root.status == 2:
                 return root
             if root.status != 0 or root.x is None or getattr(root, "highs", None) is None:

@@ -416,7 +416,7 @@ def solve_mip(problem: IlpProblem, hint: np.ndarray | Callable[[], np.ndarray] |
     cutoff = (problem.cutoff_s - red.const_s) * ticks if problem.cutoff_s is not None else math.inf
     res = None
     if cuts and not math.isfinite(cutoff):  # branch on the cuts over the LP without them (disjunction.py)
-        search = search or CutSearch(b, ticks, const=red.const_s * ticks, warm=warm)
+        search = search or CutSearch(b, ticks, warm, const=red.const_s * ticks)
         res = search.run(cuts, left)
         if res is not None and res.status == 2:
             raise PlanningError(f"the {len(cuts)} no-good cut(s) exclude every plan of the {problem.num_nodes} "
