@@ -58,8 +58,7 @@ from typing import Any, Literal
 
 from autoshard.compiler.arbiter import Arbitration, arbitrate_steps
 from autoshard.compiler.ceiling import BatchProbe, batch_ceiling
-from autoshard.compiler.driver import PlannedStep, Progress, plan_graph, plan_on
-from autoshard.compiler.explain import op_explanations
+from autoshard.compiler.driver import PlannedStep, Progress, explained, plan_graph, plan_on
 from autoshard.compiler.target import ClusterLike, MeshLike, Target, resolve_target
 from autoshard.errors import InfeasibleMemoryError, PlanningError
 from autoshard.ir.graph import OpGraph, Role, ValueId
@@ -275,8 +274,7 @@ def compare(fn: Callable[..., Any], args: Sequence[Any], mesh: MeshLike = None,
                     else [(best.plan.name, best)] if best is not None else [])
         auto, priced, arbitration = arbitrate_steps(auto, classics, replace(options, memory_budget_bytes=budget))
         planned = {kind: priced.get(kind.label, planned[kind]) for kind in baselines}
-    if not auto.plan.explanations:  # a kept baseline or a next-best plan was planned without them
-        auto = replace(auto, plan=replace(auto.plan, explanations=op_explanations(auto.result)))
+    auto = explained(auto)  # a kept baseline or a next-best plan was planned without them
 
     def candidate(name: str, step: PlannedStep) -> Candidate:
         ceiling = batch_ceiling(step.result, probe, budget) if batch_ceilings else None

@@ -24,7 +24,7 @@ from autoshard.meshes.logical import LogicalMesh
 from autoshard.passes.emit import annotations_from
 from autoshard.passes.hbm_traffic import compute_lower_bound_s
 from autoshard.passes.intra_op import IntraOpOptions, IntraOpResult, plan_intra_op
-from autoshard.plans.ledger import Ledger, SolverInfo, fmt_bytes, fmt_s
+from autoshard.plans.ledger import Explanations, Ledger, SolverInfo, fmt_bytes, fmt_s
 from autoshard.plans.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -43,9 +43,15 @@ class PlannedStep:
 def explained(step: PlannedStep) -> PlannedStep:
     """``step`` with each op's strategy explained against its alternatives (``Plan.explanations``), for a plan
     built without them (``explain=False``: a plan weighed against others, explained once it is the answer)."""
-    if step.plan.explanations:
+    if isinstance(step.plan.explanations, Explanations) or step.plan.explanations:
         return step
-    return replace(step, plan=replace(step.plan, explanations=op_explanations(step.result)))
+    return replace(step, plan=replace(step.plan, explanations=explanations_of(step.result)))
+
+
+def explanations_of(result: IntraOpResult) -> Explanations:
+    """The plan's explanations, made when first read (``plans/ledger.Explanations``), with the collector paused
+    as while planning."""
+    return Explanations(without_collector(lambda: op_explanations(result)))
 
 
 def build_plan(graph: OpGraph, result: IntraOpResult, budget: float, timings: dict[str, float],
@@ -80,7 +86,7 @@ def build_plan(graph: OpGraph, result: IntraOpResult, budget: float, timings: di
         planning_s=dict(timings), memory_budget_bytes=budget, num_ops=len(graph.ops), name=name,
         output_shapes={p: (values[v].shape, values[v].dtype) for p, v in zip(out_paths, graph.outputs)},
         in_tree=str(graph.in_tree) if graph.in_tree is not None else "",
-        explanations=op_explanations(result) if explain else {},
+        explanations=explanations_of(result) if explain else {},
         layer_times=layer_times(result),
     )
 

@@ -8,7 +8,7 @@ collective bytes, the compute lower bound); ``SolverInfo`` how the ILP fared; ``
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 GIB = 1024**3
@@ -160,3 +160,35 @@ class OpExplanation:
     alternatives: tuple[Choice, ...]  # cheapest first
     num_strategies: int  # how many the rule table offered
     loop: str = ""  # how the loop around the op (a scan's body) was planned; "" outside every loop
+
+
+class Explanations(Mapping[int, OpExplanation]):
+    """``Plan.explanations`` made when first read: pricing every op's alternatives costs about a second on a
+    small plan and seconds on a large one (``compiler/explain.py``), while most plans made (weighed, run,
+    tested) are never explained; ``explain``, the report and a plan file read them. A pickled or copied plan
+    carries them made."""
+
+    def __init__(self, make: Callable[[], Mapping[int, OpExplanation]]) -> None:
+        self._make: Callable[[], Mapping[int, OpExplanation]] | None = make
+        self._made: dict[int, OpExplanation] | None = None
+
+    def _value(self) -> dict[int, OpExplanation]:
+        if self._made is None:
+            assert self._make is not None
+            self._made, self._make = dict(self._make()), None  # the maker (and the result it holds) let go
+        return self._made
+
+    def __getitem__(self, op: int) -> OpExplanation:
+        return self._value()[op]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._value())
+
+    def __len__(self) -> int:
+        return len(self._value())
+
+    def __reduce__(self) -> tuple[type, tuple[dict[int, OpExplanation]]]:
+        return dict, (self._value(),)
+
+    def __repr__(self) -> str:
+        return repr(self._value()) if self._made is not None else "Explanations(<made when read>)"

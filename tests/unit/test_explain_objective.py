@@ -84,3 +84,23 @@ def test_alternatives_differ_as_the_step_does(name: str) -> None:
     for e in explained.values():  # the alternatives kept are the cheapest, cheapest first
         totals = [a.total_s for a in e.alternatives]
         assert totals == sorted(totals) and all(math.isfinite(t) for t in totals)
+
+
+def test_a_plans_explanations_are_made_when_first_read(monkeypatch) -> None:
+    """``Plan.explanations`` are priced when read, once, not while planning (most plans are never explained);
+    a pickled plan (a compile worker's) carries them made, equal to the op-by-op pricing."""
+    import pickle
+
+    import autoshard
+    from autoshard.compiler import driver
+
+    made = []
+    monkeypatch.setattr(driver, "op_explanations", lambda result: made.append(result) or op_explanations(result))
+    work = mlp.workload("tiny", abstract=True)
+    plan = autoshard.plan(work.step, *work.args, mesh=(2, 4), cluster="cpu-8", num_stages=1)
+    assert not made, "explanations priced while planning"
+    explained = dict(plan.explanations)
+    assert len(made) == 1 and explained == op_explanations(made[0]) and len(explained) > 2
+    assert plan.explanations == explained and len(made) == 1  # made once
+    again = pickle.loads(pickle.dumps(plan))
+    assert type(again.explanations) is dict and again.explanations == explained and len(made) == 1
