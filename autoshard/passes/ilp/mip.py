@@ -39,22 +39,16 @@ Why a MIP solver: (c)-(d) is the local marginal polytope, whose LP relaxation is
 these problems (the LP optimum equalled the integer one on GPT-medium, GPT-large and MoE-large on
 2x8-a100): the LP relaxation is solved first and, when integral, is the optimum with its proof; only a
 fractional one goes to HiGHS's MIP (whose presolve and cuts cost more than the LP on these problems).
-The memory rows (e) are part of that LP: GPT-large's on 2x8-a100 at the 80 GiB budget leave it integral
-(its optimum fits them), where HiGHS's MIP, given the problem first, stopped at a 38-50% gap after 10 s
-and MoE-large's returned a plan 17% slower than the LP's restricted optimum.
-CP-SAT, searching without a strong bound, stopped at 37-59% gaps after 10 s. The LP is large (about
-100k columns for a GPT block on a 2-D mesh: 20-30 layouts per 4-D activation, every pair on an edge)
-and takes 5-50 s on two loaded cores from a cold start. So the LP restricted to the pairs that pay no
+The memory rows (e) are part of that LP (GPT-large's on 2x8-a100 leave it integral), where HiGHS's MIP,
+given the problem first, stopped at 38-50% gaps after 10 s.
+CP-SAT stopped at 37-59% gaps after 10 s. The LP is large (about 100k columns for a GPT block on a 2-D
+mesh: every pair on an edge) and takes 5-50 s from a cold start. So the LP restricted to the pairs that pay no
 reshard (an edge's free pairs; a shared value read only in layouts free to make) is solved first
-(``passes/ilp/lp.py``): a fifth of the columns, about a second, and its optimum is nearly always integral and
-close to the whole LP's (equal on the tiny GPT). The whole LP then continues from that optimum's basis
-(warm-started simplex: 1.5 s instead of 23 s on GPT-small), raced after a head start by a cold dual simplex
-where that stalls (``lp.solve_lp``), and proves or improves it; the restricted
-optimum is the plan when the time limit ends first (a plain column generation that adds the columns
-pricing out does not converge in time: these degenerate LPs price out thousands of columns in every
-round at the same objective). HiGHS through SciPy takes no MIP start; the hint
-(the best classic start after local search) is returned whenever HiGHS's plan is not better, so the
-result is never worse than it.
+(``passes/ilp/lp.py``): a fifth of the columns, about a second, its optimum nearly always integral and close
+to the whole LP's. The whole LP then continues from that basis (1.5 s instead of 23 s on GPT-small), raced
+by a cold dual simplex where that stalls (``lp.solve_lp``); the restricted optimum is the plan when the
+time limit ends first. HiGHS through SciPy takes no MIP start; the hint (the best classic start after local
+search) is returned whenever HiGHS's plan is not better, so the result is never worse than it.
 """
 from __future__ import annotations
 
@@ -69,9 +63,10 @@ import scipy.optimize
 import scipy.sparse
 
 from autoshard.errors import CutOffError, PlanningError, SolverTimeoutError
+from autoshard.passes.ilp.kept_lp import Built, kept_lp, presolved
 from autoshard.passes.ilp.disjunction import KEPT_SEARCH, CutSearch
 from autoshard.passes.ilp.lp import MIP_REL_GAP, MipBuilder, integral, plan_objective, run_highs, solve_lp
-from autoshard.passes.ilp.presolve import Reduced, exclusion_cuts, identical_lines, presolve
+from autoshard.passes.ilp.presolve import Reduced, exclusion_cuts, identical_lines
 from autoshard.passes.ilp.problem import IlpProblem, IlpSolution, evaluate, memory_error
 from autoshard.passes.ilp.warm import WarmStart
 
@@ -379,6 +374,16 @@ def _solve_relaxation_first(b: MipBuilder, time_limit_s: float, cutoff: float = 
     return best
 
 
+def _build(problem: IlpProblem, red: Reduced) -> Built:
+    """Columns and rows but the memory rows and cuts, named for its kept basis (``warm.py``)."""
+    ticks = _ticks(red)
+    b = _new(problem, red, ticks)
+    _add_edges(b, ticks)
+    _add_charges(b, ticks)
+    _add_reshards(b, ticks)
+    return Built(red, ticks, b, WarmStart.of(b))
+
+
 def _decode(b: MipBuilder, x: np.ndarray) -> np.ndarray:
     return np.array([allowed[p] for allowed, p in zip(b.red.allowed, b.positions(x))], dtype=np.int64)
 
@@ -396,14 +401,9 @@ def solve_mip(problem: IlpProblem, hint: np.ndarray | Callable[[], np.ndarray] |
     warm = None
     if search is not None:  # a later plan of candidates.next_best: the search of the earlier ones goes on
         b, red, ticks = search.b, search.b.red, search.ticks
-    else:
-        red = presolve(problem)
-        ticks = _ticks(red)
-        b = _new(problem, red, ticks)
-        _add_edges(b, ticks)
-        _add_charges(b, ticks)
-        _add_reshards(b, ticks)
-        warm = WarmStart.of(b)  # the LP's name but for its memory rows: the last optimum's basis starts it
+    else:  # the LP but for its memory rows, built once for every budget (kept_lp.py)
+        kept = kept_lp(problem, lambda red: _build(problem, red))
+        b, red, ticks, warm = kept.copy(), kept.red, kept.ticks, kept.warm
         if problem.memory_budget_bytes is not None and not _add_memory(b, problem.memory_budget_bytes):
             raise _infeasible(problem)
     cuts = exclusion_cuts(problem.excluded, b.red.allowed, b.first >= 0)
@@ -474,7 +474,7 @@ def _infeasible(problem: IlpProblem) -> Exception:
 
 def min_peak_plan_mip(problem: IlpProblem) -> tuple[float, np.ndarray]:
     """(smallest peak, a plan that reaches it): the least memory any plan free of forbidden choices needs."""
-    red = presolve(problem)
+    red = presolved(problem)
     b = _new(problem, red, 0.0)
     for u, v, matrix in red.edges:  # (f): a forbidden pair cannot be taken together
         for col in np.flatnonzero(~np.isfinite(matrix).all(axis=0)):
