@@ -8,7 +8,8 @@ ILP's budget lowered by the largest gap seen between a plan's simulated peak and
 copies included; once a plan fits, the ILP's budget is bisected between the highest at which the
 plan fit and the lowest at which it did not, and the fastest plan that fit is kept (``MAX_MEMORY_ROUNDS``
 solves in all). The rounds share the solver's time limit: each later one gets what the earlier ones left of
-it, and at least ``ROUND_SHARE`` of it, so a budget that binds costs a few limits, not one per round (a toy
+it, and at least ``ROUND_SHARE`` of it (``WARM_ROUND_SHARE`` for a round that starts from the basis of an
+earlier round's optimum), so a budget that binds costs a few limits, not one per round (a toy
 step under a tight budget took 7 solves of a 10 s limit each, every one of them out of time). If none fits,
 the least-memory plans and the search's start are tried.
 ``BudgetSearch.smallest_budget`` finds, when nothing fits, a budget at which planning succeeds within
@@ -35,6 +36,7 @@ from autoshard.passes.cost_graph import CostGraph
 from autoshard.passes.decode import decode
 from autoshard.passes.ilp import IlpProblem, IlpSolution, evaluate, min_peak_plan, solve
 from autoshard.passes.ilp.lp import MIP_REL_GAP
+from autoshard.passes.ilp.solvers import starts_warm
 from autoshard.passes.learned_memory import CopiesLearned
 from autoshard.passes.lowering import build_problem, search_starts_of
 from autoshard.passes.plan_result import IlpStats, IntraOpResult, PassClock
@@ -50,6 +52,11 @@ MAX_BUDGET_CHECKS = 3  # replans at the budget an InfeasibleMemoryError is about
 MAX_BUDGET_PROBES = 5  # bisection steps towards the least budget it names
 BUDGET_PRECISION = 1.08  # stop when the bracket [fails, succeeds] is this tight
 ROUND_SHARE = 0.2  # the least share of the time limit a round of plan_within gets once the limit is spent
+# ... and a round whose LP starts from the basis of an earlier round's optimum (ilp/warm.py): such a start
+# takes a few thousand simplex iterations where a cold one takes tens of thousands (gpt-xl@8 on 2x8-a100:
+# 1,300 against 24,000; 2.1 s, where the fifth of the limit left it 1 s of the kept basis and 1 s of cold
+# path, and the round stopped at a 41% gap)
+WARM_ROUND_SHARE = 0.5
 REMEMBERED_GRAPHS = 32  # cost graphs whose budget-proving plans the process keeps (least recently used go)
 
 # cost graph fingerprint -> class choices of the plans that proved the budgets InfeasibleMemoryErrors named
@@ -152,7 +159,8 @@ class BudgetSearch:
                 break
             problem = self.problem(ilp_budget)  # no cutoff: the bound at the budget decided that
             left = limit - (time.perf_counter() - solving)
-            problem = replace(problem, time_limit_s=max(left, ROUND_SHARE * limit))
+            share = WARM_ROUND_SHARE if starts_warm(problem) else ROUND_SHARE
+            problem = replace(problem, time_limit_s=max(left, share * limit))
         if fitting:
             return bounded(min(fitting, key=lambda r: r.step_s), bound), seen, 0.0
         problem = replace(problem, time_limit_s=limit)  # (the least memory needs its solves: the whole limit)

@@ -20,12 +20,12 @@ def _counted(monkeypatch) -> dict[str, int]:
         counts["presolve"] += 1
         return presolve(problem)
 
-    def counted_build(problem, red, build=mip._build):
+    def counted_build(problem, red, build=mip.build_lp):
         counts["build"] += 1
         return build(problem, red)
 
     monkeypatch.setattr(kept_lp, "presolve", counted_presolve)
-    monkeypatch.setattr(mip, "_build", counted_build)
+    monkeypatch.setattr(mip, "build_lp", counted_build)
     return counts
 
 
@@ -66,3 +66,18 @@ def test_only_the_last_problems_are_kept() -> None:
     for seed in range(kept_lp.KEPT + 2):
         kept_lp.presolved(_medium_problem(seed=seed))
     assert len(kept_lp._KEPT.entries) == kept_lp.KEPT
+
+
+def test_a_problem_starts_warm_once_its_lp_was_solved_to_optimality() -> None:
+    """``starts_warm``: the budget search gives a round more time when its LP starts from a kept basis."""
+    import autoshard.passes.ilp.warm as warm
+    from autoshard.passes.ilp.solvers import starts_warm
+
+    kept_lp.clear()
+    problem = dataclasses.replace(_medium_problem(seed=1), memory_budget_bytes=None)
+    assert not starts_warm(problem)
+    assert solve(problem).status == "optimal"
+    assert starts_warm(dataclasses.replace(problem, memory_budget_bytes=52.0))
+    assert not starts_warm(dataclasses.replace(problem, node_costs=tuple(c * 2 for c in problem.node_costs)))
+    warm.clear()
+    assert not starts_warm(problem)

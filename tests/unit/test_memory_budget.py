@@ -169,11 +169,15 @@ def test_the_rounds_of_a_budget_search_share_the_time_limit(work, monkeypatch):
 
     monkeypatch.setattr(budget_search, "solve", out_of_time)
     monkeypatch.setattr(budget_search, "fits", lambda peak, budget: False)  # no plan fits: every round runs
-    budget_search.BudgetSearch(cg).plan_within(2.0**30)
-    rounds = limits[:budget_search.MAX_MEMORY_ROUNDS]
-    assert len(rounds) == budget_search.MAX_MEMORY_ROUNDS and rounds[0] == limit
-    assert all(r == pytest.approx(budget_search.ROUND_SHARE * limit) for r in rounds[2:]), rounds
-    assert sum(rounds) <= limit * (2 + budget_search.ROUND_SHARE * (len(rounds) - 2)), rounds
+    for kept, share in ((False, budget_search.ROUND_SHARE), (True, budget_search.WARM_ROUND_SHARE)):
+        # a round whose LP starts from an earlier optimum's basis gets the larger share
+        monkeypatch.setattr(budget_search, "starts_warm", lambda problem, kept=kept: kept)
+        limits.clear()
+        budget_search.BudgetSearch(cg).plan_within(2.0**30)
+        rounds = limits[:budget_search.MAX_MEMORY_ROUNDS]
+        assert len(rounds) == budget_search.MAX_MEMORY_ROUNDS and rounds[0] == limit
+        assert all(r == pytest.approx(share * limit) for r in rounds[2:]), rounds
+        assert sum(rounds) <= limit * (2 + share * (len(rounds) - 2)), rounds
 
 
 def test_a_named_budget_plans_again_when_the_solves_find_nothing_that_fits(monkeypatch):

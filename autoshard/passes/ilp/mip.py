@@ -70,7 +70,7 @@ from autoshard.passes.ilp.presolve import Reduced, exclusion_cuts, identical_lin
 from autoshard.passes.ilp.problem import IlpProblem, IlpSolution, evaluate, memory_error
 from autoshard.passes.ilp.warm import WarmStart
 
-__all__ = ["dive", "min_peak_plan_mip", "solve_mip"]
+__all__ = ["build_lp", "dive", "min_peak_plan_mip", "solve_mip"]
 
 log = logging.getLogger(__name__)
 
@@ -374,7 +374,7 @@ def _solve_relaxation_first(b: MipBuilder, time_limit_s: float, cutoff: float = 
     return best
 
 
-def _build(problem: IlpProblem, red: Reduced) -> Built:
+def build_lp(problem: IlpProblem, red: Reduced) -> Built:
     """Columns and rows but the memory rows and cuts, named for its kept basis (``warm.py``)."""
     ticks = _ticks(red)
     b = _new(problem, red, ticks)
@@ -402,7 +402,7 @@ def solve_mip(problem: IlpProblem, hint: np.ndarray | Callable[[], np.ndarray] |
     if search is not None:  # a later plan of candidates.next_best: the search of the earlier ones goes on
         b, red, ticks = search.b, search.b.red, search.ticks
     else:  # the LP but for its memory rows, built once for every budget (kept_lp.py)
-        kept = kept_lp(problem, lambda red: _build(problem, red))
+        kept = kept_lp(problem, lambda red: build_lp(problem, red))
         b, red, ticks, warm = kept.copy(), kept.red, kept.ticks, kept.warm
         if problem.memory_budget_bytes is not None and not _add_memory(b, problem.memory_budget_bytes):
             raise _infeasible(problem)

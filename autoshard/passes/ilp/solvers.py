@@ -12,11 +12,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from autoshard.passes.ilp.mip import min_peak_plan_mip, solve_mip
+from autoshard.passes.ilp.kept_lp import kept_lp
+from autoshard.passes.ilp.mip import build_lp, min_peak_plan_mip, solve_mip
 from autoshard.passes.ilp.problem import IlpProblem, IlpSolution, evaluate
 from autoshard.passes.ilp.search import local_search
 
-__all__ = ["min_peak_memory", "min_peak_plan", "solve"]
+__all__ = ["min_peak_memory", "min_peak_plan", "solve", "starts_warm"]
 
 
 def solve(problem: IlpProblem, later_hint: Callable[[], np.ndarray] | None = None) -> IlpSolution:
@@ -48,6 +49,14 @@ def solve(problem: IlpProblem, later_hint: Callable[[], np.ndarray] | None = Non
     bound = found.objective_s * (1.0 - found.gap)
     gap = max(0.0, objective - bound) / objective if objective > 0 else 0.0
     return dataclasses.replace(found, choices=improved, objective_s=objective, gap=gap)
+
+
+def starts_warm(problem: IlpProblem) -> bool:
+    """Whether solving ``problem`` starts from a kept simplex basis (``warm.py``: the same LP, memory rows
+    aside, solved to optimality before in this process); HiGHS only. Builds the LP, which the solve reuses."""
+    if problem.solver != "mip":
+        return False
+    return kept_lp(problem, lambda red: build_lp(problem, red)).warm.kept()
 
 
 def min_peak_plan(problem: IlpProblem) -> tuple[float, np.ndarray]:

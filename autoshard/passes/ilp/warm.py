@@ -81,6 +81,11 @@ class WarmStart:
         digest.update(np.array(b.lower_rhs + b.upper_rhs, dtype=float).tobytes())
         return cls(f"{b.num_cols}:{len(b.lower_rhs)}:{digest.hexdigest()}", len(b.lower_rhs))
 
+    def kept(self) -> bool:
+        """Whether a basis of this LP is kept: its next solve starts from it."""
+        with _LOCK:
+            return self.key in _KEPT
+
     def solve_lp(self, b: MipBuilder, time_limit_s: float, cutoff: float,
                  cold: Callable[..., scipy.optimize.OptimizeResult] = solve_lp) -> scipy.optimize.OptimizeResult:
         """``cold`` (``lp.solve_lp``), first from the kept basis of this LP when there is one, with the time that
