@@ -159,7 +159,8 @@ class BudgetSearch:
                 break
             problem = self.problem(ilp_budget)  # no cutoff: the bound at the budget decided that
             left = limit - (time.perf_counter() - solving)
-            share = WARM_ROUND_SHARE if starts_warm(problem) else ROUND_SHARE
+            with self.clock.timing("build", new_run=False):  # the LP it builds is the solve's (ilp/kept_lp.py)
+                share = WARM_ROUND_SHARE if starts_warm(problem) else ROUND_SHARE
             problem = replace(problem, time_limit_s=max(left, share * limit))
         if fitting:
             return bounded(min(fitting, key=lambda r: r.step_s), bound), seen, 0.0

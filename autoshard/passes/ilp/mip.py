@@ -63,8 +63,8 @@ import scipy.optimize
 import scipy.sparse
 
 from autoshard.errors import CutOffError, PlanningError, SolverTimeoutError
-from autoshard.passes.ilp.kept_lp import Built, kept_lp, presolved
 from autoshard.passes.ilp.disjunction import KEPT_SEARCH, CutSearch
+from autoshard.passes.ilp.kept_lp import Built, kept_lp, presolved
 from autoshard.passes.ilp.lp import MIP_REL_GAP, MipBuilder, integral, plan_objective, run_highs, solve_lp
 from autoshard.passes.ilp.presolve import Reduced, exclusion_cuts, identical_lines
 from autoshard.passes.ilp.problem import IlpProblem, IlpSolution, evaluate, memory_error
