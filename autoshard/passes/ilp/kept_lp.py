@@ -4,8 +4,9 @@ The budget search (``passes/budget_search.py``) solves one cost graph's ILP roun
 budgets (the ILP's budget lowered or bisected, ``smallest_budget``'s probes and the least-memory plan of an
 ``InfeasibleMemoryError``), and each solve presolved the problem and built the LP's columns and rows anew,
 though the budget changes only the memory rows: in a test module that names and plans memory budgets of
-the small GPT (under a profiler), presolve took 10.7 s and the LP's rows 12 s of the 40 s in its 43 solves,
-HiGHS 6.8 s (the module took 50 s with them kept, 88 s before).
+the small GPT, under a profiler (which inflates Python code), presolve took 10.7 s and the LP's rows 12 s of
+the 40 s in its 43 solves, HiGHS 6.8 s; unprofiled that module took 56 s before and 53 s with them kept, and
+the budget sweeps of ``tests/unit/test_memory_budget.py`` 110-118 s and 95-103 s.
 The problems of one cost graph share their terms (the same arrays: ``CostGraph.terms``, and the learned
 memory points while no new copy is learned), so the last ``KEPT`` problems' presolved form (``Reduced``) and
 LP but for its memory rows (with its ``WarmStart`` name) are kept per process, found again by those terms,
