@@ -6,7 +6,7 @@ budgets (the ILP's budget lowered or bisected, ``smallest_budget``'s probes and 
 though the budget changes only the memory rows: in a test module that names and plans memory budgets of
 the small GPT, under a profiler (which inflates Python code), presolve took 10.7 s and the LP's rows 12 s of
 the 40 s in its 43 solves, HiGHS 6.8 s; unprofiled that module took 56 s before and 53 s with them kept, and
-the budget sweeps of ``tests/unit/test_memory_budget.py`` 110-118 s and 95-103 s.
+the budget sweeps of ``tests/unit/test_memory_budget.py`` 110 s and 95-103 s.
 The problems of one cost graph share their terms (the same arrays: ``CostGraph.terms``, and the learned
 memory points while no new copy is learned), so the last ``KEPT`` problems' presolved form (``Reduced``) and
 LP but for its memory rows (with its ``WarmStart`` name) are kept per process, found again by those terms,
