@@ -95,12 +95,12 @@ def presolved(problem: IlpProblem) -> Reduced:
     return _KEPT.find(problem)[1]
 
 
-def kept_lp(problem: IlpProblem, make: Callable[[Reduced], Built]) -> Built:
-    """The LP (without memory rows) ``make`` builds from the presolved problem, kept for the next problem with
+def kept_lp(problem: IlpProblem, make: Callable[[IlpProblem, Reduced], Built]) -> Built:
+    """The LP (without memory rows) ``make`` builds from the problem presolved, kept for the next problem with
     the same terms."""
     entry = _KEPT.find(problem)
     if entry[2] is None:
-        entry[2] = make(entry[1])
+        entry[2] = make(problem, entry[1])
     return entry[2]
 
 

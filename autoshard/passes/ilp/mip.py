@@ -402,7 +402,7 @@ def solve_mip(problem: IlpProblem, hint: np.ndarray | Callable[[], np.ndarray] |
     if search is not None:  # a later plan of candidates.next_best: the search of the earlier ones goes on
         b, red, ticks = search.b, search.b.red, search.ticks
     else:  # the LP but for its memory rows, built once for every budget (kept_lp.py)
-        kept = kept_lp(problem, lambda red: build_lp(problem, red))
+        kept = kept_lp(problem, build_lp)
         b, red, ticks, warm = kept.copy(), kept.red, kept.ticks, kept.warm
         if problem.memory_budget_bytes is not None and not _add_memory(b, problem.memory_budget_bytes):
             raise _infeasible(problem)

@@ -56,7 +56,7 @@ def starts_warm(problem: IlpProblem) -> bool:
     aside, solved to optimality before in this process); HiGHS only. Builds the LP, which the solve reuses."""
     if problem.solver != "mip":
         return False
-    return kept_lp(problem, lambda red: build_lp(problem, red)).warm.kept()
+    return kept_lp(problem, build_lp).warm.kept()
 
 
 def min_peak_plan(problem: IlpProblem) -> tuple[float, np.ndarray]:
