@@ -40,7 +40,7 @@ from autoshard.meshes.cluster import get_cluster
 from autoshard.meshes.logical import LogicalMesh, make_logical_mesh
 from autoshard.passes.strategies import RULES, Strategy, localize_params, strategies_for
 from autoshard.passes.strategies.base import UnsupportedPrimitiveWarning
-from autoshard.passes.strategies.control import LOCAL_IDENTITY, UNPLANNED_LOOPS
+from autoshard.passes.strategies.control import GLOBAL_INDEXED, LOCAL_IDENTITY, UNPLANNED_LOOPS
 from autoshard.passes.strategies.indexing import SUMMING_SCATTERS
 from compiled_examples import FAST_COMPILE  # the programs' results are only compared as numbers
 
@@ -242,6 +242,18 @@ def _reduced_axes(strategy: Strategy) -> tuple[str, ...]:
     return tuple(dict.fromkeys(a for c in strategy.collectives for a in c.axes))
 
 
+def _my_slice(y: Any, spec: Spec, sizes: dict[str, int]) -> Any:
+    """This device's block of the whole array ``y`` under ``spec`` (inside shard_map)."""
+    starts = []
+    for d, axes in enumerate(spec.dims):
+        index = 0
+        for a in axes:  # the first axis is the major one
+            index = index * sizes[a] + lax.axis_index(a)
+        starts.append(index * (y.shape[d] // int(np.prod([sizes[a] for a in axes], dtype=int))))
+    local = spec.shard_shape(y.shape, sizes)
+    return lax.dynamic_slice(y, starts, local) if y.ndim else y
+
+
 def shard_fn(built: Built, strategy: Strategy, mesh_name: str, check_vma: bool = True) -> Callable[..., Any]:
     """``jax.shard_map`` of the primitive on local shards, then the strategy's collectives."""
     op, ins, outs = built.op, built.ins, built.outs
@@ -258,6 +270,10 @@ def shard_fn(built: Built, strategy: Strategy, mesh_name: str, check_vma: bool =
             xs[0] = jnp.where(first, xs[0], jnp.zeros_like(xs[0]))
         if op.primitive in LOCAL_IDENTITY:
             ys = xs
+        elif op.primitive in GLOBAL_INDEXED:  # a shard is the slice of the whole result (the runtime binds it whole)
+            whole = op.prim.bind(*xs, **op.params)
+            ys = [_my_slice(y, spec, sizes) for y, spec in zip(whole if op.prim.multiple_results else [whole],
+                                                              _pre_collective_specs(strategy))]
         else:
             try:
                 ys = op.prim.bind(*xs, **params)
