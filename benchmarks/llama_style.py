@@ -14,7 +14,6 @@ program that fits.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,9 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from autoshard.compiler.baselines import compare  # noqa: E402
-from autoshard.passes.intra_op import IntraOpOptions  # noqa: E402
-from autoshard.plans.plan import fmt_s  # noqa: E402
+from benchmarks.compared import ComparedCell, compare_cell, say, table_lines  # noqa: E402, F401
 from benchmarks.machine import cells_main  # noqa: E402
 
 
@@ -121,51 +118,17 @@ def workload(config: Config):  # noqa: ANN201 — (step, abstract args)
     return step, (params, jax.eval_shape(tx.init, params), tokens)
 
 
-@dataclass(frozen=True)
-class LlamaCell:
-    cell: str
-    seconds: float  # the whole comparison, wall
-    rows: tuple[tuple[str, float, float | None, bool], ...]  # (strategy, modeled s, compiled s, fits)
-    returned: str  # the plan compiled arbitration returned
-
-    @property
-    def speedup(self) -> float | None:
-        mine = self.rows[0][2]
-        classic = [c for name, _, c, fits in self.rows[1:] if fits and c is not None]
-        return min(classic) / mine if mine and classic else None
-
-    @property
-    def ok(self) -> bool:
-        return self.speedup is not None and self.speedup >= 1.0
-
-
-def measure(cell: str, time_limit_s: float) -> LlamaCell:
+def measure(cell: str, time_limit_s: float) -> ComparedCell:
     config, cluster, mesh_text = cell.split(":")
     step, args = workload(CONFIGS[config])
-    start = time.perf_counter()
-    found = compare(step, args, mesh=tuple(int(n) for n in mesh_text.split("x")), cluster=cluster,
-                    options=IntraOpOptions(time_limit_s=time_limit_s), check="compiled")
-    rows = tuple((c.plan.name, c.plan.ledger.step_s, c.plan.ledger.compiled_step_s or None, c.plan.fits)
-                 for c in (found.autoshard, *found.baselines))
-    return LlamaCell(cell, time.perf_counter() - start, rows, found.autoshard.plan.name)
+    return compare_cell(cell, step, args, cluster, mesh_text, time_limit_s)
 
 
-def say(row: LlamaCell) -> str:
-    speedup = f"{row.speedup:.2f}x" if row.speedup else "not rated"
-    return f"{row.cell}: autoshard ({row.returned}) {speedup} the best classic compiled, {row.seconds:.0f} s"
-
-
-def markdown(rows: list[LlamaCell], load: str, time_limit_s: float) -> str:
-    lines = ["# autoshard on a Llama-style decoder", "",
-             f"`python -m benchmarks.llama_style --cells {' '.join(r.cell for r in rows)} --time-limit "
-             f"{time_limit_s:g}`; load (1, 5, 15 min) {load}. Modeled and compiled (XLA's program priced on the "
-             "cell's cluster) step per strategy.", "",
-             "| cell | strategy | modeled | compiled | fits |", "|---|---|---:|---:|---|"]
-    for r in rows:
-        lines += [f"| {r.cell} | {name} | {fmt_s(m)} | {fmt_s(c) if c else '-'} | {'yes' if fits else 'no'} |"
-                  for name, m, c, fits in r.rows]
-    lines += ["", *(f"- {say(r)}" for r in rows), ""]
-    return "\n".join(lines)
+def markdown(rows: list[ComparedCell], load: str, time_limit_s: float) -> str:
+    return "\n".join(["# autoshard on a Llama-style decoder", "",
+                      f"`python -m benchmarks.llama_style --cells {' '.join(r.cell for r in rows)} --time-limit "
+                      f"{time_limit_s:g}`; load (1, 5, 15 min) {load}. Modeled and compiled (XLA's program priced "
+                      "on the cell's cluster) step per strategy.", "", *table_lines(rows)])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -304,3 +304,23 @@ def test_the_returned_plan_s_compiled_collectives_are_rated_against_its_modeled_
     assert "moe-large on 4x8-h100" in target.detail and "(-33%)" in target.detail
     uncompiled = dataclasses.replace(near, autoshard=dataclasses.replace(near.autoshard, compiled=None))
     assert next(t for t in evaluate([uncompiled], []) if "collectives within" in t.name).met is None
+
+
+def test_a_compared_cell_is_rated_against_the_fastest_compiled_classic_plan_that_fits():
+    from benchmarks.compared import ComparedCell, table_lines
+    from benchmarks.flax_zoo import DEFAULT_CELLS, MODELS, markdown
+
+    rows = (("autoshard", 2.0e-3, 1.0e-3, True), ("DP", 3.0e-3, 1.5e-3, True),
+            ("Megatron TP", 2.5e-3, 0.9e-3, False), ("FSDP/ZeRO-3", 3.1e-3, None, True))
+    cell = ComparedCell("vit:1x8-a100:2x4", 60.0, rows, "autoshard", "optimal")
+    assert cell.speedup == pytest.approx(1.5) and cell.ok  # Megatron TP does not fit; FSDP was not compiled
+    slower = dataclasses.replace(cell, rows=(("autoshard", 2.0e-3, 2.0e-3, True), *rows[1:]))
+    assert slower.speedup == pytest.approx(0.75) and not slower.ok
+    uncompiled = dataclasses.replace(cell, rows=(("autoshard", 2.0e-3, None, True), *rows[1:]))
+    assert uncompiled.speedup is None and not uncompiled.ok
+    lines = table_lines([cell])
+    assert "| vit:1x8-a100:2x4 | Megatron TP | 2.5 ms | 900 µs | no |" in lines
+    assert any(line.startswith("- vit:1x8-a100:2x4: autoshard (autoshard) 1.50x") for line in lines)
+    assert {c.split(":")[0] for c in DEFAULT_CELLS} == set(MODELS)
+    text = markdown([cell, slower], "1.0 1.0 1.0", 10.0)
+    assert "1 of 2 cells at least as fast" in text and "geomean over the cells 1.06x" in text
