@@ -10,6 +10,9 @@
 - ``scan_remat``: a residual MLP stack as ``nn.scan(nn.remat(Block))`` (one stacked set of weights, the
   layers' activations recomputed in the backward pass).
 
+Each builder gives the step and its arguments: abstract at the benchmark's sizes, made (``small=True``) at
+sizes a test runs on simulated devices (``tests/sim/test_flax_zoo.py``: sharded like one device).
+
 Every plan ``compare`` makes is compiled by XLA and priced from its HLO on the cell's cluster
 (``benchmarks/compared.py``).
 
@@ -42,8 +45,24 @@ from benchmarks.quality import geomean  # noqa: E402
 Workload = tuple[Callable[..., Any], tuple[Any, ...]]
 
 
-def _abstract(shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, dtype)
+def _init(model: nn.Module, small: bool, *example: Any, **kwargs: Any) -> Any:
+    """The model's variables: made (small, to run) or their shapes only (the benchmark's sizes)."""
+    rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    return model.init(rngs, *example, **kwargs) if small else jax.eval_shape(
+        lambda: model.init(rngs, *example, **kwargs))
+
+
+def _data(small: bool, seed: int, shape: tuple[int, ...], classes: int | None = None) -> Any:
+    """A batch leaf: floats (``classes`` None) or integers below ``classes``; made when small, else its shape."""
+    dtype = jnp.float32 if classes is None else jnp.int32
+    if not small:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    key = jax.random.key(seed)
+    return jax.random.normal(key, shape, dtype) if classes is None else jax.random.randint(key, shape, 0, classes)
+
+
+def _state(tx: optax.GradientTransformation, params: Any, small: bool) -> Any:
+    return tx.init(params) if small else jax.eval_shape(tx.init, params)
 
 
 def _train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation) -> Callable[..., Any]:
@@ -83,11 +102,10 @@ class ViT(nn.Module):
         return nn.Dense(self.classes)(nn.LayerNorm()(x).mean(axis=1))
 
 
-def vit() -> Workload:
-    model, batch = ViT(), 512
+def vit(small: bool = False) -> Workload:
+    model, batch, side = (ViT(dim=32, depth=1, heads=4, classes=10), 32, 16) if small else (ViT(), 512, 64)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.01))
-    params = jax.eval_shape(lambda: model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)},
-                                               jnp.zeros((1, 64, 64, 3))))["params"]
+    params = _init(model, small, jnp.zeros((1, side, side, 3)))["params"]
 
     def step(params, opt_state, batch, key):  # noqa: ANN001, ANN202
         def loss_fn(p):  # noqa: ANN001, ANN202
@@ -97,8 +115,8 @@ def vit() -> Workload:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    data = {"image": _abstract((batch, 64, 64, 3)), "label": _abstract((batch,), jnp.int32)}
-    return step, (params, jax.eval_shape(tx.init, params), data, jax.random.key(7))
+    data = {"image": _data(small, 1, (batch, side, side, 3)), "label": _data(small, 2, (batch,), model.classes)}
+    return step, (params, _state(tx, params, small), data, jax.random.key(7))
 
 
 class BatchNormCNN(nn.Module):
@@ -110,9 +128,10 @@ class BatchNormCNN(nn.Module):
         return nn.Dense(10)(x.mean(axis=(1, 2)))
 
 
-def bn_cnn() -> Workload:
-    model, batch, tx = BatchNormCNN(), 1024, optax.sgd(0.05, momentum=0.9)
-    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3))))
+def bn_cnn(small: bool = False) -> Workload:
+    model, tx = BatchNormCNN(), optax.sgd(0.05, momentum=0.9)
+    batch, side = (64, 8) if small else (1024, 32)
+    variables = _init(model, small, jnp.zeros((1, side, side, 3)))
 
     def step(params, batch_stats, opt_state, batch):  # noqa: ANN001, ANN202
         def loss_fn(p):  # noqa: ANN001, ANN202
@@ -124,8 +143,9 @@ def bn_cnn() -> Workload:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), batch_stats, opt_state, loss
 
-    data = {"image": _abstract((batch, 32, 32, 3)), "label": _abstract((batch,), jnp.int32)}
-    return step, (variables["params"], variables["batch_stats"], jax.eval_shape(tx.init, variables["params"]), data)
+    data = {"image": _data(small, 1, (batch, side, side, 3)), "label": _data(small, 2, (batch,), 10)}
+    params = variables["params"]
+    return step, (params, variables["batch_stats"], _state(tx, params, small), data)
 
 
 class GRURegressor(nn.Module):
@@ -136,12 +156,13 @@ class GRURegressor(nn.Module):
         return nn.Dense(1)(nn.RNN(nn.GRUCell(self.hidden))(x)[:, -1])
 
 
-def gru() -> Workload:
-    model, tx = GRURegressor(), optax.adam(1e-3)
-    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 32, 64))))["params"]
+def gru(small: bool = False) -> Workload:
+    model, tx = GRURegressor(hidden=32 if small else 512), optax.adam(1e-3)
+    batch, steps, features = (64, 8, 8) if small else (1024, 32, 64)
+    params = _init(model, small, jnp.zeros((1, steps, features)))["params"]
     step = _train_step(lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2), tx)
-    return step, (params, jax.eval_shape(tx.init, params), {"x": _abstract((1024, 32, 64)),
-                                                              "y": _abstract((1024, 1))})
+    data = {"x": _data(small, 1, (batch, steps, features)), "y": _data(small, 2, (batch, 1))}
+    return step, (params, _state(tx, params, small), data)
 
 
 class TiedLM(nn.Module):
@@ -156,17 +177,17 @@ class TiedLM(nn.Module):
         return embed.attend(nn.LayerNorm()(x))
 
 
-def tied_lm() -> Workload:
-    model, batch, seq = TiedLM(), 64, 256
+def tied_lm(small: bool = False) -> Workload:
+    model, batch, seq = (TiedLM(vocab=128, dim=32), 16, 8) if small else (TiedLM(), 64, 256)
     tx = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2)
-    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, seq), jnp.int32)))["params"]
+    params = _init(model, small, jnp.zeros((1, seq), jnp.int32))["params"]
 
     def loss_fn(p, tokens):  # noqa: ANN001, ANN202
         logits = model.apply({"params": p}, tokens[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
-    return _train_step(loss_fn, tx), (params, jax.eval_shape(tx.init, params),
-                                      _abstract((batch, seq + 1), jnp.int32))
+    return _train_step(loss_fn, tx), (params, _state(tx, params, small), _data(small, 1, (batch, seq + 1),
+                                                                               model.vocab))
 
 
 class ResidualBlock(nn.Module):
@@ -191,15 +212,16 @@ class ScannedStack(nn.Module):
         return nn.Dense(1)(x)
 
 
-def scan_remat() -> Workload:
-    model, tx = ScannedStack(), optax.adamw(1e-3)
-    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 128, 64))))["params"]
+def scan_remat(small: bool = False) -> Workload:
+    model, tx = (ScannedStack(dim=32, depth=3) if small else ScannedStack()), optax.adamw(1e-3)
+    batch, seq = (32, 8) if small else (256, 128)
+    params = _init(model, small, jnp.zeros((1, seq, 64)))["params"]
     step = _train_step(lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2), tx)
-    return step, (params, jax.eval_shape(tx.init, params), {"x": _abstract((256, 128, 64)),
-                                                              "y": _abstract((256, 128, 1))})
+    data = {"x": _data(small, 1, (batch, seq, 64)), "y": _data(small, 2, (batch, seq, 1))}
+    return step, (params, _state(tx, params, small), data)
 
 
-MODELS: dict[str, Callable[[], Workload]] = {"vit": vit, "bn_cnn": bn_cnn, "gru": gru, "tied_lm": tied_lm,
+MODELS: dict[str, Callable[..., Workload]] = {"vit": vit, "bn_cnn": bn_cnn, "gru": gru, "tied_lm": tied_lm,
                                               "scan_remat": scan_remat}
 DEFAULT_CELLS = tuple(f"{m}:{c}" for m in MODELS for c in ("1x8-a100:2x4", "2x8-a100:2x8"))
 
