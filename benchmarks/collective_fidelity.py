@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-_DEVICE_FLAG = "--xla_force_host_platform_device_count"
-if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_DEVICE_FLAG}=8").strip()
+from benchmarks.devices import simulate_devices
+
+simulate_devices(8)
 
 from autoshard.compiler.compile_plans import compile_plans  # noqa: E402
 from autoshard.compiler.driver import plan_step  # noqa: E402

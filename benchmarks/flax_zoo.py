@@ -25,13 +25,12 @@ program that fits.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-_DEVICE_FLAG = "--xla_force_host_platform_device_count"
-if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_DEVICE_FLAG}=8").strip()
+from benchmarks.devices import simulate_devices
+
+simulate_devices(8)
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402

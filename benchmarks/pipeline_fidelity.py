@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-_DEVICE_FLAG = "--xla_force_host_platform_device_count"
-if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_DEVICE_FLAG}=16").strip()
+from benchmarks.devices import DEVICE_FLAG, simulate_devices
+
+simulate_devices(16)
 
 import jax  # noqa: E402
 import optax  # noqa: E402
@@ -80,7 +79,7 @@ def measure(cell: str, time_limit_s: float) -> StageFidelity:
     spec = autoshard.PRESETS[cluster]
     if spec.num_devices > len(jax.devices()):
         raise SystemExit(f"{cell} needs {spec.num_devices} devices; this process has {len(jax.devices())} "
-                         f"(set XLA_FLAGS={_DEVICE_FLAG}={spec.num_devices})")
+                         f"(set XLA_FLAGS={DEVICE_FLAG}={spec.num_devices})")
     work = importlib.import_module(f"examples.{model}").workload(config, abstract=True,
                                                                   batch_size=int(batch) if batch else None)
     start = time.perf_counter()

@@ -24,9 +24,9 @@ from __future__ import annotations
 import os
 
 # 8 simulated CPU devices for the fidelity compiles; must be set before jax is imported.
-_DEVICE_FLAG = "--xla_force_host_platform_device_count"
-if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_DEVICE_FLAG}=8").strip()
+from benchmarks.devices import simulate_devices
+
+simulate_devices(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # LLVM at -O0 for XLA:CPU's kernels: compiles faster; the optimized HLO, cost_analysis() and
 # memory_analysis() the prices are read from do not change (tests/conftest.py checks the same flag).
