@@ -25,7 +25,8 @@ split result's shard alone, bit for bit the slice of the whole
 (``GLOBAL_INDEXED``: the runtime binds it on the whole shape and pins its
 result; a shard is not the op on a shard of the key). Replicated, every device
 makes every bit: a dropout mask the size of an activation, on CPU in a loop
-XLA does not split (a ViT's train step on (2, 4): 42 of its 44 ms compiled).
+XLA does not split (a ViT's train step on (2, 4) of 1x8-a100 compiled to 44
+ms, 11.6 ms without dropout; 15.8 ms with its masks split).
 The others are registered so that they do not warn. The same holds for host
 callbacks and the other replicated-only ops below.
 
@@ -54,9 +55,9 @@ RANDOM = (
     "random_clone", "random_gamma", "threefry2x32", "threefry4x32", "philox2x32", "philox4x32",
     "iota_2x32_shape", "rng_bit_generator", "rng_uniform",
 )
-# empty / empty2: an uninitialized filler (cond's gradient branches pad their residuals with it)
 # ops whose shard of a split result is the slice of the whole result, not the op on its operands' shards
 GLOBAL_INDEXED = ("random_bits",)
+# empty / empty2: an uninitialized filler (cond's gradient branches pad their residuals with it)
 REPLICATED_ONLY = ("pure_callback", "io_callback", "platform_index", "empty", "empty2")
 LOCAL_IDENTITY = ("sharding_constraint", "reshard", "device_put", "layout_constraint")
 IDENTITY = ("optimization_barrier", "name", "loop_carry", "loop_final", *LOCAL_IDENTITY)
