@@ -25,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from benchmarks.compared import ComparedCell, compare_cell, say, table_lines  # noqa: E402, F401
+from benchmarks.compared import ComparedCell, compare_cell, say, table_lines  # noqa: E402
 from benchmarks.machine import cells_main  # noqa: E402
 
 
