@@ -45,6 +45,7 @@ from jax.extend import core as jcore
 
 from autoshard.ir.flops import op_flops
 from autoshard.ir.graph import LoopRegion, Op, OpGraph, Role, Value, ValueId
+from autoshard.ir.markers import VG_NAME
 from autoshard.ir.primitives import INLINED_CALLS
 from autoshard.ir.trips import counted_trip_count, scan_operand_counts, stated_trip_count
 from autoshard.errors import PlanningError
@@ -140,7 +141,7 @@ class _Builder:
                          [b.total_flops for b in bodies])
         nbytes = float(sum(v.nbytes for v in in_vals) + sum(v.nbytes for v in out_vals))
         return Op(len(self.ops), name, dict(eqn.params), tuple(ins), tuple(outs), flops * self.trip,
-                  nbytes * self.trip, prim=eqn.primitive, bodies=bodies, source=_source(eqn), trip_count=self.trip)
+                  nbytes * self.trip, prim=eqn.primitive, bodies=bodies, source=eqn_source(eqn), trip_count=self.trip)
 
     def _pseudo(self, name: str, src: ValueId, shape: tuple[int, ...], trip: int, length: int) -> int:
         """A loop pseudo-op (module docstring) reading ``src`` and making one value of ``shape``; its index."""
@@ -171,7 +172,7 @@ class _Builder:
         stack_ops = [self._pseudo("loop_stack", v, (length, *self.values[v].shape), outer * length, length)
                      for v in body_out[num_carry:]]
         final_ops = [self._pseudo("loop_final", v, self.values[v].shape, outer, length) for v in body_out[:num_carry]]
-        source = _source(eqn)
+        source = eqn_source(eqn)
         self.loops.append(LoopRegion(
             "scan", start, len(self.ops), body_start, body_stop, tuple(carry_ops), tuple(slice_ops),
             tuple(stack_ops), tuple(final_ops), length, bool(params.get("reverse", False)),
@@ -193,7 +194,7 @@ class _Builder:
         cond_consts, body_consts, inits = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
         trips, how = counted_trip_count(params, [self.constants.get(v) for v in ins]), "derived"
         if trips is None:
-            trips, how = stated_trip_count(_source(eqn))
+            trips, how = stated_trip_count(eqn_source(eqn))
         start, outer = len(self.ops), self.trip
         carry_ops = [self._pseudo("loop_carry", v, self.values[v].shape, outer, trips) for v in inits]
         carries = [self.ops[t].outputs[0] for t in carry_ops]
@@ -205,7 +206,7 @@ class _Builder:
         final_ops = [self._pseudo("loop_final", v, self.values[v].shape, outer, trips) for v in body_out]
         self.loops.append(LoopRegion(
             "while", start, len(self.ops), body_start, body_stop, tuple(carry_ops), (), (), tuple(final_ops),
-            trips, source=_source(eqn), trip_source=how, cond_stop=cond_stop, predicate=predicate))
+            trips, source=eqn_source(eqn), trip_source=how, cond_stop=cond_stop, predicate=predicate))
         return [self.ops[t].outputs[0] for t in final_ops]
 
     def _flatten_cond(self, eqn: Any, ins: list[ValueId]) -> list[ValueId]:
@@ -236,7 +237,7 @@ class _Builder:
             final_ops.append(len(self.ops) - 1)
         self.loops.append(LoopRegion(
             "cond", start, len(self.ops), ranges[0][0] if ranges else len(self.ops), ranges[-1][1] if ranges else
-            len(self.ops), tuple(carry_ops), (), (), tuple(final_ops), 1, source=_source(eqn), trip_source="",
+            len(self.ops), tuple(carry_ops), (), (), tuple(final_ops), 1, source=eqn_source(eqn), trip_source="",
             index_op=index_op, branches=tuple(ranges), priced_branch=priced))
         return [self.ops[t].outputs[0] for t in final_ops]
 
@@ -262,7 +263,7 @@ def control_flow_bodies(eqn: Any) -> list[jcore.ClosedJaxpr | jcore.Jaxpr]:
     return []
 
 
-def _source(eqn: Any) -> str:
+def eqn_source(eqn: Any) -> str:
     try:
         from jax._src import source_info_util
 
@@ -373,7 +374,44 @@ def step_jaxpr(fn: Callable[..., Any], *args: Any) -> tuple[jcore.ClosedJaxpr, A
             "no side effects; pass configuration through a closure or functools.partial."
         ) from err
     jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
-    return jcore.ClosedJaxpr(jaxpr, closed.consts), out_shape
+    return jcore.ClosedJaxpr(_marker_operands_kept(closed.jaxpr, jaxpr), closed.consts), out_shape
+
+
+def _marker_operands_kept(before: jcore.Jaxpr, after: jcore.Jaxpr) -> jcore.Jaxpr:
+    """``after`` (``before`` without its dead code) with every operand of an ``autoshard.value_and_grad`` call
+    put back: jax's dead-code pass drops a call's unused operands, but the marker's are its argument leaves,
+    counted by its name (``ir/split.py``), so a loss that ignores one (a key without dropout) would not split.
+    The call keeps its body as the pass left it, taking the unused operands again and reading none of them."""
+    marked = {str(e.params.get("name", "")): e for e in before.eqns
+              if "jaxpr" in e.params and str(e.params.get("name", "")).startswith(VG_NAME)}
+    if not marked:
+        return after
+    defined = {*after.invars, *after.constvars}
+    eqns = []
+    for e in after.eqns:
+        full = marked.get(str(e.params.get("name", "")))
+        if full is not None and len(e.invars) < len(full.invars) and all(
+                isinstance(v, jcore.Literal) or v in defined for v in full.invars):
+            e = _with_operands(e, full)
+        eqns.append(e)
+        defined.update(e.outvars)
+    return after.replace(eqns=eqns)
+
+
+def _with_operands(dced: Any, full: Any) -> Any:
+    """The call ``dced`` taking every operand of ``full`` (the same call before dead code was removed)."""
+    inner, whole = dced.params["jaxpr"], full.params["jaxpr"]
+    used = set(inner.jaxpr.invars)
+    keep = [v in used for v in whole.jaxpr.invars]
+    info = inner.jaxpr.debug_info
+    body = inner.jaxpr.replace(invars=list(whole.jaxpr.invars),
+                               debug_info=info._replace(arg_names=None) if info is not None else None)
+    params = dict(dced.params, jaxpr=jcore.ClosedJaxpr(body, inner.consts))
+    for name in ("in_shardings", "in_layouts", "donated_invars"):
+        if name in params:
+            kept = iter(params[name])
+            params[name] = tuple(next(kept) if k else f for k, f in zip(keep, full.params[name]))
+    return dced.replace(invars=list(full.invars), params=params)
 
 
 def trace(fn: Callable[..., Any], *args: Any) -> OpGraph:

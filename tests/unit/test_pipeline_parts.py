@@ -232,3 +232,23 @@ def test_plan_command_with_stages_writes_a_pipeline_plan_that_verify_can_rebuild
     plan = autoshard.load_plan(out)
     assert len(plan.stages) == 2 and plan.num_microbatches == 2 and plan.pipeline.layer_eqns
     assert plan.origin["target"].endswith("examples/pipeline_gpt.py") and plan.origin["config"] == "tiny"
+
+
+def test_a_loss_that_ignores_an_argument_still_splits():
+    """jax's dead-code pass drops the marker call's unused operand (a key without dropout); the tracer puts it
+    back, so the marker's operands are still its argument leaves, each mapped to its step input."""
+    from autoshard.ir.trace import step_jaxpr
+
+    def loss_fn(w, x, key):
+        return jnp.sum((x @ w) ** 2)
+
+    def step(w, x, key):
+        loss, g = autoshard.value_and_grad(loss_fn)(w, x, key)
+        return w - 0.1 * g, loss
+
+    key = jax.eval_shape(lambda: jax.random.key(0))  # its shape only: tests/unit do not compile
+    args = (jax.ShapeDtypeStruct((4, 4), jnp.float32), jax.ShapeDtypeStruct((8, 4), jnp.float32), key)
+    closed, _ = step_jaxpr(step, *args)
+    parts = split_step(closed)
+    assert parts is not None and parts.operand_inputs == (0, 1, 2)
+    assert parts.grad_for_leaf == (0,)
