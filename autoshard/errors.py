@@ -80,6 +80,11 @@ class ReplanWarning(UserWarning):
     message names the arguments that changed)."""
 
 
+class MicrobatchRandomnessWarning(UserWarning):
+    """A pipeline runs the step a microbatch at a time and its loss draws random bits over the batch (a dropout
+    mask): each microbatch draws its own, not its slice of the bits one device draws for the whole batch."""
+
+
 class ObjectiveMismatchWarning(UserWarning):
     """A plan's cost recomputed on the whole graph differs from the ILP's objective or the ledger: a bug in
     the planner (the message gives the three figures). The test suite turns it into an error."""
