@@ -37,7 +37,7 @@ def test_the_budgets_of_one_problem_share_its_presolve_and_lp(monkeypatch) -> No
     counts = _counted(monkeypatch)
     problem = _medium_problem(seed=1)
     plans = []
-    for budget in (None, 52.0):
+    for budget in (None, 53.0, 52.0, 51.0):
         again = dataclasses.replace(problem, memory_budget_bytes=budget, edges=tuple(problem.edges),
                                     edge_costs=tuple(problem.edge_costs))
         plans.append(solve(again))
@@ -48,7 +48,7 @@ def test_the_budgets_of_one_problem_share_its_presolve_and_lp(monkeypatch) -> No
         assert err.smallest_budget_bytes is not None
     assert counts == {"presolve": 1, "build": 1}
     kept_lp.clear()  # each budget built from scratch plans the same
-    for budget, plan in zip((None, 52.0), plans):
+    for budget, plan in zip((None, 53.0, 52.0, 51.0), plans):
         fresh = solve(dataclasses.replace(problem, memory_budget_bytes=budget))
         kept_lp.clear()
         assert np.array_equal(fresh.choices, plan.choices) and fresh.objective_s == plan.objective_s
