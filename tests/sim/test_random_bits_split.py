@@ -45,17 +45,22 @@ def _workload() -> tuple:
     return step, (params, tx.init(params), batch, jax.random.key(3))
 
 
-def test_a_dropout_mask_is_made_split_and_equals_one_devices(devices8):
-    step, args = _workload()
+def _run_like_one_device(step, args, devices, cluster: str):
+    """The step decorated on (2, 4) of ``cluster``, run once and checked against ``jax.jit`` on one device;
+    the decorated step, its graph and the indices of its ``random_bits`` ops."""
     want = jax.jit(step)(*args)
-    mesh = make_jax_mesh((2, 4), ("x", "y"), devices=devices8)
-    run = autoshard.autoshard(step, mesh=mesh, cluster="1x8-a100", num_stages=1)
+    run = autoshard.autoshard(step, mesh=make_jax_mesh((2, 4), ("x", "y"), devices=devices), cluster=cluster,
+                              num_stages=1)
     got = run(*args)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-6)
-
     graph = trace(step, *args)
-    bits = [i for i, op in enumerate(graph.ops) if op.primitive == "random_bits"]
+    return run, graph, [i for i, op in enumerate(graph.ops) if op.primitive == "random_bits"]
+
+
+def test_a_dropout_mask_is_made_split_and_equals_one_devices(devices8):
+    step, args = _workload()
+    run, _, bits = _run_like_one_device(step, args, devices8, "1x8-a100")
     assert len(bits) == 1
     (spec,) = run.plan.op_out_specs[bits[0]]
     assert not spec.is_replicated, f"the mask's bits planned {spec}: every device makes all {B}x{H}"
@@ -108,14 +113,7 @@ def test_a_scanned_layer_s_dropout_mask_is_split_inside_the_loop(devices8):
         return optax.apply_updates(params, updates), opt_state, loss
 
     args = (params, tx.init(params), (x, y), jax.random.key(9))
-    want = jax.jit(step)(*args)
-    mesh = make_jax_mesh((2, 4), ("x", "y"), devices=devices8)
-    run = autoshard.autoshard(step, mesh=mesh, cluster="cpu-8", num_stages=1)
-    got = run(*args)
-    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-6)
-    graph = trace(step, *args)
-    bits = [i for i, op in enumerate(graph.ops) if op.primitive == "random_bits"]
+    run, graph, bits = _run_like_one_device(step, args, devices8, "cpu-8")
     in_body = [i for i in bits if any(loop.kind == "scan" and loop.body_start <= i < loop.body_stop
                                       for loop in graph.loops)]
     assert in_body and all(not run.plan.op_out_specs[i][0].is_replicated for i in in_body)

@@ -242,7 +242,7 @@ def _reduced_axes(strategy: Strategy) -> tuple[str, ...]:
     return tuple(dict.fromkeys(a for c in strategy.collectives for a in c.axes))
 
 
-def _my_slice(y: Any, spec: Spec, sizes: dict[str, int]) -> Any:
+def _device_block(y: Any, spec: Spec, sizes: dict[str, int]) -> Any:
     """This device's block of the whole array ``y`` under ``spec`` (inside shard_map)."""
     starts = []
     for d, axes in enumerate(spec.dims):
@@ -272,7 +272,7 @@ def shard_fn(built: Built, strategy: Strategy, mesh_name: str, check_vma: bool =
             ys = xs
         elif op.primitive in GLOBAL_INDEXED:  # a shard is the slice of the whole result (the runtime binds it whole)
             whole = op.prim.bind(*xs, **op.params)
-            ys = [_my_slice(y, spec, sizes) for y, spec in zip(whole if op.prim.multiple_results else [whole],
+            ys = [_device_block(y, spec, sizes) for y, spec in zip(whole if op.prim.multiple_results else [whole],
                                                               _pre_collective_specs(strategy))]
         else:
             try:

@@ -68,7 +68,7 @@ def _replicated_rule(op: Op, ins: Sequence[Value], outs: Sequence[Value], mesh: 
     return []  # strategies_for adds the replicated strategy
 
 
-def splits_bits(key: Value) -> bool:
+def _splits_bits(key: Value) -> bool:
     """Whether ``random_bits`` of ``key`` may split its result: one threefry key, whose bits JAX makes from
     each element's global index (``jax_threefry_partitionable``), so a shard is computed alone."""
     return key.rank == 0 and key.dtype == "key<fry>" and bool(jax.config.jax_threefry_partitionable)
@@ -77,7 +77,7 @@ def splits_bits(key: Value) -> bool:
 @register(*GLOBAL_INDEXED)
 def _random_bits_rule(op: Op, ins: Sequence[Value], outs: Sequence[Value], mesh: LogicalMesh) -> list[Strategy]:
     """Any split of the bits, the key whole on every device (``GLOBAL_INDEXED``)."""
-    if not splits_bits(ins[0]):
+    if not _splits_bits(ins[0]):
         return []
     factors = [Factor(size, (None,), (d,)) for d, size in enumerate(outs[0].shape)]
     return factor_strategies(op, ins, outs, mesh, factors, note="each device makes its slice of the bits")
