@@ -25,11 +25,13 @@ The planner prices these graphs (``passes/stage_costs.py``) and the runtime runs
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import jax
+import numpy as np
 
 from jax.extend import core as jcore
 
@@ -200,6 +202,30 @@ def input_signature(forward: Forward, program: StageProgram) -> tuple[Any, ...]:
 
     return (avals([forward.invars[k] for k in program.param_leaves]),
             avals([forward.invars[k] for k in program.data_leaves]), avals(program.in_acts), avals(program.out_acts))
+
+
+def program_constants(forward: Forward, program: StageProgram) -> str:
+    """A digest of the literals and constants a program's equations read, in order. Layers of one class can
+    differ here (``jax.random.fold_in(key, i)`` per layer, with ``i`` a literal of the key's equations the
+    program recomputes, which the structure hash does not see; a constant array per layer): a train graph
+    traced for one of them bakes its values in, so it is reused only for programs with the same digest."""
+    digest = hashlib.sha1()
+    for i in program.eqns:
+        for a in forward.eqns[i].ins:
+            if isinstance(a, jcore.Literal):
+                value = a.val
+            elif a in forward.consts:
+                value = forward.consts[a]
+            else:
+                continue
+            try:
+                if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key):
+                    value = jax.random.key_data(value)
+                array = np.asarray(value)
+                digest.update(f"{i}:{array.dtype}{array.shape}".encode() + array.tobytes())
+            except (TypeError, ValueError):  # not an array: told apart by identity (its own trace)
+                digest.update(f"{i}:{type(value).__name__}@{id(value)}".encode())
+    return digest.hexdigest()[:16]
 
 
 def class_keys(forward: Forward, hashes: Sequence[str], programs: Sequence[StageProgram]) -> list[str]:

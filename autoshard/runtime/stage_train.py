@@ -47,9 +47,11 @@ from autoshard.ir.graph import Op, OpGraph, ValueId
 from autoshard.ir.spec import Spec
 from autoshard.ir.split import Forward
 from autoshard.ir.stage_programs import StageProgram
-from autoshard.ir.train_graph import Groups, Unit, input_signature, split_phases, train_graph
+from autoshard.ir.train_graph import (Groups, Unit, input_signature, program_constants, split_phases,
+                                      train_graph)
 from autoshard.plans.annotations import TrainPins
 from autoshard.plans.stage_plan import EdgePin
+from autoshard.runtime import microbatch_bits
 from autoshard.runtime.spmd import SharedPins, pin, pin_op_inputs, pin_op_outputs
 from autoshard.runtime.stage_pins import fitted_edge_pin
 
@@ -118,7 +120,7 @@ class LayerRunner:
             shared = self.shared if self.loop[op.id] < 0 else None
             return pin_op_inputs(vals, self.moves.get(op.id), self.mesh, shared)
 
-        self.graph.run_ops(env, which, before_op=before, after_op=self._after)
+        self.graph.run_ops(env, which, before_op=before, after_op=self._after, bind_op=microbatch_bits.bind_op)
 
     # ---- the two halves ----------------------------------------------------
     def forward(self, params: Sequence[Any], data: Sequence[Any], acts: Sequence[Any]
@@ -263,9 +265,9 @@ def stage_runner(forward: Forward, program: StageProgram, layer_programs: Sequen
                  edges: Mapping[tuple[int, int, int], EdgePin] | None = None
                  ) -> tuple[StageRunner | None, str]:
     """The runner of the stage over layers ``first..last``, or (None, why not). ``graphs`` caches the traced
-    train graph per layer class and input signature (tied and repeated layers trace once; a layer of the
-    class that reads other inputs, the first block reading the batch, say, is traced on its own and then
-    must have its plan's op count)."""
+    train graph per layer class, input signature and constants (tied and repeated layers trace once; a layer
+    of the class that reads other inputs, the first block reading the batch, say, or other constants, such as
+    its own dropout key's ``fold_in`` literal, is traced on its own and then must have its plan's op count)."""
     graphs = {} if graphs is None else graphs
     layers = []
     for layer in range(first, last + 1):
@@ -273,11 +275,12 @@ def stage_runner(forward: Forward, program: StageProgram, layer_programs: Sequen
         if own is None:
             return None, f"layer {layer} has no train-graph plan (a plan file from before they were stored?)"
         own_program = layer_programs[layer]
-        signature = input_signature(forward, own_program)
-        try:  # layers of one class whose programs take the same inputs share one trace
-            if (own.key, signature) not in graphs:
-                graphs[own.key, signature] = train_graph(forward, own_program)
-            graph, groups = graphs[own.key, signature]
+        # layers of one class whose programs take the same inputs and constants share one trace
+        shared = (own.key, input_signature(forward, own_program), program_constants(forward, own_program))
+        try:
+            if shared not in graphs:
+                graphs[shared] = train_graph(forward, own_program)
+            graph, groups = graphs[shared]
         except Exception as err:  # noqa: BLE001 — the vjp path runs instead; the reason is logged
             return None, f"layer {layer}: its train graph could not be traced again ({type(err).__name__}: {err})"
         if len(graph.ops) != own.num_ops or len(graph.inputs) != len(own.annotations.input_specs):
