@@ -82,7 +82,9 @@ class ReplanWarning(UserWarning):
 
 class MicrobatchRandomnessWarning(UserWarning):
     """A pipeline runs the step a microbatch at a time and its loss draws random bits over the batch (a dropout
-    mask): each microbatch draws its own, not its slice of the bits one device draws for the whole batch."""
+    mask) that a microbatch cannot draw its slice of (``runtime/microbatch_bits.py``: another key type than
+    threefry, ``jax_threefry_partitionable`` off, or a shape the microbatches do not cut along one axis): each
+    microbatch draws its own, not its slice of the bits one device draws for the whole batch."""
 
 
 class ObjectiveMismatchWarning(UserWarning):

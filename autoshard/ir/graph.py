@@ -268,12 +268,13 @@ class OpGraph:
 
     def run_ops(self, env: dict[ValueId, Any], ranges: Sequence[tuple[int, int]], *,
                 before_op: Callable[[Op, list[Any]], list[Any]] | None = None,
-                after_op: Callable[[Op, list[Any]], list[Any]] | None = None) -> None:
+                after_op: Callable[[Op, list[Any]], list[Any]] | None = None,
+                bind_op: Callable[[Op, list[Any]], list[Any] | None] | None = None) -> None:
         """Run the ops of each ``[start, stop)`` in ``ranges`` (in order) into ``env`` (value id -> value),
         hooks as in ``evaluate``: part of the graph, when its inputs are in ``env`` (a pipeline stage runs a
         train graph's forward and backward as two programs). A range must not cut a loop region."""
         for start, stop in ranges:
-            self._run(start, stop, env, before_op, after_op)
+            self._run(start, stop, env, before_op, after_op, bind_op)
 
     def _run(self, start: int, stop: int, env: dict[ValueId, Any], before_op: Any, after_op: Any,
              bind_op: Any = None) -> None:

@@ -25,10 +25,11 @@ from autoshard.ir.graph import OpGraph
 from autoshard.ir.spec import Spec
 from autoshard.ir.split import StepParts, split_step
 from autoshard.ir.step_trace import TracedStep
-from autoshard.ir.trace import eqn_source, signature, trace
+from autoshard.ir.trace import signature, trace
 from autoshard.plans.plan import Plan
 from autoshard.plans.planfile import check_args, check_signature
 from autoshard.plans.stage_plan import PipelineStage
+from autoshard.runtime.microbatch_bits import find_draws, with_drawn_bits
 from autoshard.runtime.pipeline import PipelineStep
 from autoshard.runtime.pipeline_lower import PipelineLowered, lower_pipeline
 from autoshard.runtime.stage_layout import PipelineRun, StageLayout, StepOptions, output_specs, state_specs
@@ -135,30 +136,32 @@ def microbatch_parts(plan: Plan, traced: TracedStep) -> StepParts:
     return small
 
 
-def _drawn_per_microbatch(full: StepParts, small: StepParts) -> list[str]:
-    """Where the loss draws random bits whose shape shrinks with the microbatch (``small`` against ``full``)."""
-    return [eqn_source(b.eqn) for a, b in zip(full.forward.eqns, small.forward.eqns)
-            if a.eqn.primitive.name == "random_bits" and a.eqn.params.get("shape") != b.eqn.params.get("shape")]
-
-
 def pipeline_run(plan: Plan, traced: TracedStep) -> PipelineRun:
-    """The plan's stages on the step at one microbatch: what a PipelineStep runs. A loss that draws random bits
-    over the batch warns (``MicrobatchRandomnessWarning``): each microbatch draws its own."""
+    """The plan's stages on the step at one microbatch: what a PipelineStep runs. Each microbatch draws its
+    slice of the whole batch's random bits (``runtime/microbatch_bits.py``); a draw that cannot be sliced
+    warns (``MicrobatchRandomnessWarning``): that microbatch draws its own."""
     assert plan.pipeline is not None
     small = microbatch_parts(plan, traced)
-    drawn = _drawn_per_microbatch(traced.parts, small) if int(plan.num_microbatches) > 1 else []
-    if drawn:
-        sources = sorted({s for s in drawn if s})
+    num_mb = int(plan.num_microbatches)
+    draws = find_draws(traced.parts, small, num_mb) if num_mb > 1 else None
+    if draws is not None and draws.unsliced:
+        sources = sorted({s for s in draws.unsliced if s})
         where = f" at {', '.join(sources[:3])}" if sources else ""
         warnings.warn(
-            f"the loss draws random bits over the batch ({len(drawn)} draws, such as a dropout mask{where}); the "
-            f"pipeline runs it {plan.num_microbatches} microbatches at a "
-            "time, each drawing its own bits, so the step is not bit for bit one device's (its masks are as random, "
-            "not the same). Plan with num_stages=1 (SPMD splits the bits and keeps them) to run it as one device "
-            "would.", MicrobatchRandomnessWarning, stacklevel=3)
+            f"the loss draws random bits over the batch that a microbatch cannot draw its slice of "
+            f"({len(draws.unsliced)} of {draws.count} draws{where}: a key other than threefry's, "
+            "jax_threefry_partitionable off, or a shape the microbatches do not cut along one axis); the pipeline "
+            f"runs it {num_mb} microbatches at a time, each drawing its own bits there, so the step is not bit "
+            "for bit one device's (its masks are as random, not the same). Plan with num_stages=1 (SPMD splits "
+            "the bits and keeps them) to run it as one device would.", MicrobatchRandomnessWarning, stacklevel=3)
+    if draws is not None and draws.sliced:
+        small = with_drawn_bits(small)
+    else:
+        draws = None
     graph = traced.graph
-    return PipelineRun(small, plan.pipeline.layer_eqns, stage_layouts(plan, graph, small), int(plan.num_microbatches),
-                       plan.pipeline.schedule, traced.split_inputs, graph.in_tree, graph.out_tree, graph.output_paths)
+    return PipelineRun(small, plan.pipeline.layer_eqns, stage_layouts(plan, graph, small), num_mb,
+                       plan.pipeline.schedule, traced.split_inputs, graph.in_tree, graph.out_tree, graph.output_paths,
+                       draws)
 
 
 class AppliedPipeline:

@@ -86,6 +86,7 @@ from autoshard.ir.train_graph import one_layer_programs
 from autoshard.plans.schedules import chunks_of, schedule_actions
 from autoshard.runtime.cross_process import holds, placeholder, send, single_process
 from autoshard.runtime.loss_io import Prologue, aux_per_example, combine_aux
+from autoshard.runtime.microbatch_bits import drawing
 from autoshard.runtime.stage_layout import (PipelineRun, StepOptions, deliver, planned_sharding, replicated,
                                             split_leading)
 from autoshard.runtime.stage_pins import stage_hooks
@@ -108,6 +109,7 @@ class PipelineStep:
         parts, stages = run.parts, run.layouts
         self.parts, self.layers, self.layouts = parts, tuple(tuple(x) for x in run.layers), tuple(stages)
         self.num_microbatches, self.schedule = int(run.num_microbatches), run.schedule
+        self.draws = run.draws  # draws over the batch: each stage's data ends with the microbatch index
         self.in_tree, self.out_tree = run.in_tree, run.out_tree
         devices = list(devices if devices is not None else jax.devices())
         self.meshes = [Mesh(np.asarray([devices[i] for i in st.device_indices]).reshape(st.shape), st.names,
@@ -187,9 +189,23 @@ class PipelineStep:
         """(params, grads, data, entering activations, leaving activations) of stage p."""
         s = p.index
         last = s == len(self.programs) - 1
+        index = [replicated(self.meshes[s])] if self.draws is not None else []
         return ([self.param_sharding(s, k) for k in p.param_leaves], [self.grad_sharding(s, k) for k in p.param_leaves],
-                [self.data_sharding(s, k) for k in p.data_leaves], [self.act_sharding(s, v) for v in p.in_acts],
+                [self.data_sharding(s, k) for k in p.data_leaves] + index, [self.act_sharding(s, v) for v in p.in_acts],
                 [replicated(self.meshes[s])] * len(p.out_acts) if last else [self.act_sharding(s, v) for v in p.out_acts])
+
+    def _drawing(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn(params, data, ...)`` given data ending with the microbatch index (when the loss draws over the
+        batch): run with its draws made as the microbatch's slice (``runtime/microbatch_bits.py``)."""
+        draws = self.draws
+        if draws is None:
+            return fn
+
+        def run(params: Any, data: Sequence[Any], *rest: Any) -> Any:
+            with drawing(draws, data[-1]):
+                return fn(params, data[:-1], *rest)
+
+        return run
 
     def _build_train_stage(self, p: StageProgram, runner: StageRunner, last: bool) -> None:
         """Stage p running its layers' train graphs (``runtime/stage_train.py``): the forward returns the
@@ -199,17 +215,17 @@ class PipelineStep:
         scale = 1.0 / self.num_microbatches
         opts = self._jit_options
         if last or self.recompute[p.index]:  # the forward's residuals are not kept: its outputs only
-            self.fwd_fns.append(jax.jit(lambda params, data, acts: runner.forward(params, data, acts)[0],
+            self.fwd_fns.append(jax.jit(self._drawing(lambda params, data, acts: runner.forward(params, data, acts)[0]),
                                         in_shardings=(ps, ds, ins), out_shardings=outs, **opts))
         else:  # keep: the residuals of every microbatch in flight, in the layouts the forward leaves them
-            self.fwd_fns.append(jax.jit(runner.forward, in_shardings=(ps, ds, ins), **opts))
+            self.fwd_fns.append(jax.jit(self._drawing(runner.forward), in_shardings=(ps, ds, ins), **opts))
         if last:
             def bwd(params, data, acts, acc, loss_acc):
                 out, stash = runner.forward(params, data, acts)
                 acc, dacts = runner.backward(params, data, stash, runner.loss_cotangents(out, scale), acc)
                 return acc, dacts, loss_acc + out[0] * scale, out[1:]
 
-            self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, gs, rep),
+            self.bwd_fns.append(jax.jit(self._drawing(bwd), in_shardings=(ps, ds, ins, gs, rep),
                                         out_shardings=(gs, ins, rep, [rep] * len(self.parts.forward.aux)),
                                         donate_argnums=(3, 4), **opts))
         elif self.recompute[p.index]:
@@ -217,10 +233,11 @@ class PipelineStep:
                 _, stash = runner.forward(params, data, acts)
                 return runner.backward(params, data, stash, cts, acc)
 
-            self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, outs, gs), out_shardings=(gs, ins),
-                                        donate_argnums=(4,), **opts))
+            self.bwd_fns.append(jax.jit(self._drawing(bwd), in_shardings=(ps, ds, ins, outs, gs),
+                                        out_shardings=(gs, ins), donate_argnums=(4,), **opts))
         else:
-            self.bwd_fns.append(jax.jit(runner.backward, out_shardings=(gs, ins), donate_argnums=(4,), **opts))
+            self.bwd_fns.append(jax.jit(self._drawing(runner.backward), out_shardings=(gs, ins), donate_argnums=(4,),
+                                        **opts))
 
     def _build_vjp_stage(self, p: StageProgram, last: bool) -> None:
         """Stage p as ``jax.vjp`` of its pinned forward equations (no train-graph plan: module docstring)."""
@@ -231,13 +248,14 @@ class PipelineStep:
         run = p.function(fwd, *stage_hooks(fwd, self.layouts[p.index], mesh))
         ps, gs, ds, ins, outs = self._stage_shardings(p)
         if self.recompute[p.index] or last:
-            self.fwd_fns.append(jax.jit(run, in_shardings=(ps, ds, ins), out_shardings=outs, **self._jit_options))
+            self.fwd_fns.append(jax.jit(self._drawing(run), in_shardings=(ps, ds, ins), out_shardings=outs,
+                                        **self._jit_options))
         else:
             def fwd_keep(params, data, acts):
                 out, pullback = jax.vjp(lambda pr, ac: run(pr, data, ac), params, acts)
                 return out, pullback
 
-            self.fwd_fns.append(jax.jit(fwd_keep, in_shardings=(ps, ds, ins), **self._jit_options))
+            self.fwd_fns.append(jax.jit(self._drawing(fwd_keep), in_shardings=(ps, ds, ins), **self._jit_options))
 
         if last:
             def bwd(params, data, acts, acc, loss_acc):
@@ -250,7 +268,7 @@ class PipelineStep:
                 acc = [a + g for a, g in zip(acc, dparams)]
                 return acc, dacts, loss_acc + loss * scale, aux
 
-            self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, gs, rep),
+            self.bwd_fns.append(jax.jit(self._drawing(bwd), in_shardings=(ps, ds, ins, gs, rep),
                                         out_shardings=(gs, ins, rep, [rep] * len(fwd.aux)),
                                         donate_argnums=(3, 4), **self._jit_options))
         elif self.recompute[p.index]:
@@ -259,7 +277,7 @@ class PipelineStep:
                 dparams, dacts = vjp(cts)
                 return [a + g for a, g in zip(acc, dparams)], dacts
 
-            self.bwd_fns.append(jax.jit(bwd, in_shardings=(ps, ds, ins, outs, gs),
+            self.bwd_fns.append(jax.jit(self._drawing(bwd), in_shardings=(ps, ds, ins, outs, gs),
                                         out_shardings=(gs, ins), donate_argnums=(4,),
                                         **self._jit_options))
         else:
@@ -347,6 +365,8 @@ class PipelineStep:
                         size = x.shape[0] // num_mb
                         x = x[m * size:(m + 1) * size]
                     leaves.append(jax.device_put(x, self.data_sharding(p.index, k)))
+                if self.draws is not None:
+                    leaves.append(jax.device_put(np.int32(m), replicated(self.meshes[p.index])))
                 per_mb.append(leaves)
             data.append(per_mb)
         acc = [[jnp.zeros(fwd.avals[fwd.invars[k]].shape, fwd.avals[fwd.invars[k]].dtype,

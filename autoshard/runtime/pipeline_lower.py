@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from autoshard.runtime.pipeline import PipelineStep
+from autoshard.runtime.stage_layout import replicated
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,7 +131,8 @@ def lower_pipeline(step: PipelineStep) -> PipelineLowered:
         s, mesh = p.index, step.meshes[p.index]
         ids = tuple(int(d.id) for d in mesh.devices.flat)
         params = [_sds(fwd.avals[fwd.invars[k]]) for k in p.param_leaves]
-        data = [_sds(fwd.avals[fwd.invars[k]]) for k in p.data_leaves]
+        index = [jax.ShapeDtypeStruct((), jnp.int32)] if step.draws is not None else []  # the microbatch's
+        data = [_sds(fwd.avals[fwd.invars[k]]) for k in p.data_leaves] + index
         acts = [_sds(fwd.avals[v]) for v in p.in_acts]
         last = s == num_stages - 1
         pinned = step.runners[s] is not None
@@ -152,7 +155,8 @@ def lower_pipeline(step: PipelineStep) -> PipelineLowered:
                    for x, k in zip(params, p.param_leaves)]
             if pinned:
                 placed = [[_sds(fwd.avals[fwd.invars[k]], step.param_sharding(s, k)) for k in p.param_leaves],
-                          [_sds(fwd.avals[fwd.invars[k]], step.data_sharding(s, k)) for k in p.data_leaves]]
+                          [_sds(fwd.avals[fwd.invars[k]], step.data_sharding(s, k)) for k in p.data_leaves]
+                          + [jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(mesh))] * len(index)]
                 cts = [_sds(fwd.avals[v], step.act_sharding(s, v)) for v in p.out_acts]
                 lowered = step.bwd_fns[s].lower(*placed, kept, cts, acc)
             else:

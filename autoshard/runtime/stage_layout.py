@@ -16,6 +16,7 @@ from autoshard.ir.stage_programs import LayerEqns
 from autoshard.plans.annotations import TrainPins
 from autoshard.plans.schedules import PipelineSchedule
 from autoshard.plans.stage_plan import EdgePin, batch_split_spec
+from autoshard.runtime.microbatch_bits import Draws
 from autoshard.runtime.spmd import named_sharding
 
 
@@ -75,6 +76,8 @@ class PipelineRun:
     in_tree: Any = None  # the step's argument and output pytrees (None: called on flat lists only)
     out_tree: Any = None
     out_paths: tuple[str, ...] = ()  # the step outputs' pytree paths, for messages
+    # the loss's draws over the batch each microbatch draws its slice of (``runtime/microbatch_bits.py``)
+    draws: Draws | None = None
 
 
 @dataclass(frozen=True)

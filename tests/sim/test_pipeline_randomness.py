@@ -1,11 +1,13 @@
-"""A pipeline whose loss draws a dropout mask over the batch says its step is not bit for bit one device's.
+"""A pipelined step whose loss draws a dropout mask over the batch runs as one device does.
 
-The pipeline runs the loss a microbatch at a time, and each microbatch draws its own bits (JAX's counters start
-at 0 for the microbatch's shape), where one device draws the whole batch's mask once; SPMD splits that mask
-and keeps it (``tests/sim/test_random_bits_split.py``). Measured on this step: loss 1.2608 pipelined against
-1.2633 on one device. The warning names it; a step without random bits, or one microbatch, does not warn.
-Without dropout the loss ignores its key, an operand jax's dead-code pass drops from the marker's call: the
-tracer puts it back (``ir/trace._marker_operands_kept``), so the step still splits and runs as one device.
+The pipeline runs the loss a microbatch at a time; each microbatch draws its slice of the whole batch's bits
+(``runtime/microbatch_bits.py``: threefry of the whole shape's indices of its own rows), where JAX would count
+from 0 over the microbatch's shape (measured before: loss 1.2608 pipelined with 2 microbatches against 1.2633
+on one device). A train graph traced for one layer is reused for the layers of its class only when they read
+the same constants (``ir/train_graph.program_constants``): each block's ``fold_in(key, i)`` differs in ``i``,
+and reusing the first block's graph gave every block its mask (loss 1.2326 even with one microbatch). A draw
+that cannot be sliced (another key type) still warns. Without dropout the loss ignores its key, an operand
+jax's dead-code pass drops from the marker's call: the tracer puts it back (``ir/trace._marker_operands_kept``).
 """
 from __future__ import annotations
 
@@ -19,12 +21,14 @@ import pytest
 
 import autoshard
 from autoshard.errors import MicrobatchRandomnessWarning
+from autoshard.runtime.microbatch_bits import _mul_2x32, sliced_bits
+from autoshard.runtime.pipeline import PipelineStep
 from autoshard.runtime.spmd import make_jax_mesh
 
 B, D = 64, 32
 
 
-def _workload(dropout: bool) -> tuple:
+def _workload(dropout: bool, impl: str | None = None) -> tuple:
     rng = np.random.default_rng(0)
     params = {f"w{i}": jnp.asarray(rng.normal(size=(D, D)) / np.sqrt(D), jnp.float32) for i in range(4)}
     batch = {"x": jnp.asarray(rng.normal(size=(B, D)), jnp.float32),
@@ -44,24 +48,64 @@ def _workload(dropout: bool) -> tuple:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return step, (params, tx.init(params), batch, jax.random.key(3))
+    return step, (params, tx.init(params), batch, jax.random.key(3, impl=impl))
 
 
-@pytest.mark.parametrize(("dropout", "microbatches"), [(True, 2), (False, 2), (True, 1)])
-def test_a_pipelined_dropout_mask_warns_that_each_microbatch_draws_its_own(devices8, dropout, microbatches):
-    step, args = _workload(dropout)
-    want = jax.jit(step)(*args)
+def _run(devices8, step, args, microbatches: int) -> tuple[list, list]:
     mesh = make_jax_mesh((2, 4), ("x", "y"), devices=devices8)
     run = autoshard.autoshard(step, mesh=mesh, cluster="cpu-8", num_stages=2, num_microbatches=microbatches)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = run(*args)
     assert len(run.plan.stages) == 2
-    said = [w for w in caught if issubclass(w.category, MicrobatchRandomnessWarning)]
-    if dropout and microbatches > 1:
-        assert said and "4 draws" in str(said[0].message) and "num_stages=1" in str(said[0].message)
-    else:
-        assert not said
-    if not dropout:  # the loss ignores its key: the marker keeps the operand, and the step is one device's
-        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
-            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+    return got, [w for w in caught if issubclass(w.category, MicrobatchRandomnessWarning)]
+
+
+def _assert_one_device(want, got) -> None:
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("dropout", "microbatches"), [(True, 1), (True, 2), (True, 4), (False, 2)])
+def test_a_pipelined_dropout_mask_is_one_device_s(devices8, dropout, microbatches):
+    step, args = _workload(dropout)
+    want = jax.jit(step)(*args)
+    got, said = _run(devices8, step, args, microbatches)
+    assert not said
+    _assert_one_device(want, got)
+
+
+def test_the_jax_vjp_stage_path_draws_the_same_slices(devices8, monkeypatch):
+    monkeypatch.setattr(PipelineStep, "_runner", lambda self, program, graphs: None)  # no train-graph runner
+    step, args = _workload(True)
+    want = jax.jit(step)(*args)
+    got, said = _run(devices8, step, args, 2)
+    assert not said
+    _assert_one_device(want, got)
+
+
+def test_a_draw_that_cannot_be_sliced_warns(devices8):
+    step, args = _workload(True, impl="rbg")  # rbg bits are not threefry of the element's index
+    got, said = _run(devices8, step, args, 2)
+    assert said and "4 of 4 draws" in str(said[0].message) and "num_stages=1" in str(said[0].message)
+    assert np.isfinite(float(got[2]))
+
+
+@pytest.mark.parametrize(("whole", "axis", "parts"), [((64, 32), 0, 2), ((8, 64, 5), 1, 4), ((3, 16), 1, 8)])
+def test_a_slice_of_the_bits_equals_the_slice_of_the_whole_draw(whole, axis, parts):
+    key = jax.random.key(7)
+    for dtype, width in ((jnp.uint32, 32), (jnp.uint8, 8)):
+        full = jax.random.bits(key, whole, dtype)
+        shape = tuple(n // parts if d == axis else n for d, n in enumerate(whole))
+        for m in range(parts):
+            got = jax.jit(sliced_bits, static_argnums=(1, 2, 3, 4))(key, width, whole, shape, axis, m)
+            want = jax.lax.slice_in_dim(full, m * shape[axis], (m + 1) * shape[axis], axis=axis)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_the_index_words_are_exact_past_two_to_the_32():
+    a = np.random.default_rng(0).integers(0, 2**32, 512, dtype=np.uint64).astype(np.uint32)
+    for b in (3, 2**31 + 5, 2**33 + 7, 3 * 2**40 + 12345):
+        high, low = _mul_2x32(jnp.asarray(a), b)
+        got = [(int(h) << 32) | int(l) for h, l in zip(np.asarray(high), np.asarray(low))]
+        assert got == [(int(x) * b) % 2**64 for x in a]

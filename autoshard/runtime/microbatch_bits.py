@@ -1,0 +1,187 @@
+"""A pipeline's microbatch draws its slice of the whole batch's random bits, as one device draws them.
+
+A pipeline runs the loss a microbatch at a time, so a ``random_bits`` over the batch (a dropout mask) is
+bound at the microbatch's shape, and JAX's threefry counts each element from 0 over that shape: microbatch m
+would draw the bits of microbatch 0's positions, not those of its own rows of the whole mask. Under
+``jax_threefry_partitionable`` (JAX's default) an element's bits are threefry of its key and its linear index
+in the whole array (``jax._src.random.threefry2x32._threefry_random_bits_partitionable``), so microbatch m's
+slice is computed alone: the same threefry over the whole shape's linear indices of its own positions (the
+microbatch's iota, shifted by ``m * rows`` along the batch axis, times the whole shape's strides, in two
+32-bit words as JAX counts). :func:`sliced_bits` is that; it equals the slice bit for bit.
+
+The stage programs bind their draws through :func:`drawn_bits`, which reads the microbatch index the runtime
+passes with the stage's data (:func:`drawing`, set while a stage executable is traced). :func:`find_draws`
+pairs the loss at the whole batch with the loss at one microbatch and says which draws shrink, along which
+axis, and which cannot be sliced (another key type, the flag off, a shape not cut along one axis by the
+microbatch count, or two draws of one microbatch shape cut differently): those still draw their own bits, and
+``runtime/applied_pipeline.pipeline_run`` warns of them (``MicrobatchRandomnessWarning``).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.random import threefry2x32_p
+
+from autoshard.ir.split import FlatEqn, StepParts
+from autoshard.ir.trace import control_flow_bodies, eqn_source
+
+__all__ = ["Draws", "DrawnBitsEqn", "bind_op", "drawing", "drawn_bits", "find_draws", "sliced_bits"]
+
+_U32 = jnp.uint32
+_UINT = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One draw over the batch: its whole shape, and the axis the microbatches cut."""
+
+    whole: tuple[int, ...]
+    axis: int
+
+
+@dataclass(frozen=True)
+class Draws:
+    """The loss's draws that shrink with the microbatch: the sliceable ones by (microbatch shape, bit width),
+    and where the others are (their source lines), which still draw their own bits."""
+
+    sliced: Mapping[tuple[tuple[int, ...], int], Draw]
+    unsliced: tuple[str, ...] = ()
+    count: int = 0  # draws that shrink with the microbatch, sliced or not
+
+
+def _random_bits_pairs(whole: Sequence[Any], small: Sequence[Any]) -> Iterator[tuple[Any, Any]]:
+    """(whole, microbatch) equation pairs of ``random_bits``, inside loop and branch bodies too."""
+    for a, b in zip(whole, small):
+        if a.primitive.name == "random_bits":
+            yield a, b
+        for body_a, body_b in zip(control_flow_bodies(a), control_flow_bodies(b)):
+            yield from _random_bits_pairs(getattr(body_a, "jaxpr", body_a).eqns, getattr(body_b, "jaxpr", body_b).eqns)
+
+
+def _cut_axis(whole: tuple[int, ...], small: tuple[int, ...], num_microbatches: int) -> int | None:
+    """The one axis ``small`` cuts ``whole`` along into ``num_microbatches`` (None: not such a cut)."""
+    differ = [d for d, (w, s) in enumerate(zip(whole, small)) if w != s]
+    if len(whole) != len(small) or len(differ) != 1 or whole[differ[0]] != small[differ[0]] * num_microbatches:
+        return None
+    return differ[0]
+
+
+def find_draws(whole: StepParts, small: StepParts, num_microbatches: int) -> Draws:
+    """The draws of the loss whose shape shrinks from ``whole`` (the whole batch) to ``small`` (a microbatch)."""
+    pairs = [(a, b) for a, b in _random_bits_pairs([e.eqn for e in whole.forward.eqns],
+                                                   [e.eqn for e in small.forward.eqns])
+             if tuple(a.params["shape"]) != tuple(b.params["shape"])]
+    sliced: dict[tuple[tuple[int, ...], int], Draw] = {}
+    unsliced: list[str] = []
+    clash: set[tuple[tuple[int, ...], int]] = set()
+    for a, b in pairs:
+        key_type = b.invars[0].aval
+        axis = _cut_axis(tuple(a.params["shape"]), tuple(b.params["shape"]), num_microbatches)
+        threefry = getattr(key_type, "shape", None) == () and str(getattr(key_type, "dtype", "")) == "key<fry>"
+        if axis is None or not threefry or not jax.config.jax_threefry_partitionable:
+            unsliced.append(eqn_source(b))
+            continue
+        k = (tuple(b.params["shape"]), int(b.params["bit_width"]))
+        draw = Draw(tuple(a.params["shape"]), axis)
+        if sliced.get(k, draw) != draw:
+            clash.add(k)
+        sliced[k] = draw
+    for k in clash:  # one microbatch shape, two whole shapes: a bind cannot tell them apart
+        del sliced[k]
+        unsliced += [eqn_source(b) for _, b in pairs if (tuple(b.params["shape"]), int(b.params["bit_width"])) == k]
+    return Draws(sliced, tuple(unsliced), len(pairs))
+
+
+def _mul_2x32(a: jax.Array, b: int) -> tuple[jax.Array, jax.Array]:
+    """``a`` (uint32) times ``b`` (an int below 2**64), mod 2**64, as (high, low) uint32 words."""
+    b_low, b_high = b & 0xFFFFFFFF, b >> 32
+    a0, a1 = a & _U32(0xFFFF), a >> _U32(16)
+    b0, b1 = _U32(b_low & 0xFFFF), _U32(b_low >> 16)
+    p00, p01, p10, p11 = a0 * b0, a0 * b1, a1 * b0, a1 * b1
+    mid = p01 + p10
+    mid_carry = (mid < p01).astype(_U32)
+    low = p00 + (mid << _U32(16))
+    carry = (low < p00).astype(_U32)
+    high = p11 + (mid >> _U32(16)) + (mid_carry << _U32(16)) + carry + a * _U32(b_high)
+    return high, low
+
+
+def sliced_bits(key: jax.Array, bit_width: int, whole: Sequence[int], shape: Sequence[int], axis: int,
+                index: jax.Array | int) -> jax.Array:
+    """Slice ``index`` (of ``shape``, cut along ``axis``) of ``jax.random.bits(key, whole)``'s bits, drawn alone
+    (module docstring): the whole shape's linear indices of the slice's positions, threefry'd with the key."""
+    whole, shape = tuple(int(x) for x in whole), tuple(int(x) for x in shape)
+    high, low = jnp.zeros(shape, _U32), jnp.zeros(shape, _U32)
+    for d in range(len(shape)):
+        position = lax.broadcasted_iota(_U32, shape, d)
+        if d == axis:
+            position = position + jnp.asarray(index, _U32) * _U32(shape[d])
+        term_high, term_low = _mul_2x32(position, int(np.prod(whole[d + 1:], dtype=object)))
+        low, low_before = low + term_low, low
+        high = high + term_high + (low < low_before).astype(_U32)
+    data = jax.random.key_data(key)
+    bits1, bits2 = threefry2x32_p.bind(data[0], data[1], high, low)
+    dtype = _UINT[bit_width]
+    if bit_width == 64:
+        return lax.shift_left(bits1.astype(dtype), jnp.asarray(32, dtype)) | bits2.astype(dtype)
+    return (bits1 ^ bits2).astype(dtype)
+
+
+_DRAWING: contextvars.ContextVar[tuple[Draws, Any] | None] = contextvars.ContextVar("microbatch_draws",
+                                                                                    default=None)
+
+
+@contextlib.contextmanager
+def drawing(draws: Draws, index: Any) -> Iterator[None]:
+    """Within: the sliceable draws bound through :func:`drawn_bits` draw microbatch ``index``'s slice."""
+    token = _DRAWING.set((draws, index))
+    try:
+        yield
+    finally:
+        _DRAWING.reset(token)
+
+
+def drawn_bits(params: Mapping[str, Any], key: Any) -> jax.Array | None:
+    """The microbatch's slice for a ``random_bits`` bound with ``params`` (None: bind it as it is)."""
+    current = _DRAWING.get()
+    if current is None:
+        return None
+    draws, index = current
+    shape, bit_width = tuple(params["shape"]), int(params["bit_width"])
+    draw = draws.sliced.get((shape, bit_width))
+    if draw is None:
+        return None
+    return sliced_bits(key, bit_width, draw.whole, shape, draw.axis, index)
+
+
+def bind_op(op: Any, values: list[Any]) -> list[Any] | None:
+    """``OpGraph.run_ops``'s ``bind_op``: a train graph's ``random_bits`` draws the microbatch's slice."""
+    if op.primitive != "random_bits":
+        return None
+    bits = drawn_bits(op.params, values[0])
+    return None if bits is None else [bits]
+
+
+@dataclass(frozen=True, eq=False)
+class DrawnBitsEqn(FlatEqn):
+    """A forward ``random_bits`` equation bound through :func:`drawn_bits` (the ``jax.vjp`` stage path)."""
+
+    def bind(self, values: Sequence[Any]) -> list[Any]:
+        bits = drawn_bits(self.eqn.params, values[0])
+        return [bits] if bits is not None else super().bind(values)
+
+
+def with_drawn_bits(parts: StepParts) -> StepParts:
+    """``parts`` with its forward's ``random_bits`` equations bound through :func:`drawn_bits`."""
+    eqns = tuple(DrawnBitsEqn(**{f.name: getattr(e, f.name) for f in dataclasses.fields(e)})
+                 if e.eqn.primitive.name == "random_bits" else e for e in parts.forward.eqns)
+    return dataclasses.replace(parts, forward=dataclasses.replace(parts.forward, eqns=eqns))
