@@ -13,14 +13,13 @@ A mismatch raises ``PlanMismatchError`` saying what differs.
 """
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
-from autoshard.errors import MicrobatchRandomnessWarning, PlanMismatchError
+from autoshard.errors import PlanMismatchError
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.spec import Spec
 from autoshard.ir.split import StepParts, split_step
@@ -29,7 +28,7 @@ from autoshard.ir.trace import signature, trace
 from autoshard.plans.plan import Plan
 from autoshard.plans.planfile import check_args, check_signature
 from autoshard.plans.stage_plan import PipelineStage
-from autoshard.runtime.microbatch_bits import find_draws, with_drawn_bits
+from autoshard.runtime.microbatch_bits import microbatch_draws
 from autoshard.runtime.pipeline import PipelineStep
 from autoshard.runtime.pipeline_lower import PipelineLowered, lower_pipeline
 from autoshard.runtime.stage_layout import PipelineRun, StageLayout, StepOptions, output_specs, state_specs
@@ -138,30 +137,13 @@ def microbatch_parts(plan: Plan, traced: TracedStep) -> StepParts:
 
 def pipeline_run(plan: Plan, traced: TracedStep) -> PipelineRun:
     """The plan's stages on the step at one microbatch: what a PipelineStep runs. Each microbatch draws its
-    slice of the whole batch's random bits (``runtime/microbatch_bits.py``); a draw that cannot be sliced
-    warns (``MicrobatchRandomnessWarning``): that microbatch draws its own."""
+    slice of the whole batch's random bits (``runtime/microbatch_bits.py``)."""
     assert plan.pipeline is not None
-    small = microbatch_parts(plan, traced)
-    num_mb = int(plan.num_microbatches)
-    draws = find_draws(traced.parts, small, num_mb) if num_mb > 1 else None
-    if draws is not None and draws.unsliced:
-        sources = sorted({s for s in draws.unsliced if s})
-        where = f" at {', '.join(sources[:3])}" if sources else ""
-        warnings.warn(
-            f"the loss draws random bits over the batch that a microbatch cannot draw its slice of "
-            f"({len(draws.unsliced)} of {draws.count} draws{where}: a key other than threefry's, "
-            "jax_threefry_partitionable off, or a shape the microbatches do not cut along one axis); the pipeline "
-            f"runs it {num_mb} microbatches at a time, each drawing its own bits there, so the step is not bit "
-            "for bit one device's (its masks are as random, not the same). Plan with num_stages=1 (SPMD splits "
-            "the bits and keeps them) to run it as one device would.", MicrobatchRandomnessWarning, stacklevel=3)
-    if draws is not None and draws.sliced:
-        small = with_drawn_bits(small)
-    else:
-        draws = None
+    small, draws = microbatch_draws(traced.parts, microbatch_parts(plan, traced), int(plan.num_microbatches))
     graph = traced.graph
-    return PipelineRun(small, plan.pipeline.layer_eqns, stage_layouts(plan, graph, small), num_mb,
-                       plan.pipeline.schedule, traced.split_inputs, graph.in_tree, graph.out_tree, graph.output_paths,
-                       draws)
+    return PipelineRun(small, plan.pipeline.layer_eqns, stage_layouts(plan, graph, small),
+                       int(plan.num_microbatches), plan.pipeline.schedule, traced.split_inputs, graph.in_tree,
+                       graph.out_tree, graph.output_paths, draws)
 
 
 class AppliedPipeline:

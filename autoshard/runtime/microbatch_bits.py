@@ -10,17 +10,22 @@ microbatch's iota, shifted by ``m * rows`` along the batch axis, times the whole
 32-bit words as JAX counts). :func:`sliced_bits` is that; it equals the slice bit for bit.
 
 The stage programs bind their draws through :func:`drawn_bits`, which reads the microbatch index the runtime
-passes with the stage's data (:func:`drawing`, set while a stage executable is traced). :func:`find_draws`
-pairs the loss at the whole batch with the loss at one microbatch and says which draws shrink, along which
-axis, and which cannot be sliced (another key type, the flag off, a shape not cut along one axis by the
-microbatch count, or two draws of one microbatch shape cut differently): those still draw their own bits, and
-``runtime/applied_pipeline.pipeline_run`` warns of them (``MicrobatchRandomnessWarning``).
+passes with the stage's data (:func:`drawing`, set while a stage executable is traced): a train graph's ops
+through ``OpGraph.run_ops``'s ``bind_op`` (:func:`bind_op`, loop bodies included), the ``jax.vjp`` path's
+forward equations as :class:`DrawingEqn`, which re-emits a scan or a call (``jit``, ``checkpoint``) whose
+body draws around its body evaluated equation by equation. :func:`find_draws` pairs the loss at the whole
+batch with the loss at one microbatch and says which draws shrink, along which axis, and which cannot be
+sliced (another key type, the flag off, a shape not cut along one axis by the microbatch count, two draws of
+one microbatch shape cut differently, or a draw in a ``while`` or ``cond`` body, bound whole): those still
+draw their own bits, and :func:`microbatch_draws`, which both pipeline builders call, warns of them
+(``MicrobatchRandomnessWarning``).
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import dataclasses
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,12 +34,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import core as jcore
 from jax.extend.random import threefry2x32_p
 
+from autoshard.errors import MicrobatchRandomnessWarning
 from autoshard.ir.split import FlatEqn, StepParts
 from autoshard.ir.trace import control_flow_bodies, eqn_source
 
-__all__ = ["Draws", "DrawnBitsEqn", "bind_op", "drawing", "drawn_bits", "find_draws", "sliced_bits"]
+__all__ = ["Draws", "DrawingEqn", "bind_op", "drawing", "drawn_bits", "find_draws", "microbatch_draws",
+           "sliced_bits"]
 
 _U32 = jnp.uint32
 _UINT = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
@@ -58,13 +66,32 @@ class Draws:
     count: int = 0  # draws that shrink with the microbatch, sliced or not
 
 
-def _random_bits_pairs(whole: Sequence[Any], small: Sequence[Any]) -> Iterator[tuple[Any, Any]]:
-    """(whole, microbatch) equation pairs of ``random_bits``, inside loop and branch bodies too."""
+# equations whose bodies :func:`_bind_drawing` re-emits, so that the draws inside are the microbatch's slices
+_REEMITTED = ("scan", "jit", "pjit", "closed_call", "core_call", "checkpoint")
+
+
+def _bodies(eqn: Any) -> list[Any]:
+    """The jaxprs inside an equation: loop and branch bodies, and the bodies of calls (``jit``, ``checkpoint``)."""
+    found = control_flow_bodies(eqn)
+    if found:
+        return found
+    return [v for value in eqn.params.values() for v in (value if isinstance(value, (tuple, list)) else (value,))
+            if isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr))]
+
+
+def _eqns(jaxpr: Any) -> Sequence[Any]:
+    return getattr(jaxpr, "jaxpr", jaxpr).eqns
+
+
+def _random_bits_pairs(whole: Sequence[Any], small: Sequence[Any], reached: bool = True
+                       ) -> Iterator[tuple[Any, Any, bool]]:
+    """(whole, microbatch, reached) triples of ``random_bits`` equations, in bodies too; ``reached``: only
+    inside bodies a stage re-emits (``_REEMITTED``; a ``while`` or ``cond`` is bound whole)."""
     for a, b in zip(whole, small):
         if a.primitive.name == "random_bits":
-            yield a, b
-        for body_a, body_b in zip(control_flow_bodies(a), control_flow_bodies(b)):
-            yield from _random_bits_pairs(getattr(body_a, "jaxpr", body_a).eqns, getattr(body_b, "jaxpr", body_b).eqns)
+            yield a, b, reached
+        for body_a, body_b in zip(_bodies(a), _bodies(b)):
+            yield from _random_bits_pairs(_eqns(body_a), _eqns(body_b), reached and a.primitive.name in _REEMITTED)
 
 
 def _cut_axis(whole: tuple[int, ...], small: tuple[int, ...], num_microbatches: int) -> int | None:
@@ -77,17 +104,17 @@ def _cut_axis(whole: tuple[int, ...], small: tuple[int, ...], num_microbatches: 
 
 def find_draws(whole: StepParts, small: StepParts, num_microbatches: int) -> Draws:
     """The draws of the loss whose shape shrinks from ``whole`` (the whole batch) to ``small`` (a microbatch)."""
-    pairs = [(a, b) for a, b in _random_bits_pairs([e.eqn for e in whole.forward.eqns],
-                                                   [e.eqn for e in small.forward.eqns])
+    pairs = [(a, b, reached) for a, b, reached in _random_bits_pairs([e.eqn for e in whole.forward.eqns],
+                                                                     [e.eqn for e in small.forward.eqns])
              if tuple(a.params["shape"]) != tuple(b.params["shape"])]
     sliced: dict[tuple[tuple[int, ...], int], Draw] = {}
     unsliced: list[str] = []
     clash: set[tuple[tuple[int, ...], int]] = set()
-    for a, b in pairs:
+    for a, b, reached in pairs:
         key_type = b.invars[0].aval
         axis = _cut_axis(tuple(a.params["shape"]), tuple(b.params["shape"]), num_microbatches)
         threefry = getattr(key_type, "shape", None) == () and str(getattr(key_type, "dtype", "")) == "key<fry>"
-        if axis is None or not threefry or not jax.config.jax_threefry_partitionable:
+        if axis is None or not threefry or not jax.config.jax_threefry_partitionable or not reached:
             unsliced.append(eqn_source(b))
             continue
         k = (tuple(b.params["shape"]), int(b.params["bit_width"]))
@@ -97,7 +124,7 @@ def find_draws(whole: StepParts, small: StepParts, num_microbatches: int) -> Dra
         sliced[k] = draw
     for k in clash:  # one microbatch shape, two whole shapes: a bind cannot tell them apart
         del sliced[k]
-        unsliced += [eqn_source(b) for _, b in pairs if (tuple(b.params["shape"]), int(b.params["bit_width"])) == k]
+        unsliced += [eqn_source(b) for _, b, _ in pairs if (tuple(b.params["shape"]), int(b.params["bit_width"])) == k]
     return Draws(sliced, tuple(unsliced), len(pairs))
 
 
@@ -171,17 +198,107 @@ def bind_op(op: Any, values: list[Any]) -> list[Any] | None:
     return None if bits is None else [bits]
 
 
+def _eval_drawing(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    """``jaxpr`` evaluated equation by equation, its draws through :func:`drawn_bits` and its scans re-emitted
+    (:func:`_scan_drawing`), so the draws in their bodies are too."""
+    env: dict[Any, Any] = {}
+
+    def read(a: Any) -> Any:
+        return a.val if isinstance(a, jcore.Literal) else env[a]
+
+    for var, val in zip(jaxpr.constvars, consts):
+        env[var] = val
+    for var, val in zip(jaxpr.invars, args):
+        env[var] = val
+    for e in jaxpr.eqns:
+        outs = _bind_drawing(e, [read(a) for a in e.invars])
+        for var, val in zip(e.outvars, outs):
+            env[var] = val
+    return [read(a) for a in jaxpr.outvars]
+
+
+def _bind_drawing(eqn: Any, values: Sequence[Any]) -> list[Any]:
+    """One equation bound, a draw as the microbatch's slice and a scan re-emitted around its draws."""
+    name = eqn.primitive.name
+    if name == "random_bits":
+        bits = drawn_bits(eqn.params, values[0])
+        if bits is not None:
+            return [bits]
+    elif name in _REEMITTED and _draws_inside(eqn):
+        return _reemitted(eqn, values)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _draws_inside(eqn: Any) -> bool:
+    return any(e.primitive.name == "random_bits" or _draws_inside(e) for body in _bodies(eqn) for e in _eqns(body))
+
+
+def _reemitted(eqn: Any, values: Sequence[Any]) -> list[Any]:
+    """A scan or call whose body draws, re-emitted around :func:`_eval_drawing` of its body (the ``jax.vjp``
+    stage path binds an equation whole, where the draws in its body would count from 0): a scan as
+    ``lax.scan``, a ``checkpoint`` as ``jax.checkpoint`` (its policy kept), a ``jit`` inline."""
+    params, name = eqn.params, eqn.primitive.name
+    if name == "scan":
+        return _scan_drawing(params, values)
+    body = params["jaxpr"] if name != "checkpoint" else jcore.ClosedJaxpr(params["jaxpr"], ())
+    if params.get("call_jaxpr") is not None:  # core_call / closed_call
+        body = params["call_jaxpr"]
+    if name == "checkpoint":
+        return list(jax.checkpoint(lambda *a: _eval_drawing(body.jaxpr, body.consts, a),
+                                   prevent_cse=params.get("prevent_cse", True), policy=params.get("policy"))(*values))
+    body = body if isinstance(body, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(body, ())
+    return _eval_drawing(body.jaxpr, body.consts, values)
+
+
+def _scan_drawing(params: Mapping[str, Any], values: Sequence[Any]) -> list[Any]:
+    """``lax.scan`` of a scan equation's body, evaluated by :func:`_eval_drawing`."""
+    closed, n_consts, n_carry = params["jaxpr"], params["num_consts"], params["num_carry"]
+    consts, init, xs = values[:n_consts], values[n_consts:n_consts + n_carry], values[n_consts + n_carry:]
+
+    def body(carry: Sequence[Any], x: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        outs = _eval_drawing(closed.jaxpr, closed.consts, [*consts, *carry, *x])
+        return outs[:n_carry], outs[n_carry:]
+
+    carry, ys = lax.scan(body, list(init), list(xs), length=params["length"], reverse=params["reverse"],
+                         unroll=params["unroll"])
+    return [*carry, *ys]
+
+
 @dataclass(frozen=True, eq=False)
-class DrawnBitsEqn(FlatEqn):
-    """A forward ``random_bits`` equation bound through :func:`drawn_bits` (the ``jax.vjp`` stage path)."""
+class DrawingEqn(FlatEqn):
+    """A forward equation that draws (``random_bits``, or a scan whose body does) bound through
+    :func:`_bind_drawing`: the ``jax.vjp`` stage path's draws are the microbatch's slices too."""
 
     def bind(self, values: Sequence[Any]) -> list[Any]:
-        bits = drawn_bits(self.eqn.params, values[0])
-        return [bits] if bits is not None else super().bind(values)
+        if _DRAWING.get() is None:
+            return super().bind(values)
+        return _bind_drawing(self.eqn, values)
 
 
-def with_drawn_bits(parts: StepParts) -> StepParts:
-    """``parts`` with its forward's ``random_bits`` equations bound through :func:`drawn_bits`."""
-    eqns = tuple(DrawnBitsEqn(**{f.name: getattr(e, f.name) for f in dataclasses.fields(e)})
-                 if e.eqn.primitive.name == "random_bits" else e for e in parts.forward.eqns)
-    return dataclasses.replace(parts, forward=dataclasses.replace(parts.forward, eqns=eqns))
+def microbatch_draws(whole: StepParts, small: StepParts, num_microbatches: int, runs: StepParts | None = None
+                     ) -> tuple[StepParts, Draws | None]:
+    """The step a pipeline runs (``runs``, default ``small``: the step at one microbatch), its draws bound as
+    the microbatch's slices of ``whole``'s, and those draws (None: none to slice). A draw that cannot be sliced
+    warns (``MicrobatchRandomnessWarning``): the microbatch draws its own there."""
+    runs = small if runs is None else runs
+    if num_microbatches <= 1:
+        return runs, None
+    draws = find_draws(whole, small, num_microbatches)
+    if draws.unsliced:
+        sources = sorted({s for s in draws.unsliced if s})
+        where = f" at {', '.join(sources[:3])}" if sources else ""
+        warnings.warn(
+            f"the loss draws random bits over the batch that a microbatch cannot draw its slice of "
+            f"({len(draws.unsliced)} of {draws.count} draws{where}: a key other than threefry's, "
+            "jax_threefry_partitionable off, a draw in a while or cond body, or a shape the microbatches do not "
+            f"cut along one axis); the pipeline runs it {num_microbatches} microbatches at a time, each drawing "
+            "its own bits there, so the step is not bit for bit one device's (its masks are as random, not the "
+            "same). Plan with num_stages=1 (SPMD splits the bits and keeps them) to run it as one device would.",
+            MicrobatchRandomnessWarning, stacklevel=4)
+    if not draws.sliced:
+        return runs, None
+    eqns = tuple(DrawingEqn(**{f.name: getattr(e, f.name) for f in dataclasses.fields(e)})
+                 if e.eqn.primitive.name == "random_bits" or _draws_inside(e.eqn) else e for e in runs.forward.eqns)
+    return dataclasses.replace(runs, forward=dataclasses.replace(runs.forward, eqns=eqns)), draws

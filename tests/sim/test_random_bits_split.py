@@ -78,10 +78,6 @@ def test_bits_of_a_non_partitionable_threefry_stay_replicated(devices8):
     assert plan.op_out_specs[bits[0]][0].is_replicated
 
 
-if __name__ == "__main__":
-    raise SystemExit(pytest.main([__file__, "-q"]))
-
-
 def test_a_scanned_layer_s_dropout_mask_is_split_inside_the_loop(devices8):
     """``nn.scan`` over blocks with dropout (``split_rngs={"dropout": True}``): the bits are drawn in the loop
     body, split there like their reader, and the step equals one device's."""
@@ -117,3 +113,7 @@ def test_a_scanned_layer_s_dropout_mask_is_split_inside_the_loop(devices8):
     in_body = [i for i in bits if any(loop.kind == "scan" and loop.body_start <= i < loop.body_stop
                                       for loop in graph.loops)]
     assert in_body and all(not run.plan.op_out_specs[i][0].is_replicated for i in in_body)
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
