@@ -87,6 +87,12 @@ class MicrobatchRandomnessWarning(UserWarning):
     microbatch draws its own, not its slice of the bits one device draws for the whole batch."""
 
 
+class MicrobatchCouplingWarning(UserWarning):
+    """A pipeline runs the step a microbatch at a time and its loss couples the examples of its batch (a batch
+    statistic used per example, such as ``nn.BatchNorm``'s mean and variance in training,
+    ``ir/batch_coupling.py``): each microbatch computes its own statistic, so the step is not one device's."""
+
+
 class ObjectiveMismatchWarning(UserWarning):
     """A plan's cost recomputed on the whole graph differs from the ILP's objective or the ledger: a bug in
     the planner (the message gives the three figures). The test suite turns it into an error."""

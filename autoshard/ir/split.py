@@ -350,9 +350,10 @@ def free_mask(eqns: Sequence[FlatEqn], diff_vars: set[VarId]) -> tuple[bool, ...
 def batch_inputs(parts: StepParts) -> tuple[int, tuple[bool, ...]]:
     """(global batch size, per flat step input: a batch leaf to split into microbatches).
 
-    The batch leaves are the step inputs passed to the loss as non-differentiated arguments (or closed
-    over by it) whose leading dimension is the batch size (the leading size most such leaves share), and the step
-    inputs of that leading size from which the step computes such a loss argument before the loss
+    The batch leaves are the step inputs passed to the loss as non-differentiated arguments (or, when it is
+    passed none, closed over by it: a loss that takes its batch and closes over BatchNorm's statistics does not
+    cut the statistics) whose leading dimension is the batch size (the leading size most such leaves share),
+    and the step inputs of that leading size from which the step computes such a loss argument before the loss
     (``x = batch["x"] / 255`` closed over: ``batch["x"]`` is split, the division runs per microbatch).
     """
     fwd = parts.forward
@@ -362,6 +363,9 @@ def batch_inputs(parts: StepParts) -> tuple[int, tuple[bool, ...]]:
     if not data:
         raise PlanningError("the loss has no batch argument (a non-differentiated step argument with a leading "
                             "batch dimension) to split into microbatches; use num_stages=1")
+    closed_over = parts.arg_leaf_counts[0] if parts.arg_leaf_counts else 0
+    passed = [k for k in data if k >= closed_over]
+    data = passed or data
     direct = [k for k in data if parts.operand_inputs[k] is not None] or data
     leading = [int(shapes[k][0]) for k in direct]
     batch = max(leading, key=lambda n: (leading.count(n), -leading.index(n)))  # the most common, then the first

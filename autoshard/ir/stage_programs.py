@@ -136,6 +136,11 @@ def _var_deps(jaxpr: Any, in_deps: list[int]) -> list[int]:
         if body is not None:
             inner = body.jaxpr if isinstance(body, jcore.ClosedJaxpr) else body
             outs = _var_deps(inner, ins)
+        elif e.primitive.name == "cond":  # each output: its own reads in every branch, and the branch index
+            # (optax.MultiSteps's update is a cond over all leaves, each leaf's output its own leaf's)
+            outs = [ins[0]] * len(e.outvars)
+            for branch in e.params["branches"]:
+                outs = [m | b for m, b in zip(outs, _var_deps(branch.jaxpr, ins[1:]))]
         else:
             mask = 0
             for m in ins:

@@ -26,7 +26,8 @@ from jax.extend import core as jcore
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.rescale import extrapolate
 from autoshard.ir.split import StepParts, batch_inputs, microbatch_shapes, split_step
-from autoshard.ir.trace import step_jaxpr
+from autoshard.errors import PlanningError
+from autoshard.ir.trace import TracingError, step_jaxpr
 
 
 def _atoms(atoms: Sequence[Any]) -> tuple[Any, ...]:
@@ -106,12 +107,25 @@ class TracedStep:
         if count not in self.microbatch_traces:
             closed = self._extrapolated(count)
             if closed is None:
-                closed, _ = step_jaxpr(self.fn, *self.microbatch_args(count))
+                try:
+                    closed, _ = step_jaxpr(self.fn, *self.microbatch_args(count))
+                except TracingError as err:
+                    raise self._cut_error(count, err) from err
                 if not self.traced_microbatch:
                     self.traced_microbatch.append((count, closed))
             small = split_step(closed)
             self.microbatch_traces[count] = small if small is not None and same_step(self.parts, small) else None
         return self.microbatch_traces[count]
+
+    def _cut_error(self, count: int, err: TracingError) -> PlanningError:
+        """The step does not trace with its batch leaves cut: say which leaves were taken for the batch."""
+        paths = [self.graph.values[v].path for v, cut in zip(self.graph.inputs, self.split_inputs) if cut]
+        return PlanningError(
+            f"the step does not trace at a microbatch (batch {self.global_batch} / {count}) with the inputs "
+            f"{', '.join(paths[:6])}{' ...' if len(paths) > 6 else ''} cut along their leading dimension, the "
+            f"batch's (the leading size {self.global_batch} of most of the loss's data arguments): {err}\nIf one "
+            f"of them is not batch data (a per-channel statistic of size {self.global_batch}, say), give the batch "
+            "another size, or plan with num_stages=1 (no microbatches).")
 
     def _extrapolated(self, count: int) -> jcore.ClosedJaxpr | None:
         """The step's jaxpr at batch / ``count`` from its full-batch trace and its first microbatch trace (None:

@@ -28,7 +28,7 @@ from autoshard.ir.trace import signature, trace
 from autoshard.plans.plan import Plan
 from autoshard.plans.planfile import check_args, check_signature
 from autoshard.plans.stage_plan import PipelineStage
-from autoshard.runtime.microbatch_bits import microbatch_draws
+from autoshard.runtime.microbatch_bits import per_microbatch
 from autoshard.runtime.pipeline import PipelineStep
 from autoshard.runtime.pipeline_lower import PipelineLowered, lower_pipeline
 from autoshard.runtime.stage_layout import PipelineRun, StageLayout, StepOptions, output_specs, state_specs
@@ -139,7 +139,7 @@ def pipeline_run(plan: Plan, traced: TracedStep) -> PipelineRun:
     """The plan's stages on the step at one microbatch: what a PipelineStep runs. Each microbatch draws its
     slice of the whole batch's random bits (``runtime/microbatch_bits.py``)."""
     assert plan.pipeline is not None
-    small, draws = microbatch_draws(traced.parts, microbatch_parts(plan, traced), int(plan.num_microbatches))
+    small, draws = per_microbatch(traced.parts, microbatch_parts(plan, traced), int(plan.num_microbatches))
     graph = traced.graph
     return PipelineRun(small, plan.pipeline.layer_eqns, stage_layouts(plan, graph, small),
                        int(plan.num_microbatches), plan.pipeline.schedule, traced.split_inputs, graph.in_tree,

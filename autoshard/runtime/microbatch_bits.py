@@ -17,8 +17,8 @@ body draws around its body evaluated equation by equation. :func:`find_draws` pa
 batch with the loss at one microbatch and says which draws shrink, along which axis, and which cannot be
 sliced (another key type, the flag off, a shape not cut along one axis by the microbatch count, two draws of
 one microbatch shape cut differently, or a draw in a ``while`` or ``cond`` body, bound whole): those still
-draw their own bits, and :func:`microbatch_draws`, which both pipeline builders call, warns of them
-(``MicrobatchRandomnessWarning``).
+draw their own bits, and :func:`per_microbatch`, which both pipeline builders call, warns of them
+(``MicrobatchRandomnessWarning``), and of a loss that couples the batch's examples (``MicrobatchCouplingWarning``).
 """
 from __future__ import annotations
 
@@ -37,11 +37,12 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.extend.random import threefry2x32_p
 
-from autoshard.errors import MicrobatchRandomnessWarning
+from autoshard.errors import MicrobatchCouplingWarning, MicrobatchRandomnessWarning
+from autoshard.ir.batch_coupling import batch_statistics
 from autoshard.ir.split import FlatEqn, StepParts
 from autoshard.ir.trace import control_flow_bodies, eqn_source
 
-__all__ = ["Draws", "DrawingEqn", "bind_op", "drawing", "drawn_bits", "find_draws", "microbatch_draws",
+__all__ = ["Draws", "DrawingEqn", "bind_op", "drawing", "drawn_bits", "find_draws", "mul_2x32", "per_microbatch",
            "sliced_bits"]
 
 _U32 = jnp.uint32
@@ -128,7 +129,7 @@ def find_draws(whole: StepParts, small: StepParts, num_microbatches: int) -> Dra
     return Draws(sliced, tuple(unsliced), len(pairs))
 
 
-def _mul_2x32(a: jax.Array, b: int) -> tuple[jax.Array, jax.Array]:
+def mul_2x32(a: jax.Array, b: int) -> tuple[jax.Array, jax.Array]:
     """``a`` (uint32) times ``b`` (an int below 2**64), mod 2**64, as (high, low) uint32 words."""
     b_low, b_high = b & 0xFFFFFFFF, b >> 32
     a0, a1 = a & _U32(0xFFFF), a >> _U32(16)
@@ -152,7 +153,7 @@ def sliced_bits(key: jax.Array, bit_width: int, whole: Sequence[int], shape: Seq
         position = lax.broadcasted_iota(_U32, shape, d)
         if d == axis:
             position = position + jnp.asarray(index, _U32) * _U32(shape[d])
-        term_high, term_low = _mul_2x32(position, int(np.prod(whole[d + 1:], dtype=object)))
+        term_high, term_low = mul_2x32(position, int(np.prod(whole[d + 1:], dtype=object)))
         low, low_before = low + term_low, low
         high = high + term_high + (low < low_before).astype(_U32)
     data = jax.random.key_data(key)
@@ -277,14 +278,24 @@ class DrawingEqn(FlatEqn):
         return _bind_drawing(self.eqn, values)
 
 
-def microbatch_draws(whole: StepParts, small: StepParts, num_microbatches: int, runs: StepParts | None = None
-                     ) -> tuple[StepParts, Draws | None]:
+def per_microbatch(whole: StepParts, small: StepParts, num_microbatches: int, runs: StepParts | None = None
+                   ) -> tuple[StepParts, Draws | None]:
     """The step a pipeline runs (``runs``, default ``small``: the step at one microbatch), its draws bound as
-    the microbatch's slices of ``whole``'s, and those draws (None: none to slice). A draw that cannot be sliced
-    warns (``MicrobatchRandomnessWarning``): the microbatch draws its own there."""
+    the microbatch's slices of ``whole``'s, and those draws (None: none to slice). Where the microbatches
+    cannot run as the whole batch does, it warns: a draw that cannot be sliced (``MicrobatchRandomnessWarning``:
+    the microbatch draws its own there), a loss that couples the batch's examples (``MicrobatchCouplingWarning``,
+    ``ir/batch_coupling.py``: each microbatch computes its own batch statistic)."""
     runs = small if runs is None else runs
     if num_microbatches <= 1:
         return runs, None
+    coupled = list(dict.fromkeys(batch_statistics(whole.forward, small.forward)))
+    if coupled:
+        warnings.warn(
+            f"the loss couples the examples of its batch: a statistic over the batch is used per example (such as "
+            f"nn.BatchNorm's mean and variance in training) at {', '.join(coupled[:3])}; the pipeline runs it "
+            f"{num_microbatches} microbatches at a time, each with its own statistic, so the step is not one "
+            "device's. Plan with num_stages=1, or num_microbatches=1, to keep the whole batch's statistics.",
+            MicrobatchCouplingWarning, stacklevel=4)
     draws = find_draws(whole, small, num_microbatches)
     if draws.unsliced:
         sources = sorted({s for s in draws.unsliced if s})

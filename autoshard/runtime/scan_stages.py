@@ -28,7 +28,7 @@ from autoshard.ir.split import StepParts, batch_inputs
 from autoshard.ir.step_trace import TracedStep
 from autoshard.ir.trace import trace
 from autoshard.plans.plan import Plan
-from autoshard.runtime.microbatch_bits import microbatch_draws
+from autoshard.runtime.microbatch_bits import per_microbatch
 from autoshard.runtime.pipeline import PipelineStep
 from autoshard.runtime.stage_layout import PipelineRun, StageLayout, StepOptions, output_specs
 
@@ -138,7 +138,7 @@ def scanned_step(plan: Plan, traced: TracedStep, layouts: Sequence[StageLayout],
         rt_layers.append(tuple(sorted(eqns)))
         rt_layouts.append(_runtime_layout(layout, s, pricing, run, chunk_of_stage.get(s), traced.graph.carried))
     _, split = batch_inputs(run.parts)
-    parts, draws = microbatch_draws(traced.parts, small, big_b, run.parts)
+    parts, draws = per_microbatch(traced.parts, small, big_b, run.parts)
     step = ScanPipelineStep(PipelineRun(parts, tuple(rt_layers), tuple(rt_layouts), big_b, plan.pipeline.schedule,
                                         tuple(split), draws=draws), devices, options)
     step.stack_split, step.user_in_tree, step.user_out_tree = run, traced.in_tree, traced.graph.out_tree

@@ -21,7 +21,7 @@ import pytest
 
 import autoshard
 from autoshard.errors import MicrobatchRandomnessWarning
-from autoshard.runtime.microbatch_bits import _mul_2x32, sliced_bits
+from autoshard.runtime.microbatch_bits import mul_2x32, sliced_bits
 from autoshard.runtime.pipeline import PipelineStep
 from autoshard.runtime.spmd import make_jax_mesh
 
@@ -168,6 +168,6 @@ def test_a_slice_of_the_bits_equals_the_slice_of_the_whole_draw(whole, axis, par
 def test_the_index_words_are_exact_past_two_to_the_32():
     a = np.random.default_rng(0).integers(0, 2**32, 512, dtype=np.uint64).astype(np.uint32)
     for b in (3, 2**31 + 5, 2**33 + 7, 3 * 2**40 + 12345):
-        high, low = _mul_2x32(jnp.asarray(a), b)
+        high, low = mul_2x32(jnp.asarray(a), b)
         got = [(int(h) << 32) | int(l) for h, l in zip(np.asarray(high), np.asarray(low))]
         assert got == [(int(x) * b) % 2**64 for x in a]

@@ -156,6 +156,12 @@ def test_optimizer_coupling_stages_is_refused():
     parts = split_step(jax.make_jaxpr(train_step(tx))(params, _opt_state(tx, params), data))
     stages = assign_outputs(parts, [0, 0, 1, 1], ())
     assert stages[:4] == [0, 0, 1, 1]
+    # gradient accumulation (optax.MultiSteps) updates every leaf in one cond on its step count: each output
+    # still reads its own leaf's gradient in each branch (the cond's operands as a whole read them all)
+    tx = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2)
+    parts = split_step(jax.make_jaxpr(train_step(tx))(params, _opt_state(tx, params), data))
+    stages = assign_outputs(parts, [0, 0, 1, 1], ())
+    assert stages[:4] == [0, 0, 1, 1]
 
 
 def test_budget_too_small_names_the_stage_and_its_memory():

@@ -1,0 +1,43 @@
+"""``ir/batch_coupling.batch_statistics``: a statistic over the batch used per example is found from the loss
+traced at two batch sizes; per-example reductions and the loss's own mean are not (traced only, no compile)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import autoshard
+from autoshard.ir.batch_coupling import batch_statistics
+from autoshard.ir.split import split_step
+from autoshard.ir.trace import trace
+
+D = 16
+
+
+def _forward(normalise, batch: int):
+    def loss_fn(w, x):
+        return jnp.mean(normalise(x @ w) ** 2)
+
+    def step(w, x):
+        loss, grad = autoshard.value_and_grad(loss_fn)(w, x)
+        return w - 0.1 * grad, loss
+
+    args = (jax.ShapeDtypeStruct((D, D), jnp.float32), jax.ShapeDtypeStruct((batch, D), jnp.float32))
+    return split_step(trace(step, *args).jaxpr).forward
+
+
+@pytest.mark.parametrize(("name", "normalise", "coupled"), [
+    ("batch-centred (BatchNorm's mean)", lambda h: h - jnp.mean(h, axis=0), True),
+    ("batch-scaled (a max over the batch)", lambda h: h / jnp.max(jnp.abs(h)), True),
+    ("per-example (LayerNorm's mean)", lambda h: h - jnp.mean(h, axis=1, keepdims=True), False),
+    ("elementwise", jnp.tanh, False),
+])
+def test_a_batch_statistic_used_per_example_is_found(name, normalise, coupled):
+    found = batch_statistics(_forward(normalise, 64), _forward(normalise, 32))
+    assert bool(found) == coupled, (name, found)
+    if coupled:
+        assert "test_batch_coupling.py" in found[0]
+
+
+def test_traces_that_do_not_align_find_nothing():
+    assert batch_statistics(_forward(jnp.tanh, 64), _forward(lambda h: h - jnp.mean(h, axis=0), 32)) == []
