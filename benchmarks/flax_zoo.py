@@ -11,7 +11,9 @@
   layers' activations recomputed in the backward pass).
 
 Each builder gives the step and its arguments: abstract at the benchmark's sizes, made (``small=True``) at
-sizes a test runs on simulated devices (``tests/sim/test_flax_zoo.py``: sharded like one device).
+sizes a test runs on simulated devices (``tests/sim/test_flax_zoo.py``: sharded like one device); with
+``marked=True`` the step takes its gradients with ``autoshard.value_and_grad``, so it may be pipelined (the same
+test runs three of them on two stages).
 
 Every plan ``compare`` makes is compiled by XLA and priced from its HLO on the cell's cluster
 (``benchmarks/compared.py``).
@@ -36,6 +38,8 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+
+import autoshard  # noqa: E402
 
 from benchmarks.compared import ComparedCell, compare_cell, say, table_lines  # noqa: E402
 from benchmarks.machine import cells_main  # noqa: E402
@@ -64,9 +68,15 @@ def _state(tx: optax.GradientTransformation, params: Any, small: bool) -> Any:
     return tx.init(params) if small else jax.eval_shape(tx.init, params)
 
 
-def _train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation) -> Callable[..., Any]:
+def _grad(marked: bool) -> Callable[..., Any]:
+    """``jax.value_and_grad``, or autoshard's marked one (``marked``: the step may be pipelined)."""
+    return autoshard.value_and_grad if marked else jax.value_and_grad
+
+
+def _train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
+                marked: bool = False) -> Callable[..., Any]:
     def step(params, opt_state, batch):  # noqa: ANN001, ANN202
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        loss, grads = _grad(marked)(loss_fn)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
     return step
@@ -101,7 +111,7 @@ class ViT(nn.Module):
         return nn.Dense(self.classes)(nn.LayerNorm()(x).mean(axis=1))
 
 
-def vit(small: bool = False) -> Workload:
+def vit(small: bool = False, marked: bool = False) -> Workload:
     model, batch, side = (ViT(dim=32, depth=1, heads=4, classes=10), 32, 16) if small else (ViT(), 512, 64)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.01))
     params = _init(model, small, jnp.zeros((1, side, side, 3)))["params"]
@@ -110,7 +120,7 @@ def vit(small: bool = False) -> Workload:
         def loss_fn(p):  # noqa: ANN001, ANN202
             logits = model.apply({"params": p}, batch["image"], rngs={"dropout": key})
             return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-        loss, grads = jax.value_and_grad(loss_fn)(params)
+        loss, grads = _grad(marked)(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -127,7 +137,7 @@ class BatchNormCNN(nn.Module):
         return nn.Dense(10)(x.mean(axis=(1, 2)))
 
 
-def bn_cnn(small: bool = False) -> Workload:
+def bn_cnn(small: bool = False, marked: bool = False) -> Workload:
     model, tx = BatchNormCNN(), optax.sgd(0.05, momentum=0.9)
     batch, side = (64, 8) if small else (1024, 32)
     variables = _init(model, small, jnp.zeros((1, side, side, 3)))
@@ -138,7 +148,7 @@ def bn_cnn(small: bool = False) -> Workload:
                                           mutable=["batch_stats"])
             loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
             return loss, updated["batch_stats"]
-        (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        (loss, batch_stats), grads = _grad(marked)(loss_fn, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), batch_stats, opt_state, loss
 
@@ -155,11 +165,11 @@ class GRURegressor(nn.Module):
         return nn.Dense(1)(nn.RNN(nn.GRUCell(self.hidden))(x)[:, -1])
 
 
-def gru(small: bool = False) -> Workload:
+def gru(small: bool = False, marked: bool = False) -> Workload:
     model, tx = GRURegressor(hidden=32 if small else 512), optax.adam(1e-3)
     batch, steps, features = (64, 8, 8) if small else (1024, 32, 64)
     params = _init(model, small, jnp.zeros((1, steps, features)))["params"]
-    step = _train_step(lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2), tx)
+    step = _train_step(lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2), tx, marked)
     data = {"x": _data(small, 1, (batch, steps, features)), "y": _data(small, 2, (batch, 1))}
     return step, (params, _state(tx, params, small), data)
 
@@ -176,7 +186,7 @@ class TiedLM(nn.Module):
         return embed.attend(nn.LayerNorm()(x))
 
 
-def tied_lm(small: bool = False) -> Workload:
+def tied_lm(small: bool = False, marked: bool = False) -> Workload:
     model, batch, seq = (TiedLM(vocab=128, dim=32), 16, 8) if small else (TiedLM(), 64, 256)
     tx = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2)
     params = _init(model, small, jnp.zeros((1, seq), jnp.int32))["params"]
@@ -185,7 +195,7 @@ def tied_lm(small: bool = False) -> Workload:
         logits = model.apply({"params": p}, tokens[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
-    return _train_step(loss_fn, tx), (params, _state(tx, params, small), _data(small, 1, (batch, seq + 1),
+    return _train_step(loss_fn, tx, marked), (params, _state(tx, params, small), _data(small, 1, (batch, seq + 1),
                                                                                model.vocab))
 
 
@@ -211,11 +221,11 @@ class ScannedStack(nn.Module):
         return nn.Dense(1)(x)
 
 
-def scan_remat(small: bool = False) -> Workload:
+def scan_remat(small: bool = False, marked: bool = False) -> Workload:
     model, tx = (ScannedStack(dim=32, depth=3) if small else ScannedStack()), optax.adamw(1e-3)
     batch, seq = (32, 8) if small else (256, 128)
     params = _init(model, small, jnp.zeros((1, seq, 64)))["params"]
-    step = _train_step(lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2), tx)
+    step = _train_step(lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2), tx, marked)
     data = {"x": _data(small, 1, (batch, seq, 64)), "y": _data(small, 2, (batch, seq, 1))}
     return step, (params, _state(tx, params, small), data)
 
