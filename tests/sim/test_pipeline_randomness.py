@@ -24,6 +24,7 @@ from autoshard.errors import MicrobatchRandomnessWarning
 from autoshard.runtime.microbatch_bits import mul_2x32, sliced_bits
 from autoshard.runtime.pipeline import PipelineStep
 from autoshard.runtime.spmd import make_jax_mesh
+from dropout_steps import scanned_dropout_step
 
 B, D = 64, 32
 
@@ -95,34 +96,7 @@ def test_a_scanned_stack_s_dropout_is_one_device_s(devices8):
     """``nn.scan`` over blocks with dropout: the stack pipeline runs each stage's iterations as a scan, the draws
     inside its body (under a ``jit``) are re-emitted as the microbatch's slices. Without: loss 3.7183 against
     3.5167 on one device."""
-    import flax.linen as nn
-
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, x, _):
-            y = nn.Dense(64)(nn.gelu(nn.Dense(128)(x)))
-            return x + nn.Dropout(0.2, deterministic=False)(y), None
-
-    class Stack(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
-                             length=4)
-            x, _ = blocks()(nn.Dense(64)(x), None)
-            return nn.Dense(1)(x)
-
-    model, tx = Stack(), optax.sgd(0.1)
-    x, y = jax.random.normal(jax.random.key(1), (256, 32)), jax.random.normal(jax.random.key(2), (256, 1))
-    params = model.init({"params": jax.random.key(0), "dropout": jax.random.key(5)}, x)["params"]
-
-    def step(params, opt_state, batch, key):
-        def loss_fn(p, batch, key):
-            return jnp.mean((model.apply({"params": p}, batch[0], rngs={"dropout": key}) - batch[1]) ** 2)
-        loss, grads = autoshard.value_and_grad(loss_fn)(params, batch, key)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    args = (params, tx.init(params), (x, y), jax.random.key(9))
+    step, args = scanned_dropout_step(4, marked=True)
     want = jax.jit(step)(*args)
     got, said = _run(devices8, step, args, 2)
     assert not said

@@ -19,6 +19,7 @@ import pytest
 import autoshard
 from autoshard.ir.trace import trace
 from autoshard.runtime.spmd import make_jax_mesh
+from dropout_steps import scanned_dropout_step
 
 B, D, H = 4096, 256, 1024
 
@@ -81,34 +82,7 @@ def test_bits_of_a_non_partitionable_threefry_stay_replicated(devices8):
 def test_a_scanned_layer_s_dropout_mask_is_split_inside_the_loop(devices8):
     """``nn.scan`` over blocks with dropout (``split_rngs={"dropout": True}``): the bits are drawn in the loop
     body, split there like their reader, and the step equals one device's."""
-    import flax.linen as nn
-
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, x, _):
-            y = nn.Dense(64)(nn.gelu(nn.Dense(128)(x)))
-            return x + nn.Dropout(0.2, deterministic=False)(y), None
-
-    class Stack(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
-                             length=3)
-            x, _ = blocks()(nn.Dense(64)(x), None)
-            return nn.Dense(1)(x)
-
-    model, tx = Stack(), optax.sgd(0.1)
-    x, y = jax.random.normal(jax.random.key(1), (256, 32)), jax.random.normal(jax.random.key(2), (256, 1))
-    params = model.init({"params": jax.random.key(0), "dropout": jax.random.key(5)}, x)["params"]
-
-    def step(params, opt_state, batch, key):
-        def loss_fn(p):
-            return jnp.mean((model.apply({"params": p}, batch[0], rngs={"dropout": key}) - batch[1]) ** 2)
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    args = (params, tx.init(params), (x, y), jax.random.key(9))
+    step, args = scanned_dropout_step(3)
     run, graph, bits = _run_like_one_device(step, args, devices8, "cpu-8")
     in_body = [i for i in bits if any(loop.kind == "scan" and loop.body_start <= i < loop.body_stop
                                       for loop in graph.loops)]
