@@ -4,7 +4,9 @@
 unbound from the model, bound again inside the loss, named arrays in and out).
 
 Three sharded SGD steps equal the same steps on one device, and the plan's predicted collectives, peak memory,
-FLOPs and HBM bytes are what XLA compiles (``verify_compiled``, within its tolerances). penzai is a dev
+FLOPs and HBM bytes are what XLA compiles (``verify_compiled``, within its tolerances). Marked with
+``autoshard.value_and_grad``, the step runs on two pipeline stages with two microbatches like one device too
+(the layer stack cut between the stages). penzai is a dev
 dependency (pyproject's ``dev`` extra); without it the module skips.
 """
 from __future__ import annotations
@@ -35,14 +37,14 @@ def _llama(stacked: bool):
     return pz.unbind_params(model, freeze=True)
 
 
-def _train_step(unbound, tx):
+def _train_step(unbound, tx, marked: bool = False):
     def loss_fn(params, tokens):
         model = pz.bind_variables(unbound, params)
         logits = model(pz.nx.wrap(tokens[:, :-1]).tag("batch", "seq")).unwrap("batch", "seq", "vocabulary")
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     def step(params, opt_state, tokens):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        loss, grads = (autoshard.value_and_grad if marked else jax.value_and_grad)(loss_fn)(params, tokens)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -79,3 +81,20 @@ def test_penzai_llama_steps_match_one_device(stacked, devices8):
     assert "all collective bytes" in {row.what for row in report.rows}
     assert report.ok, "\n".join(f"{r.what}: predicted {r.predicted:.4g}, compiled {r.compiled:.4g}"
                                  for r in report.rows)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["unrolled", "layer-stack"])
+def test_penzai_llama_pipelined_matches_one_device(stacked, devices8):
+    unbound, params = _llama(stacked)
+    tx = optax.sgd(LR)
+    step = _train_step(unbound, tx, marked=True)
+    tokens = jax.random.randint(jax.random.key(1), (16, 33), 0, 256)
+    want = jax.jit(step)(params, tx.init(params), tokens)
+    run = autoshard.autoshard(step, mesh=(2, 4), cluster="cpu-8", num_stages=2, num_microbatches=2,
+                              options=OPTIONS)
+    got = run(params, tx.init(params), tokens)
+    assert len(run.plan.stages) == 2
+    assert abs(float(got[2]) - float(want[2])) <= 1e-5 * abs(float(want[2]))
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got[0]), jax.tree.leaves(want[0])):
+        err = float(np.max(np.abs(np.asarray(g, np.float64) - np.asarray(w, np.float64))))
+        assert err <= 1e-5 * max(float(np.max(np.abs(np.asarray(w)))), 1e-3), f"{jax.tree_util.keystr(path)}: {err}"
