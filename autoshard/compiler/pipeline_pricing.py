@@ -14,6 +14,7 @@ from autoshard.compiler.driver import PlannedStep, plan_on
 from autoshard.compiler.pipeline_context import PipelineContext, PipelinePlanned, PricedPipeline
 from autoshard.compiler.pipeline_plan import build_pipeline_plan, stage_layout
 from autoshard.errors import CutOffError, InfeasibleMemoryError
+from autoshard.ir.batch_coupling import batch_statistics
 from autoshard.ir.graph import Role
 from autoshard.ir.split import StepParts
 from autoshard.ir.train_graph import layer_graphs
@@ -131,12 +132,31 @@ def leaf_apply_s(parts: StepParts, cluster: ClusterSpec) -> list[float]:
     return cost
 
 
+def batch_coupling(ctx: PipelineContext) -> list[str]:
+    """Where the loss uses a statistic over the batch per example (``ir/batch_coupling.py``), from the step at
+    the first microbatch ratio that traces to the same equations (the one ``price_pipeline`` reads)."""
+    for r in microbatch_ratios(ctx.traced.global_batch):
+        small = ctx.traced.at_microbatches(r)
+        if small is not None:
+            return batch_statistics(ctx.traced.parts.forward, small.forward)
+    return []
+
+
 def stage_cost_options(ctx: PipelineContext) -> StageCostOptions:
     """How stage variants are priced: the user's schedule, stage and microbatch counts and budget; at least two
-    stages when the count is searched (one stage is the SPMD plan, planned beside)."""
+    stages when the count is searched (one stage is the SPMD plan, planned beside). A searched microbatch count
+    is one when the loss couples its batch's examples (a batch statistic, such as BatchNorm's in training):
+    more would give each microbatch its own statistic, another step than the user's."""
     request = ctx.request
+    num_microbatches = request.num_microbatches
+    if num_microbatches is None:
+        coupled = batch_coupling(ctx)
+        if coupled:
+            log.info("the loss uses a statistic over its batch per example (at %s): one microbatch, so the step "
+                     "keeps the whole batch's statistics", coupled[0])
+            num_microbatches = 1
     return StageCostOptions(  # interleaving is searched beside the 1F1B DP, on its arrays (choose_stages)
-        schedule="1f1b" if request.schedule == "interleaved" else request.schedule, num_stages=request.num_stages, num_microbatches=request.num_microbatches,
+        schedule="1f1b" if request.schedule == "interleaved" else request.schedule, num_stages=request.num_stages, num_microbatches=num_microbatches,
         memory_budget_bytes=ctx.target.memory_budget_bytes, min_stages=2 if request.num_stages is None else 1,
         time_limit_s=min(STAGE_TIME_LIMIT_S, (request.options or IntraOpOptions()).time_limit_s))
 

@@ -41,3 +41,27 @@ def test_a_batch_statistic_used_per_example_is_found(name, normalise, coupled):
 
 def test_traces_that_do_not_align_find_nothing():
     assert batch_statistics(_forward(jnp.tanh, 64), _forward(lambda h: h - jnp.mean(h, axis=0), 32)) == []
+
+
+@pytest.mark.parametrize(("normalise", "want"), [(lambda h: h - jnp.mean(h, axis=0), 1), (jnp.tanh, None)])
+def test_a_searched_microbatch_count_is_one_when_the_loss_couples_its_batch(normalise, want):
+    """Searching stages (no count given), a coupled loss is priced at one microbatch only: more would give each
+    microbatch its own statistic; an uncoupled one leaves the count to the search. Traced only."""
+    from autoshard.compiler.pipeline_context import PipelineRequest, pipeline_context
+    from autoshard.compiler.pipeline_pricing import stage_cost_options
+    from autoshard.compiler.target import resolve_target
+
+    def loss_fn(ws, x):
+        for w in ws:
+            x = normalise(x @ w)
+        return jnp.mean(x ** 2)
+
+    def step(ws, x):
+        loss, grads = autoshard.value_and_grad(loss_fn)(ws, x)
+        return [w - 0.1 * g for w, g in zip(ws, grads)], loss
+
+    args = ([jax.ShapeDtypeStruct((D, D), jnp.float32)] * 4, jax.ShapeDtypeStruct((64, D), jnp.float32))
+    graph = trace(step, *args)
+    ctx = pipeline_context(step, args, PipelineRequest(cluster="cpu-8", num_devices=8), graph,
+                           split_step(graph.jaxpr), resolve_target(None, "cpu-8", None), {})
+    assert stage_cost_options(ctx).num_microbatches == want
