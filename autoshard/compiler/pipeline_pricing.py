@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from dataclasses import replace
 
 import jax
@@ -13,7 +14,7 @@ import jax
 from autoshard.compiler.driver import PlannedStep, plan_on
 from autoshard.compiler.pipeline_context import PipelineContext, PipelinePlanned, PricedPipeline
 from autoshard.compiler.pipeline_plan import build_pipeline_plan, stage_layout
-from autoshard.errors import CutOffError, InfeasibleMemoryError
+from autoshard.errors import CutOffError, InfeasibleMemoryError, MicrobatchCouplingWarning
 from autoshard.ir.batch_coupling import batch_statistics
 from autoshard.ir.graph import Role
 from autoshard.ir.split import StepParts
@@ -146,15 +147,22 @@ def stage_cost_options(ctx: PipelineContext) -> StageCostOptions:
     """How stage variants are priced: the user's schedule, stage and microbatch counts and budget; at least two
     stages when the count is searched (one stage is the SPMD plan, planned beside). A searched microbatch count
     is one when the loss couples its batch's examples (a batch statistic, such as BatchNorm's in training):
-    more would give each microbatch its own statistic, another step than the user's."""
+    more would give each microbatch its own statistic, another step than the user's; a count given above one
+    warns (``MicrobatchCouplingWarning``) and is kept."""
     request = ctx.request
     num_microbatches = request.num_microbatches
-    if num_microbatches is None:
+    if num_microbatches is None or num_microbatches > 1:
         coupled = batch_coupling(ctx)
-        if coupled:
+        if coupled and num_microbatches is None:
             log.info("the loss uses a statistic over its batch per example (at %s): one microbatch, so the step "
                      "keeps the whole batch's statistics", coupled[0])
             num_microbatches = 1
+        elif coupled:
+            warnings.warn(f"num_microbatches={num_microbatches}: the loss uses a statistic over its batch per "
+                          f"example (such as nn.BatchNorm's in training) at {coupled[0]}; each microbatch will "
+                          "compute its own, so the planned step is not the step on the whole batch. "
+                          "num_microbatches=1 (or num_stages=1) keeps the batch's statistics.",
+                          MicrobatchCouplingWarning, stacklevel=2)
     return StageCostOptions(  # interleaving is searched beside the 1F1B DP, on its arrays (choose_stages)
         schedule="1f1b" if request.schedule == "interleaved" else request.schedule, num_stages=request.num_stages, num_microbatches=num_microbatches,
         memory_budget_bytes=ctx.target.memory_budget_bytes, min_stages=2 if request.num_stages is None else 1,

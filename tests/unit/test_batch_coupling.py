@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import autoshard
+from autoshard.errors import MicrobatchCouplingWarning
 from autoshard.ir.batch_coupling import batch_statistics
 from autoshard.ir.split import split_step
 from autoshard.ir.trace import trace
@@ -65,3 +66,8 @@ def test_a_searched_microbatch_count_is_one_when_the_loss_couples_its_batch(norm
     ctx = pipeline_context(step, args, PipelineRequest(cluster="cpu-8", num_devices=8), graph,
                            split_step(graph.jaxpr), resolve_target(None, "cpu-8", None), {})
     assert stage_cost_options(ctx).num_microbatches == want
+    if want is not None:  # a count given above one is kept, and warned of
+        forced = pipeline_context(step, args, PipelineRequest(cluster="cpu-8", num_devices=8, num_microbatches=2),
+                                  graph, split_step(graph.jaxpr), resolve_target(None, "cpu-8", None), {})
+        with pytest.warns(MicrobatchCouplingWarning, match="num_microbatches=2"):
+            assert stage_cost_options(forced).num_microbatches == 2
