@@ -105,12 +105,13 @@ def _cut_axis(whole: tuple[int, ...], small: tuple[int, ...], num_microbatches: 
 
 def find_draws(whole: StepParts, small: StepParts, num_microbatches: int) -> Draws:
     """The draws of the loss whose shape shrinks from ``whole`` (the whole batch) to ``small`` (a microbatch)."""
-    pairs = [(a, b, reached) for a, b, reached in _random_bits_pairs([e.eqn for e in whole.forward.eqns],
-                                                                     [e.eqn for e in small.forward.eqns])
-             if tuple(a.params["shape"]) != tuple(b.params["shape"])]
+    every = list(_random_bits_pairs([e.eqn for e in whole.forward.eqns], [e.eqn for e in small.forward.eqns]))
+    pairs = [(a, b, reached) for a, b, reached in every if tuple(a.params["shape"]) != tuple(b.params["shape"])]
     sliced: dict[tuple[tuple[int, ...], int], Draw] = {}
     unsliced: list[str] = []
-    clash: set[tuple[tuple[int, ...], int]] = set()
+    # a draw that does not shrink (over a weight, say) binds at a shape a sliced draw's must not share
+    clash = {(tuple(b.params["shape"]), int(b.params["bit_width"])) for a, b, _ in every
+             if tuple(a.params["shape"]) == tuple(b.params["shape"])}
     for a, b, reached in pairs:
         key_type = b.invars[0].aval
         axis = _cut_axis(tuple(a.params["shape"]), tuple(b.params["shape"]), num_microbatches)
@@ -123,7 +124,7 @@ def find_draws(whole: StepParts, small: StepParts, num_microbatches: int) -> Dra
         if sliced.get(k, draw) != draw:
             clash.add(k)
         sliced[k] = draw
-    for k in clash:  # one microbatch shape, two whole shapes: a bind cannot tell them apart
+    for k in clash & set(sliced):  # one microbatch shape, two whole shapes: a bind cannot tell them apart
         del sliced[k]
         unsliced += [eqn_source(b) for _, b, _ in pairs if (tuple(b.params["shape"]), int(b.params["bit_width"])) == k]
     return Draws(sliced, tuple(unsliced), len(pairs))

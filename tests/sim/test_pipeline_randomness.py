@@ -103,6 +103,30 @@ def test_a_scanned_stack_s_dropout_is_one_device_s(devices8):
     _assert_one_device(want, got)
 
 
+def test_a_draw_of_a_microbatch_s_shape_that_does_not_shrink_is_left_as_it_is():
+    """Weight noise of shape (32, 32) beside a dropout mask of (64, 32) whose microbatch is (32, 32): a bind
+    sees only the shape, so neither is sliced and the mask warns (the noise must stay the whole draw)."""
+    from autoshard.ir.split import split_step
+    from autoshard.ir.step_trace import TracedStep
+    from autoshard.ir.trace import trace
+    from autoshard.runtime.microbatch_bits import find_draws
+
+    def loss_fn(w, x, key):
+        noisy = w + 0.01 * jax.random.normal(jax.random.fold_in(key, 1), w.shape)
+        h = jnp.tanh(x @ noisy)
+        return jnp.mean(jnp.where(jax.random.bernoulli(key, 0.8, h.shape), h, 0.0) ** 2)
+
+    def step(w, x, key):
+        loss, grad = autoshard.value_and_grad(loss_fn)(w, x, key)
+        return w - 0.1 * grad, loss
+
+    args = (jax.ShapeDtypeStruct((D, D), jnp.float32), jax.ShapeDtypeStruct((B, D), jnp.float32), jax.random.key(0))
+    graph = trace(step, *args)
+    traced = TracedStep.of(step, args, graph, split_step(graph.jaxpr))
+    draws = find_draws(traced.parts, traced.at_microbatches(2), 2)
+    assert draws.count == 1 and not draws.sliced and len(draws.unsliced) == 1
+
+
 def test_a_draw_in_a_cond_branch_warns(devices8):
     """A ``cond`` is bound whole, so the draw in its branch counts from 0 over the microbatch: it warns."""
     step, args = _workload(False)
