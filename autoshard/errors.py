@@ -59,6 +59,11 @@ class PipelineError(PlanningError):
     """The step cannot run as a pipeline; the message says why and what to change."""
 
 
+class MicrobatchTraceError(PipelineError):
+    """The step does not trace at a microbatch with the leaves taken for its batch cut (the message names them):
+    it cannot run as a pipeline; a searched stage count plans it as one SPMD stage."""
+
+
 class PlanMismatchError(PlanningError):
     """A plan does not match the function, arguments or mesh it is applied to."""
 

@@ -41,7 +41,7 @@ from autoshard.compiler.driver import explained, plan_on
 from autoshard.compiler.pipeline_context import PipelineRequest, PipelineSearch, pipeline_context
 from autoshard.compiler.pipeline_pricing import finish_pipeline, price_pipeline, spmd_or_stages, stage_cost_options
 from autoshard.compiler.target import check_budget_floor, resolve_target
-from autoshard.errors import PlanningError
+from autoshard.errors import MicrobatchTraceError, PlanningError
 from autoshard.ir.split import split_step
 from autoshard.ir.trace import trace
 
@@ -71,7 +71,16 @@ def plan_pipeline(fn: Callable[..., Any], args: Sequence[Any],
     scanned = f", {ctx.stack.length} of them scanned" if ctx.stack is not None else ""
     request.say(f"pricing pipeline stages ({len(ctx.layers)} layers{scanned})")
     t0 = time.perf_counter()
-    priced = price_pipeline(ctx, stage_cost_options(ctx))
+    try:
+        priced = price_pipeline(ctx, stage_cost_options(ctx))
+    except MicrobatchTraceError as err:
+        if request.num_stages is not None:
+            raise
+        # stages were searched, not asked for: a step that cannot be cut into microbatches plans as SPMD
+        log.info("no pipeline: %s", err)
+        request.say("the step does not trace at a microbatch: one SPMD stage")
+        return PipelineSearch(plan_on(graph, target, request.options, timings=timings, name=name,
+                                      progress=request.progress), None)
     timings["pricing"] = time.perf_counter() - t0
     log.info("priced %d stage variants with %d layer solves", len(priced.stages.variants), priced.stages.num_solves)
     spmd, stage_plan, spmd_bound = spmd_or_stages(ctx, priced)  # the SPMD plan weighed without its explanations

@@ -26,7 +26,7 @@ from jax.extend import core as jcore
 from autoshard.ir.graph import OpGraph
 from autoshard.ir.rescale import extrapolate
 from autoshard.ir.split import StepParts, batch_inputs, microbatch_shapes, split_step
-from autoshard.errors import PlanningError
+from autoshard.errors import MicrobatchTraceError
 from autoshard.ir.trace import TracingError, step_jaxpr
 
 
@@ -117,10 +117,10 @@ class TracedStep:
             self.microbatch_traces[count] = small if small is not None and same_step(self.parts, small) else None
         return self.microbatch_traces[count]
 
-    def _cut_error(self, count: int, err: TracingError) -> PlanningError:
+    def _cut_error(self, count: int, err: TracingError) -> MicrobatchTraceError:
         """The step does not trace with its batch leaves cut: say which leaves were taken for the batch."""
         paths = [self.graph.values[v].path for v, cut in zip(self.graph.inputs, self.split_inputs) if cut]
-        return PlanningError(
+        return MicrobatchTraceError(
             f"the step does not trace at a microbatch (batch {self.global_batch} / {count}) with the inputs "
             f"{', '.join(paths[:6])}{' ...' if len(paths) > 6 else ''} cut along their leading dimension, the "
             f"batch's (the leading size {self.global_batch} of most of the loss's data arguments): {err}\nIf one "

@@ -71,3 +71,19 @@ def test_a_searched_microbatch_count_is_one_when_the_loss_couples_its_batch(norm
                                   graph, split_step(graph.jaxpr), resolve_target(None, "cpu-8", None), {})
         with pytest.warns(MicrobatchCouplingWarning, match="num_microbatches=2"):
             assert stage_cost_options(forced).num_microbatches == 2
+
+
+def test_a_step_that_cannot_be_cut_into_microbatches_plans_as_spmd_when_stages_are_searched():
+    """A closed-over vector as long as the batch is taken for batch data and cut, and the loss no longer traces:
+    a searched stage count falls back to one SPMD stage (it raised before); a forced one says what was cut."""
+    from autoshard.errors import MicrobatchTraceError
+
+    def step(w, stats, x):
+        loss, grad = autoshard.value_and_grad(lambda w: jnp.mean((x @ w - stats) ** 2))(w)
+        return w - 0.1 * grad, loss
+
+    args = (jax.ShapeDtypeStruct((D, D), jnp.float32), jax.ShapeDtypeStruct((D,), jnp.float32),
+            jax.ShapeDtypeStruct((D, D), jnp.float32))  # 16 examples of 16 features, 16 statistics
+    assert autoshard.plan(step, *args, cluster="cpu-8").pipeline is None
+    with pytest.raises(MicrobatchTraceError, match=r"the inputs \[1\], \[2\] cut"):
+        autoshard.plan(step, *args, cluster="cpu-8", num_stages=2)
