@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
+from collections.abc import Sequence
 from dataclasses import replace
 
 import jax
@@ -14,8 +14,8 @@ import jax
 from autoshard.compiler.driver import PlannedStep, plan_on
 from autoshard.compiler.pipeline_context import PipelineContext, PipelinePlanned, PricedPipeline
 from autoshard.compiler.pipeline_plan import build_pipeline_plan, stage_layout
-from autoshard.errors import CutOffError, InfeasibleMemoryError, MicrobatchCouplingWarning
-from autoshard.ir.batch_coupling import batch_statistics
+from autoshard.errors import CutOffError, InfeasibleMemoryError
+from autoshard.ir.batch_coupling import batch_statistics, warn_coupled
 from autoshard.ir.graph import Role
 from autoshard.ir.split import StepParts
 from autoshard.ir.train_graph import layer_graphs
@@ -75,12 +75,9 @@ def price_pipeline(ctx: PipelineContext, cost_options: StageCostOptions) -> Pric
     classes = [(layer.eqns, layer.structure) for layer in ctx.layers]
     big, programs = layer_graphs(parts.forward, classes)
     ratio, small = 1, big
-    for r in [num_microbatches] if forced else microbatch_ratios(global_batch):
-        small_parts = ctx.microbatch_parts(r)
-        if small_parts is not None:
-            ratio, small = r, layer_graphs(small_parts.forward, classes)[0]
-            break
-        log.info("the step traces differently at batch / %d; trying a larger microbatch", r)
+    found = first_microbatch(ctx, [num_microbatches] if forced else microbatch_ratios(global_batch))
+    if found is not None:
+        ratio, small = found[0], layer_graphs(found[1].forward, classes)[0]
     if forced and ratio == num_microbatches:
         big = small  # B is fixed: each layer is solved at that microbatch only
     apply_s = leaf_apply_s(parts, ctx.target.cluster)
@@ -133,14 +130,21 @@ def leaf_apply_s(parts: StepParts, cluster: ClusterSpec) -> list[float]:
     return cost
 
 
+def first_microbatch(ctx: PipelineContext, ratios: Sequence[int]) -> tuple[int, StepParts] | None:
+    """The first of ``ratios`` at which the step traces to the same equations, and the step there (None: none)."""
+    for r in ratios:
+        small = ctx.microbatch_parts(r)
+        if small is not None:
+            return r, small
+        log.info("the step traces differently at batch / %d; trying a larger microbatch", r)
+    return None
+
+
 def batch_coupling(ctx: PipelineContext) -> list[str]:
     """Where the loss uses a statistic over the batch per example (``ir/batch_coupling.py``), from the step at
-    the first microbatch ratio that traces to the same equations (the one ``price_pipeline`` reads)."""
-    for r in microbatch_ratios(ctx.traced.global_batch):
-        small = ctx.traced.at_microbatches(r)
-        if small is not None:
-            return batch_statistics(ctx.traced.parts.forward, small.forward)
-    return []
+    the microbatch ``price_pipeline`` reads."""
+    found = first_microbatch(ctx, microbatch_ratios(ctx.traced.global_batch))
+    return batch_statistics(ctx.parts.forward, found[1].forward) if found is not None else []
 
 
 def stage_cost_options(ctx: PipelineContext) -> StageCostOptions:
@@ -158,11 +162,7 @@ def stage_cost_options(ctx: PipelineContext) -> StageCostOptions:
                      "keeps the whole batch's statistics", coupled[0])
             num_microbatches = 1
         elif coupled:
-            warnings.warn(f"num_microbatches={num_microbatches}: the loss uses a statistic over its batch per "
-                          f"example (such as nn.BatchNorm's in training) at {coupled[0]}; each microbatch will "
-                          "compute its own, so the planned step is not the step on the whole batch. "
-                          "num_microbatches=1 (or num_stages=1) keeps the batch's statistics.",
-                          MicrobatchCouplingWarning, stacklevel=2)
+            warn_coupled(coupled, num_microbatches, stacklevel=2)
     return StageCostOptions(  # interleaving is searched beside the 1F1B DP, on its arrays (choose_stages)
         schedule="1f1b" if request.schedule == "interleaved" else request.schedule, num_stages=request.num_stages, num_microbatches=num_microbatches,
         memory_budget_bytes=ctx.target.memory_budget_bytes, min_stages=2 if request.num_stages is None else 1,

@@ -15,14 +15,16 @@ reads. Couplings that keep the batch's shape (a cumulative sum across the batch,
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from jax.extend import core as jcore
 
+from autoshard.errors import MicrobatchCouplingWarning
 from autoshard.ir.split import Forward
 from autoshard.ir.trace import eqn_source
 
-__all__ = ["batch_statistics"]
+__all__ = ["batch_statistics", "warn_coupled"]
 
 
 def _shape(forward: Forward, atom: Any) -> tuple[int, ...] | None:
@@ -49,3 +51,15 @@ def batch_statistics(whole: Forward, small: Forward) -> list[str]:
             if reads_statistic or (any(ins_per_example) and not per_example):
                 statistic.add(out)
     return found
+
+
+def warn_coupled(found: list[str], num_microbatches: int, stacklevel: int) -> None:
+    """The ``MicrobatchCouplingWarning`` for the couplings ``found`` (:func:`batch_statistics`) of a step run
+    ``num_microbatches`` microbatches at a time: the planner's when a count is forced, the runtime's."""
+    where = ", ".join(list(dict.fromkeys(found))[:3])
+    warnings.warn(
+        f"the loss couples the examples of its batch: a statistic over the batch is used per example (such as "
+        f"nn.BatchNorm's mean and variance in training) at {where}; with num_microbatches={num_microbatches} "
+        "the pipeline runs it a microbatch at a time, each with its own statistic, so the step is not one "
+        "device's. Plan with num_stages=1, or num_microbatches=1, to keep the whole batch's statistics.",
+        MicrobatchCouplingWarning, stacklevel=stacklevel + 1)

@@ -35,7 +35,7 @@ from jax.extend import core as jcore
 
 from autoshard.errors import PlanningError
 from autoshard.ir.primitives import CALLS, ELEMENTWISE
-from autoshard.ir.split import FlatEqn, Forward, StepParts, VarId, free_mask
+from autoshard.ir.split import FlatEqn, Forward, StepParts, VarId, bind_eqn, free_mask
 from autoshard.ir.trips import scan_operand_counts
 
 # primitives applied chunk by chunk along the leading (layer) axis when an operand is chunked: the elementwise ones
@@ -282,27 +282,20 @@ def _run_split(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], bounds: S
                     else:
                         note(v, "sliced")
                         row.append(v[lo:hi])
-                outs_per_chunk.append(_bind(e, row))
+                outs_per_chunk.append(bind_eqn(e, row))
             outs = [_Chunks(tuple(ch[j] for ch in outs_per_chunk)) for j in range(len(e.outvars))]
         else:
             plain = []
             for v in vals:
                 note(v, "whole")
                 plain.append(v.whole() if isinstance(v, _Chunks) else v)
-            outs = _bind(e, plain)
+            outs = bind_eqn(e, plain)
         for var, val in zip(e.outvars, outs):
             env[var] = val
     result = [read(a) for a in jaxpr.outvars]
     for v in result:
         note(v, "whole")
     return result
-
-
-def _bind(e: Any, values: Sequence[Any]) -> list[Any]:
-    prim = e.primitive
-    with e.ctx.manager:
-        out = prim.bind(*values, **prim.get_bind_params(e.params))
-    return list(out) if prim.multiple_results else [out]
 
 
 def split_stack(parts: StepParts, stack: ScanStack, bounds: Sequence[int], *, mark_cuts: bool = False) -> StackSplit:

@@ -42,6 +42,14 @@ Atom: TypeAlias = "VarId | jcore.Literal"
 EqnHook: TypeAlias = Callable[[int, list[Any]], list[Any]]  # (equation index, its values) -> values
 
 
+def bind_eqn(eqn: Any, values: Sequence[Any]) -> list[Any]:
+    """A jaxpr equation's primitive bound on ``values`` in the equation's context: its outputs, as a list."""
+    prim = eqn.primitive
+    with eqn.ctx.manager:
+        out = prim.bind(*values, **prim.get_bind_params(eqn.params))
+    return list(out) if prim.multiple_results else [out]
+
+
 @dataclass(frozen=True, eq=False)
 class FlatEqn:
     """One forward equation over integer variables (``ins`` may hold literals)."""
@@ -54,10 +62,7 @@ class FlatEqn:
     marker: bool  # a layer_boundary copy
 
     def bind(self, values: Sequence[Any]) -> list[Any]:
-        prim = self.eqn.primitive
-        with self.eqn.ctx.manager:
-            out = prim.bind(*values, **prim.get_bind_params(self.eqn.params))
-        return list(out) if prim.multiple_results else [out]
+        return bind_eqn(self.eqn, values)
 
 
 @dataclass(frozen=True, eq=False)

@@ -37,9 +37,10 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.extend.random import threefry2x32_p
 
-from autoshard.errors import MicrobatchCouplingWarning, MicrobatchRandomnessWarning
-from autoshard.ir.batch_coupling import batch_statistics
-from autoshard.ir.split import FlatEqn, StepParts
+from autoshard.errors import MicrobatchRandomnessWarning
+from autoshard.ir.batch_coupling import batch_statistics, warn_coupled
+from autoshard.ir.primitives import CALLS
+from autoshard.ir.split import FlatEqn, StepParts, bind_eqn
 from autoshard.ir.trace import control_flow_bodies, eqn_source
 
 __all__ = ["Draws", "DrawingEqn", "bind_op", "drawing", "drawn_bits", "find_draws", "mul_2x32", "per_microbatch",
@@ -68,7 +69,7 @@ class Draws:
 
 
 # equations whose bodies :func:`_bind_drawing` re-emits, so that the draws inside are the microbatch's slices
-_REEMITTED = ("scan", "jit", "pjit", "closed_call", "core_call", "checkpoint")
+_REEMITTED = ("scan", "checkpoint", *CALLS)
 
 
 def _bodies(eqn: Any) -> list[Any]:
@@ -228,9 +229,7 @@ def _bind_drawing(eqn: Any, values: Sequence[Any]) -> list[Any]:
             return [bits]
     elif name in _REEMITTED and _draws_inside(eqn):
         return _reemitted(eqn, values)
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
-    return list(out) if eqn.primitive.multiple_results else [out]
+    return bind_eqn(eqn, values)
 
 
 def _draws_inside(eqn: Any) -> bool:
@@ -244,14 +243,16 @@ def _reemitted(eqn: Any, values: Sequence[Any]) -> list[Any]:
     params, name = eqn.params, eqn.primitive.name
     if name == "scan":
         return _scan_drawing(params, values)
-    body = params["jaxpr"] if name != "checkpoint" else jcore.ClosedJaxpr(params["jaxpr"], ())
-    if params.get("call_jaxpr") is not None:  # core_call / closed_call
-        body = params["call_jaxpr"]
+    body = params["call_jaxpr"] if "call_jaxpr" in params else params["jaxpr"]  # core_call / closed_call: call_
+    jaxpr, consts = (body.jaxpr, body.consts) if isinstance(body, jcore.ClosedJaxpr) else (body, ())
+
+    def run(*args: Any) -> list[Any]:
+        return _eval_drawing(jaxpr, consts, args)
+
     if name == "checkpoint":
-        return list(jax.checkpoint(lambda *a: _eval_drawing(body.jaxpr, body.consts, a),
-                                   prevent_cse=params.get("prevent_cse", True), policy=params.get("policy"))(*values))
-    body = body if isinstance(body, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(body, ())
-    return _eval_drawing(body.jaxpr, body.consts, values)
+        return list(jax.checkpoint(run, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy"))(
+            *values))
+    return run(*values)
 
 
 def _scan_drawing(params: Mapping[str, Any], values: Sequence[Any]) -> list[Any]:
@@ -289,14 +290,9 @@ def per_microbatch(whole: StepParts, small: StepParts, num_microbatches: int, ru
     runs = small if runs is None else runs
     if num_microbatches <= 1:
         return runs, None
-    coupled = list(dict.fromkeys(batch_statistics(whole.forward, small.forward)))
+    coupled = batch_statistics(whole.forward, small.forward)
     if coupled:
-        warnings.warn(
-            f"the loss couples the examples of its batch: a statistic over the batch is used per example (such as "
-            f"nn.BatchNorm's mean and variance in training) at {', '.join(coupled[:3])}; the pipeline runs it "
-            f"{num_microbatches} microbatches at a time, each with its own statistic, so the step is not one "
-            "device's. Plan with num_stages=1, or num_microbatches=1, to keep the whole batch's statistics.",
-            MicrobatchCouplingWarning, stacklevel=4)
+        warn_coupled(coupled, num_microbatches, stacklevel=4)
     draws = find_draws(whole, small, num_microbatches)
     if draws.unsliced:
         sources = sorted({s for s in draws.unsliced if s})
