@@ -35,7 +35,7 @@ from autoshard.errors import InfeasibleMemoryError, PlanningError, SolverTimeout
 from autoshard.passes.cost_graph import CostGraph
 from autoshard.passes.decode import decode
 from autoshard.passes.ilp import IlpProblem, IlpSolution, evaluate, min_peak_plan, solve
-from autoshard.passes.ilp.lp import MIP_REL_GAP
+from autoshard.passes.ilp.highs_model import MIP_REL_GAP
 from autoshard.passes.ilp.solvers import starts_warm
 from autoshard.passes.learned_memory import CopiesLearned
 from autoshard.passes.lowering import build_problem, search_starts_of

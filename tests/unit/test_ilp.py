@@ -439,7 +439,7 @@ def test_an_lp_out_of_time_without_a_plan_falls_back_on_the_hint_not_a_mip_in_ov
     import scipy.optimize
 
     import autoshard.passes.ilp.mip as mip
-    from autoshard.passes.ilp.lp import MipBuilder
+    from autoshard.passes.ilp.highs_model import MipBuilder
 
     problem = dataclasses.replace(_medium_problem(seed=7), time_limit_s=0.05)
     out_of_time = scipy.optimize.OptimizeResult(status=1, x=None, fun=None, message="Time limit reached")
@@ -501,7 +501,8 @@ def test_a_fractional_lp_is_dived_to_an_integral_plan() -> None:
     integral: on the frustrated ring (LP optimum 0 s, every node half on each strategy) the dive ends at a plan,
     and one that costs the optimum, 1 s."""
     import autoshard.passes.ilp.mip as mip
-    from autoshard.passes.ilp.lp import highs_lp, integral, run_highs
+    from autoshard.passes.ilp.highs_model import highs_lp, run_highs
+    from autoshard.passes.ilp.lp import integral
 
     problem = _frustrated_ring(7)
     b, upper = _edge_lp(problem)
@@ -537,7 +538,8 @@ def test_a_block_split_alike_is_fixed_to_its_other_share_in_one_re_solve(monkeyp
     import time
 
     import autoshard.passes.ilp.mip as mip
-    from autoshard.passes.ilp.lp import highs_lp, integral, run_highs
+    from autoshard.passes.ilp.highs_model import highs_lp, run_highs
+    from autoshard.passes.ilp.lp import integral
 
     problem = _tied_chain()
     red = presolve(problem)
@@ -580,7 +582,7 @@ def test_a_dive_close_to_the_bound_leaves_the_mip_a_share_of_the_limit(monkeypat
     import scipy.optimize
 
     import autoshard.passes.ilp.mip as mip
-    from autoshard.passes.ilp.lp import MipBuilder
+    from autoshard.passes.ilp.highs_model import MipBuilder
 
     given = []
 
@@ -610,7 +612,8 @@ def test_the_lp_race_returns_a_finished_optimum() -> None:
     import threading
     import time
 
-    from autoshard.passes.ilp.lp import ColdStart, highs_lp, run_highs
+    from autoshard.passes.ilp.highs_model import highs_lp, run_highs
+    from autoshard.passes.ilp.lp import ColdStart
 
     b, upper = _edge_lp(_frustrated_ring(7))
     alone = run_highs(highs_lp(b, upper), 5.0)
@@ -632,7 +635,8 @@ def test_the_lagrangian_bound_is_the_lp_optimum_at_its_duals_and_below_it_anywhe
     whatever the row multipliers, and the optimum itself at the optimal basis's duals: checked on chain-like problems
     with memory rows that bind, against random and perturbed multipliers and none."""
     import autoshard.passes.ilp.mip as mip
-    from autoshard.passes.ilp.lp import highs_lp, lagrangian_bound, run_highs
+    from autoshard.passes.ilp.highs_model import highs_lp, row_duals, run_highs
+    from autoshard.passes.ilp.lp import lagrangian_bound
 
     problem = _medium_problem(seed)
     red = presolve(problem)
@@ -647,7 +651,7 @@ def test_the_lagrangian_bound_is_the_lp_optimum_at_its_duals_and_below_it_anywhe
     highs = highs_lp(b, upper, dual=True)
     optimum = run_highs(highs, 30.0)
     assert optimum.status == 0
-    duals = np.asarray(highs.getSolution().row_dual)
+    duals = row_duals(b, highs)
     assert lagrangian_bound(b, duals, upper) == pytest.approx(optimum.fun, rel=1e-6, abs=1e-3)
     rng = np.random.default_rng(seed)
     scale = max(float(np.abs(duals).max()), 1.0)
@@ -662,7 +666,7 @@ def test_memory_rows_that_can_bind_are_proven_by_the_lp_alone(monkeypatch, budge
     unconstrained optimum peaks at exactly 20) and one they cannot are both proven optimal by the LP without
     HiGHS's MIP (which stopped at 50-75% gaps on the large cells when it was given such problems first)."""
     import autoshard.passes.ilp.mip as mip
-    from autoshard.passes.ilp.lp import MipBuilder
+    from autoshard.passes.ilp.highs_model import MipBuilder
 
     def no_mip(*_args, **_kwargs):
         raise AssertionError("HiGHS's MIP was called for a problem whose LP relaxation is integral")
@@ -768,7 +772,8 @@ def test_the_cold_start_stops_at_a_cutoff_its_true_costs_prove() -> None:
     with the true costs, above the cutoff and no higher than the optimum; above the optimum it solves on."""
     import time
 
-    from autoshard.passes.ilp.lp import ColdStart, highs_lp, run_highs
+    from autoshard.passes.ilp.highs_model import highs_lp, run_highs
+    from autoshard.passes.ilp.lp import ColdStart
 
     b, upper = _edge_lp(_medium_problem(0))
     optimum = run_highs(highs_lp(b, upper), 5.0).fun
@@ -879,3 +884,32 @@ def test_the_model_a_raced_lp_hands_back_runs_again() -> None:
     model.changeColsBounds(1, np.array([taken], dtype=np.int32), np.zeros(1), np.zeros(1))
     again = lp.run_highs(model, 5.0)
     assert again.status in (0, 2), again.message  # solved (status 4: stopped by the cancel)
+
+
+@pytest.mark.parametrize("budget", [40.0, 45.0, 60.0])
+def test_memory_rows_enter_the_lp_only_when_a_solution_breaks_them(budget: float) -> None:
+    """``highs_model.highs_lp`` leaves the memory rows out and ``run_highs`` adds the ones an optimum breaks: the
+    LP optimum is the one with every row in (SciPy's HiGHS on the whole matrix), and a row that never binds is
+    never added. Each of the three budgets has all 18 points' rows in the builder (each can bind); at 40 bytes
+    most are broken and added, at 45 (``_medium_problem``'s budget) a few, at 60 none."""
+    import autoshard.passes.ilp.mip as mip
+    from autoshard.passes.ilp.highs_model import highs_lp, run_highs
+
+    problem = dataclasses.replace(_medium_problem(5), memory_budget_bytes=budget)
+    red = presolve(problem)
+    ticks = mip._ticks(red)
+    b = mip._new(problem, red, ticks)
+    mip._add_edges(b, ticks)
+    assert mip._add_memory(b, budget)
+    whole = b.solve(30.0, relaxed=True)
+    assert whole.status == 0
+    highs = highs_lp(b, np.concatenate(b.upper))
+    assert len(highs.rows) == len(b.lower_rhs) - len(b.memory_rows)  # every memory row left out at first
+    lazy = run_highs(highs, 30.0)
+    assert lazy.status == 0
+    assert lazy.fun == pytest.approx(whole.fun, rel=1e-7, abs=1e-6)
+    added = [r for r in highs.rows if r in b.memory_rows]
+    activity = b.matrix() @ lazy.x
+    assert np.all(activity <= np.array(b.upper_rhs) + 1e-6)  # feasible for every row, the ones left out too
+    assert len(b.memory_rows) == 18
+    assert {40.0: len(added) > 9, 45.0: 0 < len(added) <= 9, 60.0: not added}[budget]

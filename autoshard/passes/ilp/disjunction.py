@@ -26,7 +26,8 @@ import time
 import numpy as np
 import scipy.optimize
 
-from autoshard.passes.ilp.lp import MIP_REL_GAP, MipBuilder, integral, run_highs, solve_lp
+from autoshard.passes.ilp.highs_model import MIP_REL_GAP, MipBuilder, run_highs
+from autoshard.passes.ilp.lp import integral, solve_lp
 from autoshard.passes.ilp.problem import IlpProblem
 from autoshard.passes.ilp.warm import WarmStart
 

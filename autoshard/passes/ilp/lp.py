@@ -1,5 +1,5 @@
-"""The intra-op MIP's columns and rows (``MipBuilder``, filled by ``passes/ilp/mip.py``) and its LP relaxation,
-solved by HiGHS through its own interface.
+"""The intra-op MIP's LP relaxation (its columns and rows: ``highs_model.MipBuilder``), solved by HiGHS through its
+own interface.
 
 ``highspy`` keeps the model and its basis between solves, which SciPy's ``linprog`` does not: the LP
 restricted to the pairs that pay no reshard is solved first, and the whole LP continues from its basis
@@ -11,18 +11,16 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 
 import highspy
 import numpy as np
 import scipy.optimize
 import scipy.sparse
 
-from autoshard.passes.ilp.presolve import Reduced
+from autoshard.passes.ilp.highs_model import LpModel, MipBuilder, highs_lp, row_duals, run_highs
 
 log = logging.getLogger(__name__)
 
-MIP_REL_GAP = 1e-6  # HiGHS's MIP stops when its incumbent is this close to its bound
 # the whole LP continues from the restricted basis alone for this share of the time limit (at least
 # HEAD_START_S) before a cold start races it
 HEAD_START_SHARE, HEAD_START_S = 0.1, 1.0
@@ -90,129 +88,6 @@ def spare_core() -> bool:
     return _METER.spare()
 
 
-@dataclass
-class MipBuilder:
-    """Columns and rows of the MIP under construction (COO triplets)."""
-
-    red: Reduced
-    first: np.ndarray  # per node: column of s[i, 0]; -1 for a node fixed by presolve
-    num_cols: int = 0
-    cost: list[np.ndarray] = field(default_factory=list)
-    upper: list[np.ndarray] = field(default_factory=list)
-    integral: list[np.ndarray] = field(default_factory=list)
-    rows: list[np.ndarray] = field(default_factory=list)
-    cols: list[np.ndarray] = field(default_factory=list)
-    vals: list[np.ndarray] = field(default_factory=list)
-    lower_rhs: list[float] = field(default_factory=list)
-    upper_rhs: list[float] = field(default_factory=list)
-    # per column: whether the restricted LP of ``lp.solve_lp`` leaves it out (a pair that pays a reshard)
-    lazy: list[np.ndarray] = field(default_factory=list)
-    left_out: list[np.ndarray] = field(default_factory=list)  # columns added earlier and left out too
-    memory_points: list[int] = field(default_factory=list)  # the point of each memory row (e), in order
-
-    def add_cols(self, cost: np.ndarray, upper: np.ndarray, integral: bool,
-                 lazy: np.ndarray | None = None) -> int:
-        start = self.num_cols
-        self.num_cols += len(cost)
-        self.cost.append(np.asarray(cost, dtype=float))
-        self.upper.append(np.asarray(upper, dtype=float))
-        self.integral.append(np.full(len(cost), int(integral)))
-        self.lazy.append(np.zeros(len(cost), dtype=bool) if lazy is None else np.asarray(lazy, dtype=bool))
-        return start
-
-    def leave_out(self, columns: np.ndarray) -> None:
-        """Leave ``columns`` out of the restricted LP too (a reshard's y, worth nothing without its t)."""
-        self.left_out.append(np.asarray(columns, dtype=np.int64))
-
-    def restricted(self) -> np.ndarray:
-        """Per column: whether the restricted LP leaves it out."""
-        out = np.concatenate(self.lazy) if self.lazy else np.zeros(0, dtype=bool)
-        for columns in self.left_out:
-            out[columns] = True
-        return out
-
-    def matrix(self) -> scipy.sparse.csr_array:
-        return scipy.sparse.csr_array(
-            (np.concatenate(self.vals) if self.vals else np.zeros(0),
-             (np.concatenate(self.rows) if self.rows else np.zeros(0, dtype=np.int64),
-              np.concatenate(self.cols) if self.cols else np.zeros(0, dtype=np.int64))),
-            shape=(len(self.lower_rhs), self.num_cols))
-
-    def add_row(self, columns: np.ndarray, coeffs: np.ndarray, lower: float, upper: float) -> None:
-        self.rows.append(np.full(len(columns), len(self.lower_rhs)))
-        self.cols.append(np.asarray(columns, dtype=np.int64))
-        self.vals.append(np.asarray(coeffs, dtype=float))
-        self.lower_rhs.append(lower)
-        self.upper_rhs.append(upper)
-
-    def add_rows(self, num_rows: int, row: np.ndarray, columns: np.ndarray, coeffs: np.ndarray, lower: float,
-                 upper: float) -> None:
-        """``num_rows`` rows at once, each in [lower, upper]: entry k is ``coeffs[k]`` at ``columns[k]`` in row
-        ``row[k]`` (0 .. num_rows - 1), each row's entries in the order given (``add_row`` one row at a time
-        builds the same matrix: the LP, and so HiGHS's path through it, does not depend on which was used)."""
-        order = np.argsort(row, kind="stable")
-        self.rows.append(len(self.lower_rhs) + np.asarray(row, dtype=np.int64)[order])
-        self.cols.append(np.asarray(columns, dtype=np.int64)[order])
-        self.vals.append(np.asarray(coeffs, dtype=float)[order])
-        self.lower_rhs.extend([lower] * num_rows)
-        self.upper_rhs.extend([upper] * num_rows)
-
-    def add_pair_rows(self, first: np.ndarray, second: np.ndarray, lower: float, upper: float) -> None:
-        """One row ``first[i] - second[i]`` in [lower, upper] per i, added at once."""
-        count = len(first)
-        rows = len(self.lower_rhs) + np.arange(count)
-        self.rows.append(np.repeat(rows, 2))
-        self.cols.append(np.stack([np.asarray(first, dtype=np.int64), np.asarray(second, dtype=np.int64)],
-                                  axis=1).ravel())
-        self.vals.append(np.tile([1.0, -1.0], count))
-        self.lower_rhs.extend([lower] * count)
-        self.upper_rhs.extend([upper] * count)
-
-    def s(self, node: int, positions: np.ndarray) -> np.ndarray:
-        return self.first[node] + np.asarray(positions, dtype=np.int64)
-
-    def strategy_columns(self) -> np.ndarray:
-        """Every free node's strategy columns s[i, *]."""
-        return np.concatenate([self.s(i, np.arange(len(a))) for i, a in enumerate(self.red.allowed)
-                               if self.first[i] >= 0] or [np.zeros(0, dtype=np.int64)])
-
-    def positions(self, x: np.ndarray) -> list[int]:
-        """Per node, the position (among its allowed strategies) of its largest strategy variable in ``x``; 0 for
-        a node presolve fixed."""
-        return [int(np.argmax(x[f:f + len(a)])) if f >= 0 else 0 for f, a in zip(self.first, self.red.allowed)]
-
-    def most_decided_fractional(self, x: np.ndarray) -> tuple[int, int] | None:
-        """(node, position) of the free node whose largest strategy variable in ``x`` is the largest among the
-        nodes with a fractional one, and that variable's position; None when ``x`` is integral."""
-        best = None
-        for node, (f, allowed) in enumerate(zip(self.first, self.red.allowed)):
-            v = x[f:f + len(allowed)] if f >= 0 else None
-            if v is not None and np.minimum(v, 1.0 - v).max() > 1e-6 and (best is None or v.max() > best[0]):
-                best = (float(v.max()), node, int(np.argmax(v)))
-        return None if best is None else best[1:]
-
-    def one_hot(self, positions: list[int]) -> np.ndarray:
-        """The columns with each free node's strategy at ``positions`` taken and nothing else set."""
-        x = np.zeros(self.num_cols)
-        for f, position in zip(self.first, positions):
-            if f >= 0:
-                x[f + position] = 1.0
-        return x
-
-    def solve(self, time_limit_s: float, relaxed: bool = False) -> scipy.optimize.OptimizeResult:
-        if self.num_cols == 0:  # presolve fixed every node
-            return scipy.optimize.OptimizeResult(status=0, x=np.zeros(0), fun=0.0, mip_dual_bound=0.0,
-                                                 message="fixed by presolve")
-        num_rows = len(self.lower_rhs)
-        matrix = self.matrix()
-        constraints = (scipy.optimize.LinearConstraint(matrix, np.array(self.lower_rhs), np.array(self.upper_rhs)),
-                       ) if num_rows else ()
-        return scipy.optimize.milp(
-            np.concatenate(self.cost), integrality=None if relaxed else np.concatenate(self.integral),
-            bounds=scipy.optimize.Bounds(0.0, np.concatenate(self.upper)), constraints=constraints,
-            options={"time_limit": float(time_limit_s), "mip_rel_gap": MIP_REL_GAP, "disp": False})
-
-
 def plan_objective(b: MipBuilder, highs: highspy.Highs, plan: np.ndarray, seconds: float) -> float | None:
     """The LP's (scaled) objective with every free node's strategy fixed as in ``plan`` (``MipBuilder.one_hot``):
     the plan's own cost in the LP's units, the pairs, charges and shared reshards following from the
@@ -242,66 +117,16 @@ def lagrangian_bound(b: MipBuilder, row_dual: np.ndarray, upper: np.ndarray) -> 
     return float(np.minimum(reduced, 0.0) @ upper + rows.sum())
 
 
-def stopped_bound(b: MipBuilder, highs: highspy.Highs, upper: np.ndarray) -> float:
+def stopped_bound(b: MipBuilder, highs: LpModel, upper: np.ndarray) -> float:
     """``lagrangian_bound`` at the row duals of a run ``highs`` stopped; -inf when it has none."""
-    solution = highs.getSolution()
-    row_dual = np.asarray(solution.row_dual, dtype=float)
-    if not solution.dual_valid or len(row_dual) != len(b.lower_rhs):
-        return -np.inf
-    return lagrangian_bound(b, row_dual, upper)
+    duals = row_duals(b, highs)
+    return -np.inf if duals is None else lagrangian_bound(b, duals, upper)
 
 
 def integral(b: MipBuilder, x: np.ndarray) -> bool:
     """Whether every free node's strategy variables in ``x`` are 0 or 1."""
     columns = b.strategy_columns()
     return bool(np.all(np.minimum(x[columns], 1.0 - x[columns]) <= 1e-6))
-
-
-def highs_lp(b: MipBuilder, upper: np.ndarray, dual: bool = False, cutoff: float = np.inf) -> highspy.Highs:
-    """HiGHS (its own Python interface, ``highspy``) holding the LP relaxation with column bounds [0, upper];
-    ``dual``: solved by the serial dual simplex without presolve (``solve_lp``), else as HiGHS chooses; a
-    finite ``cutoff`` (the LP's units) stops the dual simplex once its objective passes it (``objective_bound``:
-    status 5, which ``ColdStart`` checks against the true costs)."""
-    matrix = b.matrix().tocsc()
-    lo, hi = np.array(b.lower_rhs, dtype=float), np.array(b.upper_rhs, dtype=float)
-    lp = highspy.HighsLp()
-    lp.num_col_, lp.num_row_ = b.num_cols, matrix.shape[0]
-    lp.col_cost_ = np.concatenate(b.cost)
-    lp.col_lower_ = np.zeros(b.num_cols)
-    lp.col_upper_ = upper
-    lp.row_lower_ = np.where(np.isfinite(lo), lo, -highspy.kHighsInf)
-    lp.row_upper_ = np.where(np.isfinite(hi), hi, highspy.kHighsInf)
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-    lp.a_matrix_.start_ = matrix.indptr
-    lp.a_matrix_.index_ = matrix.indices
-    lp.a_matrix_.value_ = matrix.data
-    highs = highspy.Highs()
-    highs.setOptionValue("output_flag", False)
-    highs.setOptionValue("solver", "simplex")
-    if dual:  # the serial dual simplex (deterministic), without presolve, which takes longer than it here
-        highs.setOptionValue("simplex_strategy", 1)
-        highs.setOptionValue("presolve", "off")
-        if np.isfinite(cutoff):
-            highs.setOptionValue("objective_bound", float(cutoff))
-    highs.passModel(lp)
-    return highs
-
-
-def run_highs(highs: highspy.Highs, seconds: float) -> scipy.optimize.OptimizeResult:
-    """Run (or continue, from the basis it holds) for at most ``seconds`` more; the result as SciPy's ``linprog``
-    shapes it (status 0 optimal, 1 out of time, 2 infeasible, 4 other; 5: the dual simplex passed its
-    ``objective_bound``) with the reduced costs."""
-    highs.setOptionValue("time_limit", highs.getRunTime() + max(seconds, 0.05))  # HiGHS's limit is cumulative
-    highs.run()
-    status = highs.getModelStatus()
-    if status == highspy.HighsModelStatus.kOptimal:
-        solution = highs.getSolution()
-        return scipy.optimize.OptimizeResult(status=0, x=np.asarray(solution.col_value),
-                                             fun=highs.getInfo().objective_function_value,
-                                             reduced=np.asarray(solution.col_dual), message="Optimal")
-    code = {highspy.HighsModelStatus.kTimeLimit: 1, highspy.HighsModelStatus.kInfeasible: 2,
-            highspy.HighsModelStatus.kObjectiveBound: 5}.get(status, 4)
-    return scipy.optimize.OptimizeResult(status=code, x=None, fun=None, message=highs.modelStatusToString(status))
 
 
 def _uncancelled(highs: highspy.Highs) -> highspy.Highs:

@@ -39,16 +39,15 @@ Why a MIP solver: (c)-(d) is the local marginal polytope, whose LP relaxation is
 these problems (the LP optimum equalled the integer one on GPT-medium, GPT-large and MoE-large on
 2x8-a100): the LP relaxation is solved first and, when integral, is the optimum with its proof; only a
 fractional one goes to HiGHS's MIP (whose presolve and cuts cost more than the LP on these problems).
-The memory rows (e) are part of that LP (GPT-large's on 2x8-a100 leave it integral), where HiGHS's MIP,
-given the problem first, stopped at 38-50% gaps after 10 s.
-CP-SAT stopped at 37-59% gaps after 10 s. The LP is large (about 100k columns for a GPT block on a 2-D
-mesh: every pair on an edge) and takes 5-50 s from a cold start. So the LP restricted to the pairs that pay no
-reshard (an edge's free pairs; a shared value read only in layouts free to make) is solved first
-(``passes/ilp/lp.py``): a fifth of the columns, about a second, its optimum nearly always integral and close
-to the whole LP's. The whole LP then continues from that basis (1.5 s instead of 23 s on GPT-small), raced
-by a cold dual simplex where that stalls (``lp.solve_lp``); the restricted optimum is the plan when the
-time limit ends first. HiGHS through SciPy takes no MIP start; the hint (the best classic start after local
-search) is returned whenever HiGHS's plan is not better, so the result is never worse than it.
+The memory rows (e) are part of that LP (GPT-large's on 2x8-a100 leave it integral; its HiGHS model adds each once a
+solution breaks it, ``highs_model.py``), where HiGHS's MIP, given the problem first, stopped at 38-50% gaps after 10
+s, CP-SAT at 37-59%. The LP is large (about 100k columns for a GPT block on a 2-D mesh) and takes 5-50 s from a cold
+start. So the LP restricted to the pairs that pay no reshard (an edge's free pairs; a shared value read only in
+layouts free to make) is solved first (``passes/ilp/lp.py``): a fifth of the columns, about a second, its optimum
+nearly always integral and close to the whole LP's. The whole LP then continues from that basis (1.5 s instead of 23
+s on GPT-small), raced by a cold dual simplex (``lp.solve_lp``); the restricted optimum is the plan when the time
+limit ends first. HiGHS through SciPy takes no MIP start; the hint (the best classic start after local search) is
+returned whenever HiGHS's plan is not better.
 """
 from __future__ import annotations
 
@@ -65,7 +64,8 @@ import scipy.sparse
 from autoshard.errors import CutOffError, PlanningError, SolverTimeoutError
 from autoshard.passes.ilp.disjunction import KEPT_SEARCH, CutSearch
 from autoshard.passes.ilp.kept_lp import Built, kept_lp, presolved
-from autoshard.passes.ilp.lp import MIP_REL_GAP, MipBuilder, integral, plan_objective, run_highs, solve_lp
+from autoshard.passes.ilp.highs_model import MIP_REL_GAP, MipBuilder, run_highs
+from autoshard.passes.ilp.lp import integral, plan_objective, solve_lp
 from autoshard.passes.ilp.presolve import Reduced, exclusion_cuts, identical_lines
 from autoshard.passes.ilp.problem import IlpProblem, IlpSolution, evaluate, memory_error
 from autoshard.passes.ilp.warm import WarmStart
@@ -213,6 +213,7 @@ def _add_memory(b: MipBuilder, budget_bytes: float) -> bool:
             continue  # it can never bind
         columns, coeffs = _memory_row(b, p)
         b.memory_points.append(p)
+        b.memory_rows.append(len(b.lower_rhs))
         if room == 0:
             b.add_row(columns, np.ones(len(columns)), -np.inf, 0.0)
         else:
@@ -227,9 +228,7 @@ def _memory_row(b: MipBuilder, p: int) -> tuple[np.ndarray, np.ndarray]:
         if len(nonzero) and b.first[node] >= 0:
             columns.append(b.s(node, nonzero))
             coeffs.append(nbytes[nonzero].astype(float))
-    if not columns:
-        return np.zeros(0, dtype=np.int64), np.zeros(0)
-    return np.concatenate(columns), np.concatenate(coeffs)
+    return (np.concatenate(columns), np.concatenate(coeffs)) if columns else (np.zeros(0, dtype=np.int64), np.zeros(0))
 
 
 def _ticks(red: Reduced) -> float:

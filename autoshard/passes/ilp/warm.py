@@ -13,8 +13,10 @@ it was left.
 ``WarmStart.of(builder)`` names the LP by everything but its memory rows (a hash of its costs, bounds and
 rows), taken before the memory rows are added; each memory row is matched to the last basis's by its memory
 point (``MipBuilder.memory_points``), a new point's row starts basic, and a basis whose count no longer
-matches the rows (a binding row dropped) is not used. The warm run has ``WARM_SHARE`` of the limit; when it
-proves neither an optimum nor that no plan fits, ``lp.solve_lp`` solves as from cold with the time left.
+matches the rows (a binding row dropped) is not used. A memory row the model leaves out until a solution breaks
+it (``highs_model``) counts as basic; the rows the kept basis held at a bound are in the model from the start.
+The warm run has ``WARM_SHARE`` of the limit; when it proves neither an optimum nor that no plan fits,
+``lp.solve_lp`` solves as from cold with the time left.
 Bases are kept per process for the ``KEPT_BASES`` LPs last solved to optimality.
 """
 from __future__ import annotations
@@ -31,7 +33,8 @@ import highspy
 import numpy as np
 import scipy.optimize
 
-from autoshard.passes.ilp.lp import MipBuilder, cut_off, highs_lp, run_highs, solve_lp
+from autoshard.passes.ilp.highs_model import LpModel, MipBuilder, highs_lp, run_highs
+from autoshard.passes.ilp.lp import cut_off, solve_lp
 
 __all__ = ["KEPT_BASES", "WARM_SHARE", "WarmStart", "clear"]
 
@@ -65,6 +68,15 @@ def _statuses(values: list) -> np.ndarray:
     return np.fromiter((int(s) for s in values), dtype=np.int8, count=len(values))
 
 
+def _basis(highs: LpModel, cols: np.ndarray, rows: np.ndarray) -> highspy.HighsBasis:
+    """A basis of ``highs`` from a status per column and per builder row (the model's rows picked)."""
+    basis = highspy.HighsBasis()
+    basis.col_status = [_STATUS[int(s)] for s in cols]
+    basis.row_status = [_STATUS[int(rows[r])] for r in highs.rows]
+    basis.valid = True
+    return basis
+
+
 @dataclass(frozen=True)
 class WarmStart:
     """One LP's name apart from its memory rows (``key``) and how many rows come before them."""
@@ -91,10 +103,13 @@ class WarmStart:
         """``cold`` (``lp.solve_lp``), first from the kept basis of this LP when there is one, with the time that
         leaves; the basis of an optimum either way is kept."""
         start = time.perf_counter()
-        basis = self.basis(b)
-        if basis is not None:
-            highs = highs_lp(b, np.concatenate(b.upper))
-            if highs.setBasis(basis) == highspy.HighsStatus.kOk:
+        kept = self.statuses(b)
+        if kept is not None:
+            cols, rows = kept
+            # the memory rows the kept basis held at a bound are in the model from the start (the others are
+            # basic there: left out, they leave the count of basic variables as a basis of the model needs)
+            highs = highs_lp(b, np.concatenate(b.upper), enforce=[r for r in b.memory_rows if rows[r] != _BASIC])
+            if highs.setBasis(_basis(highs, cols, rows)) == highspy.HighsStatus.kOk:
                 result = run_highs(highs, WARM_SHARE * time_limit_s)
                 log.debug("mip: from the kept basis %.2fs, %d iterations: %s", time.perf_counter() - start,
                           highs.getInfo().simplex_iteration_count, result.message)
@@ -108,8 +123,9 @@ class WarmStart:
             self.keep(b, result.highs)
         return result
 
-    def basis(self, b: MipBuilder) -> highspy.HighsBasis | None:
-        """The kept basis mapped onto ``b``'s rows, or None (none kept, or its count no longer fits)."""
+    def statuses(self, b: MipBuilder) -> tuple[np.ndarray, np.ndarray] | None:
+        """The kept basis's status of each column and each of ``b``'s rows, or None (none kept, or its count no
+        longer fits)."""
         with _LOCK:
             kept = _KEPT.get(self.key)
             if kept is not None:
@@ -124,18 +140,17 @@ class WarmStart:
                 rows[self.fixed_rows + k] = kept.rows[where[p]]
         if int((kept.cols == _BASIC).sum() + (rows == _BASIC).sum()) != len(rows):
             return None  # a row the kept basis held at a bound is gone: not a basis of this LP
-        basis = highspy.HighsBasis()
-        basis.col_status = [_STATUS[int(s)] for s in kept.cols]
-        basis.row_status = [_STATUS[int(s)] for s in rows]
-        basis.valid = True
-        return basis
+        return kept.cols, rows
 
-    def keep(self, b: MipBuilder, highs: highspy.Highs) -> None:
-        """Keep the basis ``highs`` holds (an optimum of ``b``'s LP) for this LP's next solve."""
+    def keep(self, b: MipBuilder, highs: LpModel) -> None:
+        """Keep the basis ``highs`` holds (an optimum of ``b``'s LP) for this LP's next solve: a row the model
+        leaves out is basic."""
         basis = highs.getBasis()
         if not basis.valid:
             return
-        rows = _statuses(basis.row_status)[:self.fixed_rows + len(b.memory_points)]
+        rows = np.full(len(b.lower_rhs), _BASIC, dtype=np.int8)
+        rows[highs.rows] = _statuses(basis.row_status)
+        rows = rows[:self.fixed_rows + len(b.memory_points)]
         with _LOCK:
             _KEPT[self.key] = _Basis(_statuses(basis.col_status), rows, tuple(b.memory_points))
             _KEPT.move_to_end(self.key)
