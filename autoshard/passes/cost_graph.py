@@ -54,11 +54,11 @@ MemoryPoints = tuple[tuple[tuple[int, np.ndarray], ...], ...]
 @dataclass(frozen=True)
 class IntraOpOptions:
     memory_budget_bytes: float | None = None  # per device; None: the cluster's device memory
-    # solver wall-clock limit per solve. HiGHS's LP of a GPT block on a 2-D mesh (about 100k columns) takes 5-50 s
-    # on two loaded cores and returns as soon as it is solved; a limit below that returns the search's start
-    # (passes/search_starts.py), up to 75% slower than the optimum on the d512 GPT (2.63 against 1.48 ms).
-    # Not raised by default: the budget search solves up to ~10 times, and a user waits for each
-    time_limit_s: float = 10.0
+    # solver wall-clock limit per solve (the rounds of a budget search share it). A solve returns as soon as it is
+    # proven: on two cores every benchmark cell's is within 13 s (benchmarks/SOLVER_GAPS.md; the MoE cells on
+    # 2x8-a100 take 11-13 s, and stopped at 10 s they return a plan 7% slower than the optimum, 17-19% from the
+    # bound), most within 8 s. A limit below the proof returns the best plan found and its gap to the bound
+    time_limit_s: float = 20.0
     solver: SolverName = "mip"  # the ILP backend: "mip" (HiGHS) or "cpsat" (OR-Tools CP-SAT)
     seed: int = 0  # CP-SAT's and the local search's seed: same input, same plan
     shard_state: bool = True  # allow sharded storage of parameters and optimizer state (FSDP/ZeRO)

@@ -913,3 +913,25 @@ def test_memory_rows_enter_the_lp_only_when_a_solution_breaks_them(budget: float
     assert np.all(activity <= np.array(b.upper_rhs) + 1e-6)  # feasible for every row, the ones left out too
     assert len(b.memory_rows) == 18
     assert {40.0: len(added) > 9, 45.0: 0 < len(added) <= 9, 60.0: not added}[budget]
+
+
+@pytest.mark.parametrize("budget, lazy", [(45.0, False), (60.0, True)])
+def test_the_restricted_lp_says_whether_the_memory_rows_stay_out(budget: float, lazy: bool) -> None:
+    """``lp.solve_lp`` asks the restricted LP without memory rows whether they nearly bind (``highs_model.TIGHT``):
+    at 45 bytes they do, and every model of the solve holds them (``lazy_memory`` off); with room to spare they
+    stay out. The LP optimum is the whole LP's either way, and is feasible for every memory row."""
+    import autoshard.passes.ilp.mip as mip
+    from autoshard.passes.ilp.lp import solve_lp
+
+    problem = dataclasses.replace(_medium_problem(5), memory_budget_bytes=budget)
+    red = presolve(problem)
+    ticks = mip._ticks(red)
+    b = mip._new(problem, red, ticks)
+    mip._add_edges(b, ticks)
+    assert mip._add_memory(b, budget) and b.memory_rows
+    whole = b.solve(30.0, relaxed=True)
+    lp = solve_lp(b, 30.0)
+    assert lp.status == 0 and whole.status == 0
+    assert lp.fun == pytest.approx(whole.fun, rel=1e-7, abs=1e-6)
+    assert np.all(b.matrix() @ lp.x <= np.array(b.upper_rhs) + 1e-6)
+    assert b.lazy_memory is lazy

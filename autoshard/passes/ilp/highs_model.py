@@ -6,9 +6,19 @@ A memory row (e) is dense: a coefficient on every strategy of every node live at
 an LP optimum, and the ones that do not still cost the simplex dearly: MoE-large on 2x8-a100 has seven, none
 binding at the optimum (0.09-0.43 of their room), and the whole LP from the restricted LP's basis took 42 s with
 them against 9.5 s without (45 s with them present but free: it is the dense rows in the factored basis, not
-their bounds). So a model leaves every memory row out until an optimum breaks it; the rows it breaks are then
-added and the simplex goes on from its basis (an added row enters basic). An optimum that breaks none is the
-whole LP's optimum: the LP without them is a relaxation, and that optimum is feasible for the whole LP. What a run
+their bounds). So where the memory rows are far from binding, a model leaves each out until an optimum breaks it.
+Whether they are is asked of the restricted LP (``lp.solve_lp``) without them: when its optimum uses more than
+``TIGHT`` of some row's room, every model of the solve holds every memory row from the start, as without this
+module: where the budget binds, the dense rows make each pivot from a basis found without them dear (gpt-xl@8 on
+2x8-a100 under a lowered budget, the restricted LP: every one of its eight rows broken, then 6.7 s from that basis
+against 2.4 s cold, 2.5 s with the rows in from the start), and the optimum the solve ends at among equal ones
+decides which plans the budget search goes on to (from the basis, that cell's search ended 66% slower than with
+the rows in). Else a row an optimum breaks is added; where it breaks the model's first optimum, the LP is solved
+again from a cold start, and a later run (the whole LP after the restricted one, a dive's fixings, a plan's
+pricing) goes on from its basis, a few pivots from an optimum. A model started from a kept basis (``warm.py``)
+holds every memory row: the basis was an optimum with them. An optimum that
+breaks none is the whole LP's optimum: the LP without them is a relaxation, and that optimum is feasible for the
+whole LP. What a run
 proves on the way holds for the whole LP as it is: an infeasible relaxation makes it infeasible, and a bound on
 the relaxation (a stopped dual simplex's, or its objective passing ``objective_bound``) bounds it.
 """
@@ -25,11 +35,12 @@ import scipy.sparse
 
 from autoshard.passes.ilp.presolve import Reduced
 
-__all__ = ["MIP_REL_GAP", "LpModel", "MipBuilder", "highs_lp", "row_duals", "run_highs"]
+__all__ = ["MIP_REL_GAP", "TIGHT", "LpModel", "MipBuilder", "highs_lp", "row_duals", "run_highs", "run_once"]
 
 MIP_REL_GAP = 1e-6  # HiGHS's MIP stops when its incumbent is this close to its bound
 
 ROW_TOL = 1e-7  # a memory row is broken when its activity passes its bound by more (HiGHS's feasibility tolerance)
+TIGHT = 0.9  # the restricted LP's optimum using more of some memory row's room than this puts every row in
 
 
 @dataclass
@@ -51,7 +62,8 @@ class MipBuilder:
     lazy: list[np.ndarray] = field(default_factory=list)
     left_out: list[np.ndarray] = field(default_factory=list)  # columns added earlier and left out too
     memory_points: list[int] = field(default_factory=list)  # the point of each memory row (e), in order
-    memory_rows: list[int] = field(default_factory=list)  # the row of each memory row (``highs_model``: lazy)
+    memory_rows: list[int] = field(default_factory=list)  # the row of each memory row (e)
+    lazy_memory: bool = True  # models leave memory rows out until broken (module docstring; ``lp.solve_lp``)
 
     def add_cols(self, cost: np.ndarray, upper: np.ndarray, integral: bool,
                  lazy: np.ndarray | None = None) -> int:
@@ -163,18 +175,20 @@ class LpModel(highspy.Highs):
         super().__init__()
         self.rows = [int(r) for r in rows]  # the builder's row of each model row, in the model's order
         self.pending = pending  # builder row -> (columns, coefficients, lower, upper) of a row left out
+        self.optimal = False  # whether a run reached an optimum of the rows it had (``run_highs``)
 
-    def broken(self, x: np.ndarray) -> list[int]:
-        """The builder rows left out that ``x`` breaks."""
+    def broken(self, x: np.ndarray, share: float = 1.0) -> list[int]:
+        """The builder rows left out that ``x`` breaks, or (``share`` < 1) whose activity passes that share of its
+        upper bound (a memory row's room: 1)."""
         out = []
         for row, (columns, coeffs, lower, upper) in self.pending.items():
             activity = float(coeffs @ x[columns])
-            if activity > upper + ROW_TOL or activity < lower - ROW_TOL:
+            if activity > upper - (1.0 - share) * abs(upper) + ROW_TOL or activity < lower - ROW_TOL:
                 out.append(row)
         return out
 
     def enforce(self, rows: Iterable[int]) -> None:
-        """Add the builder's ``rows`` (left out so far) to the model; the basis it holds stays valid."""
+        """Add the builder's ``rows`` (left out so far) to the model (each basic in the basis it holds)."""
         rows = [r for r in rows if r in self.pending]
         if not rows:
             return
@@ -192,14 +206,15 @@ class LpModel(highspy.Highs):
 def highs_lp(b: MipBuilder, upper: np.ndarray, dual: bool = False, cutoff: float = np.inf,
              enforce: Iterable[int] = ()) -> LpModel:
     """HiGHS (its own Python interface, ``highspy``) holding the LP relaxation with column bounds [0, upper], its
-    memory rows (``MipBuilder.memory_rows``) left out but for ``enforce`` (module docstring); ``dual``: solved by
+    memory rows (``MipBuilder.memory_rows``) left out, unless ``MipBuilder.lazy_memory`` is off, but for ``enforce``
+    (module docstring); ``dual``: solved by
     the serial dual simplex without presolve (``lp.solve_lp``), else as HiGHS chooses; a finite ``cutoff`` (the
     LP's units) stops the dual simplex once its objective passes it (``objective_bound``: status 5, which
     ``lp.ColdStart`` checks against the true costs)."""
     matrix = b.matrix().tocsr()
     lo, hi = np.array(b.lower_rhs, dtype=float), np.array(b.upper_rhs, dtype=float)
     lazy = np.zeros(len(lo), dtype=bool)
-    lazy[list(b.memory_rows)] = True
+    lazy[list(b.memory_rows)] = b.lazy_memory
     lazy[list(enforce)] = False
     kept = np.flatnonzero(~lazy)
     pending = {int(r): (matrix.indices[matrix.indptr[r]:matrix.indptr[r + 1]],
@@ -230,23 +245,29 @@ def highs_lp(b: MipBuilder, upper: np.ndarray, dual: bool = False, cutoff: float
 
 def run_highs(highs: LpModel, seconds: float) -> scipy.optimize.OptimizeResult:
     """Run (or continue, from the basis it holds) for at most ``seconds`` more, adding the memory rows an optimum
-    breaks and going on until one breaks none; the result as SciPy's ``linprog`` shapes it (status 0 optimal, 1
-    out of time, 2 infeasible, 4 other; 5: the dual simplex passed its ``objective_bound``) with the reduced
-    costs."""
+    breaks until one breaks none, solved again from a cold start when they break the model's first optimum (module
+    docstring); the result as SciPy's ``linprog`` shapes it (status 0 optimal, 1 out of time, 2 infeasible, 4
+    other; 5: the dual simplex passed its ``objective_bound``) with the reduced costs."""
     deadline = time.perf_counter() + max(seconds, 0.05)
     while True:
-        result = _run_once(highs, deadline - time.perf_counter())
+        first = not highs.optimal
+        result = run_once(highs, deadline - time.perf_counter())
         if result.status != 0:
             return result
+        highs.optimal = True
         broken = highs.broken(result.x)
         if not broken:
             return result
         highs.enforce(broken)
+        if first:
+            highs.clearSolver()
+            highs.optimal = False
         if time.perf_counter() >= deadline:
             return scipy.optimize.OptimizeResult(status=1, x=None, fun=None, message="Time limit reached")
 
 
-def _run_once(highs: highspy.Highs, seconds: float) -> scipy.optimize.OptimizeResult:
+def run_once(highs: highspy.Highs, seconds: float) -> scipy.optimize.OptimizeResult:
+    """One run of ``highs`` as it is, for at most ``seconds`` more (``run_highs`` without adding rows)."""
     highs.setOptionValue("time_limit", highs.getRunTime() + max(seconds, 0.05))  # HiGHS's limit is cumulative
     highs.run()
     status = highs.getModelStatus()

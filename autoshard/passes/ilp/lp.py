@@ -17,7 +17,7 @@ import numpy as np
 import scipy.optimize
 import scipy.sparse
 
-from autoshard.passes.ilp.highs_model import LpModel, MipBuilder, highs_lp, row_duals, run_highs
+from autoshard.passes.ilp.highs_model import TIGHT, LpModel, MipBuilder, highs_lp, row_duals, run_highs, run_once
 
 log = logging.getLogger(__name__)
 
@@ -246,11 +246,12 @@ def solve_lp(b: MipBuilder, time_limit_s: float, cutoff: float = np.inf) -> scip
     start = time.perf_counter()
     upper = np.concatenate(b.upper)
     left_out = b.restricted()
+    probe = _memory_probe(b, np.where(left_out, 0.0, upper), time_limit_s)
     # a large LP takes seconds whichever way: its cold start runs from now on, beside the restricted LP
     cold = (ColdStart(b, upper, start + time_limit_s, cutoff)
             if left_out.any() and b.num_cols >= EARLY_COLD_COLUMNS and spare_core() else None)
     try:
-        return cut_off(_restricted_then_whole(b, time_limit_s, start, upper, left_out, cold, cutoff), cutoff)
+        return cut_off(_restricted_then_whole(b, time_limit_s, start, upper, left_out, cold, cutoff, probe), cutoff)
     finally:
         if cold is not None:
             cold.stop()
@@ -269,11 +270,27 @@ def cut_off(result: scipy.optimize.OptimizeResult, cutoff: float) -> scipy.optim
                                          message="Cut off: no plan costs less than the cutoff")
 
 
+def _memory_probe(b: MipBuilder, upper: np.ndarray, time_limit_s: float) -> LpModel | None:
+    """The restricted LP (column bounds ``upper``) without the memory rows, when ``b`` has some left out: its model,
+    solved, when its optimum leaves every row far from binding (``TIGHT``: the solve's models go on leaving them out
+    until broken, ``highs_model``); else None, with ``b.lazy_memory`` off (every model holds every row)."""
+    if not b.memory_rows or not b.lazy_memory:
+        return None
+    probe = highs_lp(b, upper)
+    result = run_once(probe, time_limit_s)
+    if result.status == 0 and probe.broken(result.x, TIGHT):
+        log.debug("mip: the memory rows nearly bind at the restricted LP's optimum: every model holds them")
+        b.lazy_memory = False
+        return None
+    return probe
+
+
 def _restricted_then_whole(b: MipBuilder, time_limit_s: float, start: float, upper: np.ndarray,
-                           left_out: np.ndarray, cold: ColdStart | None,
-                           cutoff: float = np.inf) -> scipy.optimize.OptimizeResult:
-    """``solve_lp`` after its set-up: the restricted LP, the continuation's head start, the race."""
-    highs = highs_lp(b, np.where(left_out, 0.0, upper))
+                           left_out: np.ndarray, cold: ColdStart | None, cutoff: float = np.inf,
+                           probe: LpModel | None = None) -> scipy.optimize.OptimizeResult:
+    """``solve_lp`` after its set-up: the restricted LP (``probe``'s, when it solved it), the continuation's head
+    start, the race."""
+    highs = probe if probe is not None else highs_lp(b, np.where(left_out, 0.0, upper))
     restricted = run_highs(highs, time_limit_s)
     if restricted.status == 0 and not left_out.any():
         restricted.highs = highs

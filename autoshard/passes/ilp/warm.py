@@ -13,8 +13,8 @@ it was left.
 ``WarmStart.of(builder)`` names the LP by everything but its memory rows (a hash of its costs, bounds and
 rows), taken before the memory rows are added; each memory row is matched to the last basis's by its memory
 point (``MipBuilder.memory_points``), a new point's row starts basic, and a basis whose count no longer
-matches the rows (a binding row dropped) is not used. A memory row the model leaves out until a solution breaks
-it (``highs_model``) counts as basic; the rows the kept basis held at a bound are in the model from the start.
+matches the rows (a binding row dropped) is not used. The model holds every memory row from the start (``highs_model``
+leaves them out of a cold one until a solution breaks one; a row out of the kept model's counts as basic).
 The warm run has ``WARM_SHARE`` of the limit; when it proves neither an optimum nor that no plan fits,
 ``lp.solve_lp`` solves as from cold with the time left.
 Bases are kept per process for the ``KEPT_BASES`` LPs last solved to optimality.
@@ -106,9 +106,9 @@ class WarmStart:
         kept = self.statuses(b)
         if kept is not None:
             cols, rows = kept
-            # the memory rows the kept basis held at a bound are in the model from the start (the others are
-            # basic there: left out, they leave the count of basic variables as a basis of the model needs)
-            highs = highs_lp(b, np.concatenate(b.upper), enforce=[r for r in b.memory_rows if rows[r] != _BASIC])
+            # every memory row in from the start: the basis was an optimum with them, and left out, the rows it
+            # held at a bound would be broken at once (gpt-xl@8's round after its plan peaked over the budget)
+            highs = highs_lp(b, np.concatenate(b.upper), enforce=b.memory_rows)
             if highs.setBasis(_basis(highs, cols, rows)) == highspy.HighsStatus.kOk:
                 result = run_highs(highs, WARM_SHARE * time_limit_s)
                 log.debug("mip: from the kept basis %.2fs, %d iterations: %s", time.perf_counter() - start,
