@@ -918,7 +918,7 @@ def test_memory_rows_enter_the_lp_only_when_a_solution_breaks_them(budget: float
 @pytest.mark.parametrize("budget, lazy", [(45.0, False), (60.0, True)])
 def test_the_restricted_lp_says_whether_the_memory_rows_stay_out(budget: float, lazy: bool) -> None:
     """``lp.solve_lp`` asks the restricted LP without memory rows whether they nearly bind (``highs_model.TIGHT``):
-    at 45 bytes they do, and every model of the solve holds them (``lazy_memory`` off); with room to spare they
+    at 45 bytes they do, and every model of the solve holds them (``memory.tight``); with room to spare they
     stay out. The LP optimum is the whole LP's either way, and is feasible for every memory row."""
     import autoshard.passes.ilp.mip as mip
     from autoshard.passes.ilp.lp import solve_lp
@@ -934,4 +934,4 @@ def test_the_restricted_lp_says_whether_the_memory_rows_stay_out(budget: float, 
     assert lp.status == 0 and whole.status == 0
     assert lp.fun == pytest.approx(whole.fun, rel=1e-7, abs=1e-6)
     assert np.all(b.matrix() @ lp.x <= np.array(b.upper_rhs) + 1e-6)
-    assert b.lazy_memory is lazy
+    assert b.memory.tight is not lazy

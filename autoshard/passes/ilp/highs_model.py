@@ -2,25 +2,26 @@
 relaxation with the memory rows left out until a solution breaks one (``LpModel``, built by ``highs_lp``), and the
 run that adds them as they break (``run_highs``).
 
-A memory row (e) is dense: a coefficient on every strategy of every node live at its point. Few of them bind at
-an LP optimum, and the ones that do not still cost the simplex dearly: MoE-large on 2x8-a100 has seven, none
-binding at the optimum (0.09-0.43 of their room), and the whole LP from the restricted LP's basis took 42 s with
-them against 9.5 s without (45 s with them present but free: it is the dense rows in the factored basis, not
-their bounds). So where the memory rows are far from binding, a model leaves each out until an optimum breaks it.
-Whether they are is asked of the restricted LP (``lp.solve_lp``) without them: when its optimum uses more than
-``TIGHT`` of some row's room, every model of the solve holds every memory row from the start, as without this
-module: where the budget binds, the dense rows make each pivot from a basis found without them dear (gpt-xl@8 on
-2x8-a100 under a lowered budget, the restricted LP: every one of its eight rows broken, then 6.7 s from that basis
-against 2.4 s cold, 2.5 s with the rows in from the start), and the optimum the solve ends at among equal ones
-decides which plans the budget search goes on to (from the basis, that cell's search ended 66% slower than with
-the rows in). Else a row an optimum breaks is added; where it breaks the model's first optimum, the LP is solved
-again from a cold start, and a later run (the whole LP after the restricted one, a dive's fixings, a plan's
-pricing) goes on from its basis, a few pivots from an optimum. A model started from a kept basis (``warm.py``)
-holds every memory row: the basis was an optimum with them. An optimum that
-breaks none is the whole LP's optimum: the LP without them is a relaxation, and that optimum is feasible for the
-whole LP. What a run
-proves on the way holds for the whole LP as it is: an infeasible relaxation makes it infeasible, and a bound on
-the relaxation (a stopped dual simplex's, or its objective passing ``objective_bound``) bounds it.
+A memory row (e) is dense: a coefficient on every strategy of every node live at its point. Few of them bind at an
+LP optimum, and the ones that do not still cost the simplex dearly: MoE-large on 2x8-a100 has seven, none binding at
+the optimum (0.09-0.43 of their room), and the whole LP from the restricted LP's basis took 42 s with them against
+9.5 s without (45 s with them present but free: it is the dense rows in the factored basis, not their bounds). So
+where the memory rows are far from binding, a model leaves each out until an optimum breaks it. Whether they are is
+asked of the restricted LP (``lp.solve_lp``) without them: when its optimum uses more than ``TIGHT`` of some row's
+room, every model of the solve holds every memory row from the start, as without this module: where the budget
+binds, the dense rows make each pivot from a basis found without them dear (gpt-xl@8 on 2x8-a100 under a lowered
+budget, the restricted LP: every one of its eight rows broken, then 6.7 s from that basis against 2.4 s cold, 2.5 s
+with the rows in from the start), and the optimum the solve ends at among equal ones decides which plans the budget
+search goes on to (from the basis, that cell's search ended 66% slower than with the rows in). Else a row an optimum
+breaks is added; where it breaks the model's first optimum, the LP is solved again from a cold start, and a later
+run (the whole LP after the restricted one, a dive's fixings, a plan's pricing) goes on from its basis, a few pivots
+from an optimum. A model started from a kept basis (``warm.py``) holds every memory row: the basis was an optimum
+with them. Once tight, an LP stays so for its other budgets (the verdict is shared by its kept copies): its budget
+search probes once (a tiny GPT's budget tests spent as long on the probes as on the rest of their solves). An
+optimum that breaks none is the whole LP's optimum: the LP without them is a relaxation, and that optimum is
+feasible for the whole LP. What a run proves on the way holds for the whole LP as it is: an infeasible relaxation
+makes it infeasible, and a bound on the relaxation (a stopped dual simplex's, or its objective passing
+``objective_bound``) bounds it.
 """
 from __future__ import annotations
 
@@ -35,12 +36,19 @@ import scipy.sparse
 
 from autoshard.passes.ilp.presolve import Reduced
 
-__all__ = ["MIP_REL_GAP", "TIGHT", "LpModel", "MipBuilder", "highs_lp", "row_duals", "run_highs", "run_once"]
+__all__ = ["MIP_REL_GAP", "TIGHT", "LpModel", "MemoryVerdict", "MipBuilder", "highs_lp", "row_duals", "run_highs", "run_once"]
 
 MIP_REL_GAP = 1e-6  # HiGHS's MIP stops when its incumbent is this close to its bound
 
 ROW_TOL = 1e-7  # a memory row is broken when its activity passes its bound by more (HiGHS's feasibility tolerance)
 TIGHT = 0.9  # the restricted LP's optimum using more of some memory row's room than this puts every row in
+
+
+@dataclass
+class MemoryVerdict:
+    """Whether an LP's memory rows nearly bind (``TIGHT``), as its restricted LP without them found."""
+
+    tight: bool = False
 
 
 @dataclass
@@ -63,7 +71,9 @@ class MipBuilder:
     left_out: list[np.ndarray] = field(default_factory=list)  # columns added earlier and left out too
     memory_points: list[int] = field(default_factory=list)  # the point of each memory row (e), in order
     memory_rows: list[int] = field(default_factory=list)  # the row of each memory row (e)
-    lazy_memory: bool = True  # models leave memory rows out until broken (module docstring; ``lp.solve_lp``)
+    # whether the memory rows nearly bind (``lp.solve_lp``): every model then holds them; shared by the copies of
+    # one kept LP (``kept_lp.Built.copy``), so the solves of its other budgets hold them from the start too
+    memory: MemoryVerdict = field(default_factory=MemoryVerdict)
 
     def add_cols(self, cost: np.ndarray, upper: np.ndarray, integral: bool,
                  lazy: np.ndarray | None = None) -> int:
@@ -206,15 +216,15 @@ class LpModel(highspy.Highs):
 def highs_lp(b: MipBuilder, upper: np.ndarray, dual: bool = False, cutoff: float = np.inf,
              enforce: Iterable[int] = ()) -> LpModel:
     """HiGHS (its own Python interface, ``highspy``) holding the LP relaxation with column bounds [0, upper], its
-    memory rows (``MipBuilder.memory_rows``) left out, unless ``MipBuilder.lazy_memory`` is off, but for ``enforce``
-    (module docstring); ``dual``: solved by
+    memory rows (``MipBuilder.memory_rows``) left out, unless they nearly bind (``MipBuilder.memory``), but for
+    ``enforce`` (module docstring); ``dual``: solved by
     the serial dual simplex without presolve (``lp.solve_lp``), else as HiGHS chooses; a finite ``cutoff`` (the
     LP's units) stops the dual simplex once its objective passes it (``objective_bound``: status 5, which
     ``lp.ColdStart`` checks against the true costs)."""
     matrix = b.matrix().tocsr()
     lo, hi = np.array(b.lower_rhs, dtype=float), np.array(b.upper_rhs, dtype=float)
     lazy = np.zeros(len(lo), dtype=bool)
-    lazy[list(b.memory_rows)] = b.lazy_memory
+    lazy[list(b.memory_rows)] = not b.memory.tight
     lazy[list(enforce)] = False
     kept = np.flatnonzero(~lazy)
     pending = {int(r): (matrix.indices[matrix.indptr[r]:matrix.indptr[r + 1]],

@@ -45,8 +45,7 @@ class Built:
         return replace(b, cost=list(b.cost), upper=list(b.upper), integral=list(b.integral), rows=list(b.rows),
                        cols=list(b.cols), vals=list(b.vals), lower_rhs=list(b.lower_rhs),
                        upper_rhs=list(b.upper_rhs), lazy=list(b.lazy), left_out=list(b.left_out),
-                       memory_points=list(b.memory_points), memory_rows=list(b.memory_rows),
-                       lazy_memory=True)
+                       memory_points=list(b.memory_points), memory_rows=list(b.memory_rows))
 
 
 def _terms(problem: IlpProblem) -> tuple[Any, ...]:

@@ -273,14 +273,15 @@ def cut_off(result: scipy.optimize.OptimizeResult, cutoff: float) -> scipy.optim
 def _memory_probe(b: MipBuilder, upper: np.ndarray, time_limit_s: float) -> LpModel | None:
     """The restricted LP (column bounds ``upper``) without the memory rows, when ``b`` has some left out: its model,
     solved, when its optimum leaves every row far from binding (``TIGHT``: the solve's models go on leaving them out
-    until broken, ``highs_model``); else None, with ``b.lazy_memory`` off (every model holds every row)."""
-    if not b.memory_rows or not b.lazy_memory:
+    until broken, ``highs_model``); else None, with ``b.memory`` tight (every model holds every row, in this solve
+    and in the later ones of the same LP)."""
+    if not b.memory_rows or b.memory.tight:
         return None
     probe = highs_lp(b, upper)
     result = run_once(probe, time_limit_s)
     if result.status == 0 and probe.broken(result.x, TIGHT):
         log.debug("mip: the memory rows nearly bind at the restricted LP's optimum: every model holds them")
-        b.lazy_memory = False
+        b.memory.tight = True
         return None
     return probe
 
@@ -291,7 +292,7 @@ def _restricted_then_whole(b: MipBuilder, time_limit_s: float, start: float, upp
     """``solve_lp`` after its set-up: the restricted LP (``probe``'s, when it solved it), the continuation's head
     start, the race."""
     highs = probe if probe is not None else highs_lp(b, np.where(left_out, 0.0, upper))
-    restricted = run_highs(highs, time_limit_s)
+    restricted = run_highs(highs, time_limit_s - (time.perf_counter() - start))  # (the probe took its share)
     if restricted.status == 0 and not left_out.any():
         restricted.highs = highs
     if not left_out.any() or restricted.status not in (0, 2):  # the whole LP already, or out of time
