@@ -217,10 +217,9 @@ def highs_lp(b: MipBuilder, upper: np.ndarray, dual: bool = False, cutoff: float
              enforce: Iterable[int] = ()) -> LpModel:
     """HiGHS (its own Python interface, ``highspy``) holding the LP relaxation with column bounds [0, upper], its
     memory rows (``MipBuilder.memory_rows``) left out, unless they nearly bind (``MipBuilder.memory``), but for
-    ``enforce`` (module docstring); ``dual``: solved by
-    the serial dual simplex without presolve (``lp.solve_lp``), else as HiGHS chooses; a finite ``cutoff`` (the
-    LP's units) stops the dual simplex once its objective passes it (``objective_bound``: status 5, which
-    ``lp.ColdStart`` checks against the true costs)."""
+    ``enforce`` (module docstring); ``dual``: solved by the serial dual simplex without presolve (``lp.solve_lp``),
+    else as HiGHS chooses; a finite ``cutoff`` (the LP's units) stops the dual simplex once its objective passes it
+    (``objective_bound``: status 5, which ``lp.ColdStart`` checks against the true costs)."""
     matrix = b.matrix().tocsr()
     lo, hi = np.array(b.lower_rhs, dtype=float), np.array(b.upper_rhs, dtype=float)
     lazy = np.zeros(len(lo), dtype=bool)
