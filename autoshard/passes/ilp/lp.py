@@ -230,7 +230,9 @@ def solve_lp(b: MipBuilder, time_limit_s: float, cutoff: float = np.inf) -> scip
     continuation runs on alone), and the first to finish is the LP's optimum; a small
     LP is done before the race starts (presolve cost more than it saved on every one of these LPs: 12-40 s).
     An LP of ``EARLY_COLD_COLUMNS`` or more starts its cold one beside the restricted LP, the continuation
-    keeping its head start (the 24-layer GPT's LP, which the cold start wins, is solved 2 s sooner). Adding
+    keeping its head start (the 24-layer GPT's LP, which the cold start wins, is solved 2 s sooner); where there
+    are memory rows, the restricted LP is first solved without them (``_memory_probe``: whether every model may
+    leave them out, ``highs_model``), and the cold start begins after it. Adding
     only the columns that price out (column generation) does not pay either: the duals of these degenerate
     LPs price thousands of columns in every round while the objective stays. Out of time, the restricted
     optimum is returned (status 1) when it is integral, with the bound the stopped dual simplex reached
