@@ -113,10 +113,11 @@ def cluster_layers(forward: Forward, num_layers: int | None = None, *, max_layer
         target = min(num_layers or max_layers, len(order), allowed + 1)
         cuts = _auto_cuts(flops, np.where(blocked, math.inf, cross), target, slack)
     bounds = [0, *cuts, len(order)]
+    producer = {v: i for i, e in enumerate(forward.eqns) for v in e.outs}
     layers = []
     for index, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         members = tuple(order[a:b])
-        layers.append(_make_layer(forward, index, members, float(cross[b]) if b < len(order) else 0.0))
+        layers.append(_make_layer(forward, index, members, float(cross[b]) if b < len(order) else 0.0, producer))
     log.info("clustered %d forward ops into %d layers (%s)", len(order), len(layers),
              "markers" if markers else "auto")
     return tuple(layers)
@@ -176,7 +177,24 @@ def _auto_cuts(flops: np.ndarray, cross: np.ndarray, num_layers: int, slack: flo
     return sorted(c for c in cuts if 0 < c < n)
 
 
-def _make_layer(forward: Forward, index: int, members: tuple[int, ...], out_bytes: float) -> Layer:
+def _free_reads(forward: Forward, members: tuple[int, ...], producer: dict[VarId, int]) -> list[int]:
+    """The free equations the members read, transitively, in program order: a layer's program recomputes them."""
+    needed: set[int] = set()
+    stack = [a for i in members for a in forward.eqns[i].ins]
+    while stack:
+        a = stack.pop()
+        if isinstance(a, jcore.Literal) or a not in producer:
+            continue
+        i = producer[a]
+        if i in needed or not forward.free[i]:
+            continue
+        needed.add(i)
+        stack.extend(forward.eqns[i].ins)
+    return sorted(needed)
+
+
+def _make_layer(forward: Forward, index: int, members: tuple[int, ...], out_bytes: float,
+                producer: dict[VarId, int]) -> Layer:
     params = set()
     diff_pos = {v: k for k, (v, d) in enumerate(zip(forward.invars, forward.diff)) if d}
     act = 0.0
@@ -194,6 +212,18 @@ def _make_layer(forward: Forward, index: int, members: tuple[int, ...], out_byte
             local[v] = len(local)
         params_str = {k: v for k, v in e.eqn.params.items() if not isinstance(v, (jcore.ClosedJaxpr, jcore.Jaxpr))}
         digest.update(f"{e.eqn.primitive.name}{ins}{params_str}".encode())
+    # the free equations its program recomputes, by structure (not their literals, which the runtime's train graphs
+    # tell apart, ``ir/train_graph.program_constants``): nnx's dropout stream counts its draws, so block k derives
+    # its key through one more ``add`` than block k-1, and a class over both priced and pinned block k with block
+    # k-1's train graph, which its own did not fit at run time (the stage then ran ``jax.vjp``, unplanned)
+    free_local: dict[VarId, int] = {}
+    for i in _free_reads(forward, members, producer):
+        e = forward.eqns[i]
+        ins = ["L" if isinstance(a, jcore.Literal) else f"f{free_local[a]}" if a in free_local else
+               str(forward.avals[a].str_short()) for a in e.ins]
+        for v in e.outs:
+            free_local[v] = len(free_local)
+        digest.update(f"free:{e.eqn.primitive.name}{ins}".encode())
     return Layer(index, members, float(sum(forward.eqns[i].flops for i in members)), tuple(sorted(params)),
                  act, out_bytes, digest.hexdigest()[:16],
                  tuple((forward.eqns[i].flops, forward.eqns[i].nbytes, _peak_dtype(forward, i)) for i in members))

@@ -258,3 +258,31 @@ def test_a_loss_that_ignores_an_argument_still_splits():
     parts = split_step(closed)
     assert parts is not None and parts.operand_inputs == (0, 1, 2)
     assert parts.grad_for_leaf == (0,)
+
+
+@pytest.mark.parametrize("counted", [False, True])
+def test_a_layer_class_sees_the_free_equations_its_program_recomputes(counted):
+    """Each block draws a dropout mask from a key it derives from one key the batch carries. With ``fold_in(key, i)`` the
+    blocks' programs differ only in a literal, which the runtime's train graphs tell apart: the blocks stay one
+    class. Counting draws as nnx's ``Rngs`` stream does (``count = count + 1`` per block) block k recomputes one
+    more ``add`` than block k-1, so its train graph has another op count: it is a class of its own (priced and
+    pinned with a graph that fits it; sharing block 1's, the stage fell back to ``jax.vjp`` at run time)."""
+    def loss(params, batch):
+        x, key, count = batch["x"], batch["key"], jnp.zeros((), jnp.uint32)
+        for i, w in enumerate(params["w"]):
+            if counted:
+                count = count + 1
+            k = jax.random.fold_in(key, count if counted else i)
+            x = jnp.where(jax.random.bernoulli(k, 0.8, x.shape), jnp.tanh(x @ w) / 0.8, 0.0)
+            if i < len(params["w"]) - 1:
+                x = autoshard.layer_boundary(x)
+        return jnp.mean((x - batch["y"]) ** 2)
+
+    params, data = _mlp_args(depth=4)
+    data = {**data, "key": jax.eval_shape(lambda: jax.random.key(0))}
+    tx = optax.sgd(0.1)
+    parts = split_step(jax.make_jaxpr(train_step(tx, loss))(params, _opt_state(tx, params), data))
+    structures = [layer.structure for layer in cluster_layers(parts.forward)]
+    assert len(structures) == 4
+    middle = structures[1:3]  # the first reads the batch, the last the loss: classes of their own either way
+    assert (middle[0] != middle[1]) is counted
