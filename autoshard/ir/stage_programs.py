@@ -5,7 +5,7 @@ Plain functions of a split step (``ir/split.py``) and a cut into layers: the pla
 (one per layer, ``ir/train_graph.py``), the runtime runs one per stage (``runtime/pipeline.py``)."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -83,7 +83,7 @@ def stage_programs(forward: Forward, layers: Sequence[LayerEqns], ranges: Sequen
     for s in range(num_stages):
         own = sorted(i for i, st in stage_of.items() if st == s)
         seeds = aux if s == num_stages - 1 else []  # the last stage also returns the aux outputs
-        needed = _free_closure(forward, own, producer, stage_of, seeds)
+        needed = free_closure(forward, own, producer, stage_of, seeds)
         eqns = tuple(sorted(set(own) | needed))
         reads = {a for i in eqns for a in forward.eqns[i].ins if not isinstance(a, jcore.Literal)} | set(seeds)
         in_acts = tuple(sorted(v for v, p in made.items() if p < s <= last.get(v, -1)))
@@ -102,9 +102,11 @@ def stage_programs(forward: Forward, layers: Sequence[LayerEqns], ranges: Sequen
     return programs
 
 
-def _free_closure(forward: Forward, own: Sequence[int], producer: dict[VarId, int],
-                  stage_of: dict[int, int], seeds: Sequence[VarId] = ()) -> set[int]:
-    """The free (batch-only) equations the given equations (and the ``seeds`` values) read, transitively."""
+def free_closure(forward: Forward, own: Sequence[int], producer: dict[VarId, int],
+                 stage_of: Container[int], seeds: Sequence[VarId] = ()) -> set[int]:
+    """The free (batch-only) equations the given equations (and the ``seeds`` values) read, transitively: every
+    equation not in ``stage_of`` (the equations the layers hold) that they reach. A layer's program recomputes them
+    (``passes/layers.py`` hashes them into its class)."""
     needed: set[int] = set()
     stack = [a for i in own for a in forward.eqns[i].ins] + list(seeds)
     while stack:

@@ -24,6 +24,7 @@ from jax.extend import core as jcore
 from autoshard.errors import PlanningError
 from autoshard.ir.graph import Op, Role, Value
 from autoshard.ir.split import Forward, VarId
+from autoshard.ir.stage_programs import free_closure
 from autoshard.meshes.cluster import ClusterSpec
 from autoshard.meshes.cost import roofline_s
 from autoshard.passes.strategies.base import op_dtype
@@ -114,10 +115,12 @@ def cluster_layers(forward: Forward, num_layers: int | None = None, *, max_layer
         cuts = _auto_cuts(flops, np.where(blocked, math.inf, cross), target, slack)
     bounds = [0, *cuts, len(order)]
     producer = {v: i for i, e in enumerate(forward.eqns) for v in e.outs}
+    held = set(order)  # every equation a layer holds; the rest are free
     layers = []
     for index, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         members = tuple(order[a:b])
-        layers.append(_make_layer(forward, index, members, float(cross[b]) if b < len(order) else 0.0, producer))
+        free = sorted(free_closure(forward, members, producer, held))
+        layers.append(_make_layer(forward, index, members, float(cross[b]) if b < len(order) else 0.0, free))
     log.info("clustered %d forward ops into %d layers (%s)", len(order), len(layers),
              "markers" if markers else "auto")
     return tuple(layers)
@@ -177,24 +180,9 @@ def _auto_cuts(flops: np.ndarray, cross: np.ndarray, num_layers: int, slack: flo
     return sorted(c for c in cuts if 0 < c < n)
 
 
-def _free_reads(forward: Forward, members: tuple[int, ...], producer: dict[VarId, int]) -> list[int]:
-    """The free equations the members read, transitively, in program order: a layer's program recomputes them."""
-    needed: set[int] = set()
-    stack = [a for i in members for a in forward.eqns[i].ins]
-    while stack:
-        a = stack.pop()
-        if isinstance(a, jcore.Literal) or a not in producer:
-            continue
-        i = producer[a]
-        if i in needed or not forward.free[i]:
-            continue
-        needed.add(i)
-        stack.extend(forward.eqns[i].ins)
-    return sorted(needed)
-
-
 def _make_layer(forward: Forward, index: int, members: tuple[int, ...], out_bytes: float,
-                producer: dict[VarId, int]) -> Layer:
+                free: Sequence[int]) -> Layer:
+    """The layer of ``members``; ``free``: the free equations its program recomputes, in program order."""
     params = set()
     diff_pos = {v: k for k, (v, d) in enumerate(zip(forward.invars, forward.diff)) if d}
     act = 0.0
@@ -217,7 +205,7 @@ def _make_layer(forward: Forward, index: int, members: tuple[int, ...], out_byte
     # its key through one more ``add`` than block k-1, and a class over both priced and pinned block k with block
     # k-1's train graph, which its own did not fit at run time (the stage then ran ``jax.vjp``, unplanned)
     free_local: dict[VarId, int] = {}
-    for i in _free_reads(forward, members, producer):
+    for i in free:
         e = forward.eqns[i]
         ins = ["L" if isinstance(a, jcore.Literal) else f"f{free_local[a]}" if a in free_local else
                str(forward.avals[a].str_short()) for a in e.ins]
