@@ -20,10 +20,10 @@ from pipeline_helpers import assert_adamw_steps_match, assert_leaves_close, mark
 
 CONFIG = dataclasses.replace(gpt.CONFIGS["small"], num_layers=8, d_model=32, num_heads=2, seq_len=8, batch_size=8)
 CASES = [(2, "gpipe", b) for b in (1, 2, 4)] + [(4, "1f1b", b) for b in (1, 2, 4)]
-# every run: one case per stage count; the others with -m slow (tests/sim/test_pipeline_intra.py covers B = 1, 2, 4 too)
-# B = 1 on two stages runs in tests/sim/test_pipeline_intra.py; the default two-stage case here is the searched B below
-DEFAULT = {(4, "1f1b", 2)}
-CASES = [c if c in DEFAULT else pytest.param(*c, marks=pytest.mark.slow) for c in CASES]
+# every case with -m slow: further cases of what every run checks. Planned pipelines against one device run in
+# every run below (two stages, AdamW; a microbatch count not traced), in tests/sim/test_pipeline_planned_layouts.py
+# (four stages, 1F1B, B = 4) and tests/sim/test_pipeline_intra.py (2 and 4 stages, both schedules, SGD parameters)
+CASES = [pytest.param(*c, marks=pytest.mark.slow) for c in CASES]
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ def _plan(work, budget):
                           num_stages=1, options=OPTIONS)
 
 
+@pytest.mark.slow  # a further case: test_every_budget_at_or_above_the_named_smallest_plans sweeps the budgets
 def test_plans_stay_within_shrinking_budgets(work):
     budget = _plan(work, None).ledger.peak_memory_bytes
     kept = 0
