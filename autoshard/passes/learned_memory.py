@@ -18,7 +18,8 @@ reader reads that layout (once more than due when the producer itself makes that
 a cut learned from one plan, checked, like every plan, by the simulation). A copy is learned once per
 (value, layout), from the first plan that made it. On the gpt-xl@8 cell the ILP then counts 84.6 GiB of that
 plan and the next round's budget is 77 GiB: given 40 s, that round's plan fits at 995.7 ms, 0.2% from the bound
-at 80 GiB (at the default 10 s its MIP is left too little time and the search keeps its hint, as before).
+at 80 GiB (at the former 10 s default its MIP was left too little time and the search kept its hint; the
+default is 20 s now, at which the cell ends 0.2% from its bound: benchmarks/SOLVER_GAPS.md).
 """
 from __future__ import annotations
 
