@@ -80,6 +80,12 @@ SCALING_HEADING = "## Planning time against depth"
 # the comparison solves at the planner's own default: a shorter limit rated plans no user gets (gpt-small on
 # 1x8-a100 at 2 s: an unproven plan whose compiled collectives were 35% over the model's; at 10 s proven, exact)
 DEFAULT_TIME_LIMIT_S = IntraOpOptions().time_limit_s
+GAP_NOTE = (
+    "*gap / status* is that of autoshard's solve in the cell. Where the cells run in parallel (see Run), a solve "
+    "not proven within its limit may find no spare core for the cold start whose stopped dual simplex gives the "
+    "bound (`autoshard/passes/ilp/lp.py`, `spare_core`): \"no bound\" there. "
+    "`benchmarks/SOLVER_GAPS.md` (`python -m benchmarks.solver_gaps`) solves every cell alone at the planner's "
+    "default limit and gives each one's gap and bound.")
 PROFILED_LAYERS = 24  # the depth whose planning run is profiled to say where planning time goes
 PROFILE_TITLE = f"where planning time goes: the {PROFILED_LAYERS}-layer GPT on (2, 4) under cProfile"
 
@@ -181,6 +187,8 @@ def markdown(machine: Machine, run: RunSettings, results: Sequence[CellResult],
         "modeled step.",
         "",
         render_markdown(quality_table(results)),
+        "",
+        GAP_NOTE,
         "",
         "*autoshard compiled* is the program compiled arbitration returned (the fastest compiled program among "
         "autoshard's plan, its next-best distinct plans and every classic plan that fits); *compiled speedup* is "
