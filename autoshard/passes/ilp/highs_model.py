@@ -36,7 +36,8 @@ import scipy.sparse
 
 from autoshard.passes.ilp.presolve import Reduced
 
-__all__ = ["MIP_REL_GAP", "TIGHT", "LpModel", "MemoryVerdict", "MipBuilder", "highs_lp", "row_duals", "run_highs", "run_once"]
+__all__ = ["MIP_REL_GAP", "TIGHT", "LpModel", "MemoryVerdict", "MipBuilder", "highs_lp", "row_duals", "run_highs",
+           "run_once"]
 
 MIP_REL_GAP = 1e-6  # HiGHS's MIP stops when its incumbent is this close to its bound
 
