@@ -20,10 +20,6 @@ from pipeline_helpers import assert_adamw_steps_match, assert_leaves_close, mark
 
 CONFIG = dataclasses.replace(gpt.CONFIGS["small"], num_layers=8, d_model=32, num_heads=2, seq_len=8, batch_size=8)
 CASES = [(2, "gpipe", b) for b in (1, 2, 4)] + [(4, "1f1b", b) for b in (1, 2, 4)]
-# every case with -m slow: further cases of what every run checks. Planned pipelines against one device run in
-# every run below (two stages, AdamW; a microbatch count not traced), in tests/sim/test_pipeline_planned_layouts.py
-# (four stages, 1F1B, B = 4) and tests/sim/test_pipeline_intra.py (2 and 4 stages, both schedules, SGD parameters)
-CASES = [pytest.param(*c, marks=pytest.mark.slow) for c in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +40,11 @@ def sgd_reference(work):
     return tx, losses, state[0]
 
 
-@pytest.mark.parametrize("stages, schedule, microbatches", CASES,
-                         ids=[f"{s}stages-{sch}-B{b}" for s, sch, b in (c.values if hasattr(c, "values") else c for c in CASES)])
+# every case with -m slow: further cases of what every run checks. Planned pipelines against one device run in
+# every run below (two stages, AdamW; a microbatch count not traced), in tests/sim/test_pipeline_planned_layouts.py
+# (four stages, 1F1B, B = 4) and tests/sim/test_pipeline_intra.py (2 and 4 stages, both schedules, SGD parameters)
+@pytest.mark.slow
+@pytest.mark.parametrize("stages, schedule, microbatches", CASES, ids=[f"{s}stages-{sch}-B{b}" for s, sch, b in CASES])
 def test_sgd_pipeline_matches_one_device(work, sgd_reference, stages, schedule, microbatches, devices8):
     params, _, batch = work.args
     tx, ref_losses, ref_params = sgd_reference

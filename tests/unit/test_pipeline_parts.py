@@ -264,9 +264,10 @@ def test_a_loss_that_ignores_an_argument_still_splits():
 def test_a_layer_class_sees_the_free_equations_its_program_recomputes(counted):
     """Each block draws a dropout mask from a key it derives from one key the batch carries. With
     ``fold_in(key, i)`` the blocks' programs differ only in a literal, which the runtime's train graphs tell
-    apart: the blocks stay one class. Counting draws as nnx's ``Rngs`` stream does (``count = count + 1`` per block) block k recomputes one
-    more ``add`` than block k-1, so its train graph has another op count: it is a class of its own (priced and
-    pinned with a graph that fits it; sharing block 1's, the stage fell back to ``jax.vjp`` at run time)."""
+    apart: the blocks stay one class. Counting draws as nnx's ``Rngs`` stream does (``count = count + 1`` per
+    block) block k recomputes one more ``add`` than block k-1, so its train graph has another op count: it is a
+    class of its own (priced and pinned with a graph that fits it; sharing block 1's, the stage fell back to
+    ``jax.vjp`` at run time)."""
     def loss(params, batch):
         x, key, count = batch["x"], batch["key"], jnp.zeros((), jnp.uint32)
         for i, w in enumerate(params["w"]):
